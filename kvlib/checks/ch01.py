@@ -1,0 +1,102 @@
+"""Chapter 1's graded questions: a stable softmax, the cached decode step, op counts, cache bytes.
+
+Each test receives the learner's definitions as a `Submission` and compares them with kvlib's
+reference implementations (imported here before the grader blocks them) on fixed inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvlib.attention import (
+    ToyConfig,
+    ToyModel,
+    attention,
+    cached_attention_step,
+    causal_mask,
+    dense_kv_cache_bytes,
+    generate_cached,
+    generate_naive,
+    softmax,
+)
+from kvlib.grading import Submission, question
+from kvlib.testing import assert_close
+
+
+@question(function="stable_softmax", blocked=("kvlib.attention.softmax",))
+def test_stable_softmax(submission: Submission) -> None:
+    stable_softmax = submission.function("stable_softmax")
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(4, 7))
+    got = stable_softmax(x.copy())
+    assert isinstance(got, np.ndarray), f"stable_softmax should return a numpy array, got {type(got).__name__}"
+    assert_close(got, softmax(x), name="stable_softmax(x) for a (4, 7) input")
+    large = np.array([[1000.0, 1001.0, 1002.0], [-1000.0, -1001.0, -1002.0]])
+    got = np.asarray(stable_softmax(large.copy()))
+    assert np.all(np.isfinite(got)), (
+        f"stable_softmax({large.tolist()}) gave {got.tolist()}: exp(1000) overflows. "
+        "Subtract each row's maximum before exponentiating."
+    )
+    assert_close(got, softmax(large), name="stable_softmax of large scores")
+    batched = rng.normal(size=(2, 3, 5)) * 50
+    assert_close(stable_softmax(batched.copy()), softmax(batched), name="stable_softmax over the last axis of a (2, 3, 5) input")
+
+
+@question(function="cached_attention_step", blocked=("kvlib.attention.cached_attention_step",))
+def test_cached_attention_step(submission: Submission) -> None:
+    step = submission.function("cached_attention_step")
+    rng = np.random.default_rng(2)
+    num_steps, head_dim, value_dim = 6, 4, 3
+    qs, ks = rng.normal(size=(2, num_steps, head_dim))
+    vs = rng.normal(size=(num_steps, value_dim))
+    k_cache, v_cache = np.zeros((0, head_dim)), np.zeros((0, value_dim))
+    for t in range(num_steps):
+        result = step(qs[t], ks[t], vs[t], k_cache, v_cache)
+        assert isinstance(result, tuple) and len(result) == 3, (
+            f"cached_attention_step should return a tuple (out, k_cache, v_cache), got {type(result).__name__}"
+        )
+        out, k_cache, v_cache = (np.asarray(r) for r in result)
+        assert k_cache.shape == (t + 1, head_dim) and v_cache.shape == (t + 1, value_dim), (
+            f"after step {t} the caches should hold {t + 1} rows: expected shapes {(t + 1, head_dim)} and "
+            f"{(t + 1, value_dim)}, got {k_cache.shape} and {v_cache.shape}"
+        )
+        expected = attention(qs[: t + 1], ks[: t + 1], vs[: t + 1], causal_mask(t + 1, t + 1))[-1]  # full recompute
+        assert_close(out, expected, name=f"output of step {t} (cache of {t + 1} tokens, the new one included)")
+
+
+@question(function="predict_score_entries", blocked=("kvlib.attention.generate_naive", "kvlib.attention.generate_cached"))
+def test_predict_score_entries(submission: Submission) -> None:
+    predict = submission.function("predict_score_entries")
+    for prompt_len, max_new_tokens, num_layers in [(1, 1, 1), (5, 7, 2), (12, 4, 3), (3, 20, 1)]:
+        model = ToyModel(ToyConfig(vocab_size=16, d_model=8, head_dim=4, num_layers=num_layers))
+        prompt = np.arange(prompt_len) % 16
+        for cached, generate in ((False, generate_naive), (True, generate_cached)):
+            measured = generate(model, prompt, max_new_tokens).total_counts.score_entries
+            got = predict(prompt_len, max_new_tokens, num_layers, cached)
+            label = "cached" if cached else "naive"
+            assert isinstance(got, (int, np.integer)) and not isinstance(got, bool), (
+                f"predict_score_entries should return an int, got {type(got).__name__} {got!r}"
+            )
+            assert got == measured, (
+                f"{label} generation with prompt_len={prompt_len}, max_new_tokens={max_new_tokens}, "
+                f"num_layers={num_layers}: the instrumented loop computed {measured} score entries, you predicted {got}"
+            )
+
+
+@question(function="kv_cache_bytes", blocked=("kvlib.attention.dense_kv_cache_bytes",))
+def test_kv_cache_bytes(submission: Submission) -> None:
+    kv_cache_bytes = submission.function("kv_cache_bytes")
+    cases = [(32, 32, 128, 2, 1), (32, 32, 128, 2, 4096), (80, 8, 128, 2, 1000), (1, 1, 16, 8, 0)]
+    for args in cases:
+        got = kv_cache_bytes(*args)
+        expected = dense_kv_cache_bytes(*args)
+        assert got == expected, (
+            f"kv_cache_bytes(num_layers={args[0]}, num_heads={args[1]}, head_dim={args[2]}, bytes_per_element={args[3]}, "
+            f"seq_len={args[4]}) should be {expected}, got {got}"
+        )
+    model = ToyModel(ToyConfig(num_layers=3, head_dim=8))
+    cache = model.new_cache(64)
+    generate_cached(model, np.arange(10), 5, cache=cache)
+    allocated = cache.buffer[:, :, : cache.length].nbytes  # what the filled rows really occupy
+    got = kv_cache_bytes(3, 1, 8, cache.buffer.itemsize, cache.length)
+    assert got == allocated, f"the toy model's filled cache occupies {allocated} bytes; your formula gives {got}"

@@ -1,0 +1,149 @@
+"""The grader: solutions score full marks, untouched exercises zero, and planted mistakes or
+hostile learner code lose exactly the question they touch."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kvlib.grading import chapter_of, chapter_questions, grade_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+EXERCISES = sorted((ROOT / "exercises").glob("[0-9][0-9]_*.ipynb"))
+TIMEOUT_S = 30
+
+
+def test_every_exercise_has_a_solution_and_questions():
+    assert [p.name for p in EXERCISES] == [p.name for p in SOLUTIONS] and EXERCISES
+    for path in EXERCISES:
+        assert len(chapter_questions(chapter_of(path))) >= 3, f"{path.name}: fewer than 3 graded questions"
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.name)
+def test_solutions_get_full_marks(path):
+    report = grade_notebook(path, timeout_s=TIMEOUT_S)
+    assert report.score == report.max_score > 0, report.table()
+
+
+@pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.name)
+def test_untouched_exercises_get_zero(path):
+    report = grade_notebook(path, timeout_s=TIMEOUT_S)
+    assert report.score == 0 and report.max_score > 0, report.table()
+    assert all("NotImplementedError" in q.message for q in report.questions), report.table()
+
+
+def with_cell_replaced(solution: Path, function: str, new_source: str | None, tmp_path: Path) -> Path:
+    """A copy of `solution` whose cell defining `function` is replaced by `new_source` (None: deleted)."""
+    notebook = nbformat.read(solution, as_version=4)
+    matches = [c for c in notebook.cells if c.cell_type == "code" and f"def {function}(" in c.source]
+    assert len(matches) == 1, f"expected one cell defining {function} in {solution.name}"
+    if new_source is None:
+        notebook.cells.remove(matches[0])
+    else:
+        matches[0].source = new_source
+    path = tmp_path / solution.name
+    nbformat.write(notebook, path)
+    return path
+
+
+# (chapter notebook, question, plausible wrong answer, a phrase the feedback must contain)
+WRONG_ANSWERS = [
+    ("01_naive_vs_cached.ipynb", "stable_softmax", """
+def stable_softmax(x):  # forgets the max-subtraction
+    e = np.exp(x)
+    return e / np.sum(e, axis=-1, keepdims=True)
+""", "Subtract each row's maximum"),
+    ("01_naive_vs_cached.ipynb", "stable_softmax", """
+def stable_softmax(x):  # normalises over the wrong axis
+    e = np.exp(x - np.max(x, axis=0, keepdims=True))
+    return e / np.sum(e, axis=0, keepdims=True)
+""", "max abs difference"),
+    ("01_naive_vs_cached.ipynb", "cached_attention_step", """
+def cached_attention_step(q, k_new, v_new, k_cache, v_cache):  # attends before appending: off by one
+    if len(k_cache) == 0:
+        out = v_new
+    else:
+        out = stable_softmax(k_cache @ q / np.sqrt(len(q))) @ v_cache
+    return out, np.vstack([k_cache, k_new]), np.vstack([v_cache, v_new])
+""", "output of step 1"),
+    ("01_naive_vs_cached.ipynb", "cached_attention_step", """
+def cached_attention_step(q, k_new, v_new, k_cache, v_cache):  # forgets to keep the new row
+    k_all, v_all = np.vstack([k_cache, k_new]), np.vstack([v_cache, v_new])
+    return stable_softmax(k_all @ q / np.sqrt(len(q))) @ v_all, k_cache, v_cache
+""", "the caches should hold 1 rows"),
+    ("01_naive_vs_cached.ipynb", "predict_score_entries", """
+def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):  # counts only unmasked entries
+    if cached:
+        return num_layers * (prompt_len * (prompt_len + 1) // 2 + sum(prompt_len + i for i in range(1, max_new_tokens)))
+    return num_layers * sum(n * (n + 1) // 2 for n in range(prompt_len, prompt_len + max_new_tokens))
+""", "you predicted"),
+    ("01_naive_vs_cached.ipynb", "predict_score_entries", """
+def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):  # off by one in the cache length
+    if cached:
+        return num_layers * (prompt_len ** 2 + sum(prompt_len + i - 1 for i in range(1, max_new_tokens)))
+    return num_layers * sum(n * n for n in range(prompt_len, prompt_len + max_new_tokens))
+""", "cached generation"),
+    ("01_naive_vs_cached.ipynb", "kv_cache_bytes", """
+def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):  # forgets V
+    return num_layers * num_heads * head_dim * bytes_per_element * seq_len
+""", "should be 524288"),
+]
+
+
+@pytest.mark.parametrize("notebook,question,source,phrase", WRONG_ANSWERS, ids=lambda v: v if isinstance(v, str) and "\n" not in v else "")
+def test_plausible_wrong_answers_are_rejected(notebook, question, source, phrase, tmp_path):
+    path = with_cell_replaced(ROOT / "solutions" / notebook, question, source, tmp_path)
+    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
+    (result,) = report.questions
+    assert not result.passed and result.points == 0, report.table()
+    assert phrase in result.message, f"feedback should mention {phrase!r}: {result.message}"
+
+
+SOLUTION_01 = ROOT / "solutions" / "01_naive_vs_cached.ipynb"
+
+# Hostile or broken code in the cell of one question: that question scores 0, the others still pass.
+BROKEN_CODE = [
+    ("stable_softmax", "def stable_softmax(x):\n    while True:\n        pass\n", "timed out"),
+    ("stable_softmax", "import sys\nsys.exit(0)\n", "`stable_softmax` is not defined"),
+    ("stable_softmax", "def stable_softmax(x):\n    import sys\n    sys.exit(3)\n", "SystemExit"),
+    ("stable_softmax", "def stable_softmax(x):\n    import os\n    os._exit(0)\n", "ended (exit status 0) before the test finished"),
+    ("stable_softmax", "def stable_softmax(x):\n    print('x' * 10_000_000)\n    return x\n", "max abs difference"),
+    ("stable_softmax", "def stable_softmax(x):\n    return x.tolist()\n", "should return a numpy array"),
+    ("stable_softmax", "from kvlib.attention import softmax\n\ndef stable_softmax(x):\n    return softmax(x)\n", "unavailable while question 'stable_softmax' is graded"),
+    ("kv_cache_bytes", "def kv_cache_bytes(*args):\n    raise ValueError('oops')\n", "ValueError: oops"),
+    ("kv_cache_bytes", None, "`kv_cache_bytes` is not defined"),
+    ("kv_cache_bytes", "while True:\n    pass\n", "`kv_cache_bytes` is not defined"),
+    ("cached_attention_step", "import kvlib.attention as A\ncached_attention_step = A.cached_attention_step\n", "unavailable"),
+]
+
+
+@pytest.mark.parametrize("question,source,phrase", BROKEN_CODE, ids=[f"{q}-{i}" for i, (q, _, _) in enumerate(BROKEN_CODE)])
+def test_broken_code_loses_only_its_question(question, source, phrase, tmp_path):
+    path = with_cell_replaced(SOLUTION_01, question, source, tmp_path)
+    other = "stable_softmax" if question == "kv_cache_bytes" else "kv_cache_bytes"
+    report = grade_notebook(path, timeout_s=8, only=[question, other])
+    results = {q.id: q for q in report.questions}
+    assert not results[question].passed and phrase in results[question].message, report.table()
+    assert results[other].passed, f"a broken {question} cell must not cost {other} its points:\n{report.table()}"
+
+
+def test_cli_json_is_one_object_and_exit_zero():
+    completed = subprocess.run([sys.executable, "-m", "kvlib.grade", str(EXERCISES[0]), "--json", "--question", "kv_cache_bytes"],
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(completed.stdout)  # exactly one JSON document, nothing else on stdout
+    assert set(result) == {"notebook", "score", "max_score", "questions"}
+    assert result["score"] == 0 and result["max_score"] == 1
+    assert set(result["questions"][0]) == {"id", "passed", "points", "message"}
+
+
+def test_cli_usage_errors_exit_2(tmp_path):
+    missing = subprocess.run([sys.executable, "-m", "kvlib.grade", str(tmp_path / "01_nope.ipynb")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+    (tmp_path / "99_unknown.ipynb").write_text(nbformat.writes(nbformat.v4.new_notebook()))
+    unknown = subprocess.run([sys.executable, "-m", "kvlib.grade", str(tmp_path / "99_unknown.ipynb")], capture_output=True, text=True)
+    assert unknown.returncode == 2 and "no graded questions for chapter '99'" in unknown.stderr
