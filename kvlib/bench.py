@@ -8,6 +8,7 @@ wide margins, never print raw timings (COURSE.md, Determinism). GPU benchmarks u
 from __future__ import annotations
 
 import time
+import tracemalloc
 from collections.abc import Callable
 
 import numpy as np
@@ -47,3 +48,25 @@ def loglog_slope(sizes, values) -> float:
         raise ValueError("sizes, values: a log-log fit needs positive numbers")
     slope, _ = np.polyfit(np.log(sizes), np.log(values), 1)
     return float(slope)
+
+
+def peak_memory_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated while `fn()` runs, above what was allocated before, by tracemalloc.
+
+    numpy reports its array buffers to tracemalloc, so this measures the temporaries an algorithm
+    creates (a score matrix, a tile), not the inputs that already exist.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before, _ = tracemalloc.get_traced_memory()
+        fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    return peak - before

@@ -91,6 +91,42 @@ def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):  # of
 def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):  # forgets V
     return num_layers * num_heads * head_dim * bytes_per_element * seq_len
 """, "should be 524288"),
+    ("04_online_softmax.ipynb", "online_softmax_update", """
+def online_softmax_update(m, l, block):  # forgets to rescale l when the maximum rises
+    m_new = max(m, float(np.max(block)))
+    return m_new, l + float(np.sum(np.exp(block - m_new)))
+""", "(m, l) after the block"),
+    ("04_online_softmax.ipynb", "online_softmax_update", """
+def online_softmax_update(m, l, block):  # forgets the maximum altogether
+    return max(m, float(np.max(block))), l + float(np.sum(np.exp(block)))
+""", "(m, l) after the block"),
+    ("04_online_softmax.ipynb", "merge_two", """
+def merge_two(out_a, lse_a, out_b, lse_b):  # averages the partials
+    return (out_a + out_b) / 2, np.logaddexp(lse_a, lse_b)
+""", "merged output"),
+    ("04_online_softmax.ipynb", "merge_two", """
+def merge_two(out_a, lse_a, out_b, lse_b):  # weights by exp(lse) without subtracting the max
+    w_a, w_b = np.exp(lse_a), np.exp(lse_b)
+    return (w_a[:, None] * out_a + w_b[:, None] * out_b) / (w_a + w_b)[:, None], np.log(w_a + w_b)
+""", "non-finite values"),
+    ("04_online_softmax.ipynb", "tiled_attention", """
+def tiled_attention(q, k, v, tile_size):  # no rescaling of the accumulator
+    m, l, acc = np.full(len(q), -np.inf), np.zeros(len(q)), np.zeros((len(q), v.shape[1]))
+    for start in range(0, k.shape[0], tile_size):
+        s = q @ k[start:start + tile_size].T / math.sqrt(q.shape[1])
+        m_new = np.maximum(m, s.max(axis=1))
+        p = np.exp(s - m_new[:, None])
+        l = l * np.exp(m - m_new) + p.sum(axis=1)
+        acc = acc + p @ v[start:start + tile_size]
+        m = m_new
+    return acc / l[:, None]
+""", "tiled_attention with T="),
+    ("04_online_softmax.ipynb", "tiled_attention", """
+def tiled_attention(q, k, v, tile_size):  # materialises all the scores: not a tiled pass
+    scores = q @ k[0:k.shape[0]].T / math.sqrt(q.shape[1])
+    p = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return p @ v[0:v.shape[0]] / p.sum(axis=1, keepdims=True)
+""", "at most 4 (one tile) are allowed"),
 ]
 
 
