@@ -91,6 +91,32 @@ def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):  # of
 def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):  # forgets V
     return num_layers * num_heads * head_dim * bytes_per_element * seq_len
 """, "should be 524288"),
+    ("03_counting_bytes.ipynb", "gqa_bytes_per_token", """
+def gqa_bytes_per_token(config):  # ignores num_key_value_heads: every head gets K and V
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_attention_heads"] * head_dim * BYTES_PER_ELEMENT[config["torch_dtype"]]
+""", "expected 131,072 bytes per token"),
+    ("03_counting_bytes.ipynb", "gqa_bytes_per_token", """
+def gqa_bytes_per_token(config):  # assumes head_dim = hidden_size / num_attention_heads
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * BYTES_PER_ELEMENT[config["torch_dtype"]]
+""", "head_dim=128"),
+    ("03_counting_bytes.ipynb", "mla_cache_bytes", """
+def mla_cache_bytes(num_layers, kv_lora_rank, qk_rope_head_dim, seq_len, bytes_per_element):  # drops the layer factor
+    return (kv_lora_rank + qk_rope_head_dim) * seq_len * bytes_per_element
+""", "expected 70,272 bytes"),
+    ("03_counting_bytes.ipynb", "mla_cache_bytes", """
+def mla_cache_bytes(num_layers, kv_lora_rank, qk_rope_head_dim, seq_len, bytes_per_element):  # caches the latent twice, as if K and V
+    return 2 * num_layers * (kv_lora_rank + qk_rope_head_dim) * seq_len * bytes_per_element
+""", "expected 70,272 bytes"),
+    ("03_counting_bytes.ipynb", "max_batch", """
+def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):  # a fraction of a sequence
+    return (gpu_memory_bytes - weight_bytes - overhead_bytes) / (kv_bytes_per_token * seq_len)
+""", "should return an int"),
+    ("03_counting_bytes.ipynb", "max_batch", """
+def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):  # forgets the weights
+    return (gpu_memory_bytes - overhead_bytes) // (kv_bytes_per_token * seq_len)
+""", "expected 55 sequences, got 70"),
     ("04_online_softmax.ipynb", "online_softmax_update", """
 def online_softmax_update(m, l, block):  # forgets to rescale l when the maximum rises
     m_new = max(m, float(np.max(block)))

@@ -1,0 +1,194 @@
+"""kvlib.memory: published figures, bytes of real allocations, and clear errors on bad configs."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvlib import memory as M
+from kvlib.attention import ToyConfig, ToyModel, generate_cached
+
+CONFIGS = M.shipped_configs()
+GiB, KiB = 2**30, 2**10
+
+
+def test_ships_at_least_twelve_configs_spanning_the_families():
+    assert len(CONFIGS) >= 12
+    kinds = {spec.kind for config in CONFIGS.values() for spec in M.layer_specs(config)}
+    assert {"full", "sliding", "mla", "mamba"} <= kinds
+    families = {M.layer_specs(c)[0].description.split(":")[0] for c in CONFIGS.values() if M.layer_specs(c)[0].elements_per_token}
+    assert {"MHA", "GQA", "MQA", "MLA latent"} <= families
+
+
+# Published numbers (quoted in the chapter, with citations).
+def test_opt_13b_is_800_kib_per_token_as_in_the_pagedattention_paper():
+    assert M.kv_bytes_per_token(CONFIGS["opt-13b"]) == 800 * KiB  # Kwon et al. 2023: "800 KB"
+    assert M.kv_cache_bytes(CONFIGS["opt-13b"], 2048) == 1600 * 2**20  # "as much as 1.6 GB" at 2048 tokens
+
+
+def test_jamba_paper_table_1_kv_cache_at_256k():
+    # Lieber et al. 2024, Table 1 (256K tokens, 16-bit): Llama-2 7B 128GB, Mistral 7B 32GB, Jamba 4GB.
+    assert M.kv_cache_bytes(CONFIGS["llama-2-7b"], 262144) == 128 * GiB
+    assert M.kv_bytes_per_token(CONFIGS["mistral-7b-v0.1"]) * 262144 == 32 * GiB  # the table ignores the window
+    jamba = M.kv_cache_bytes(CONFIGS["jamba-v0.1"], 262144)
+    assert 4 * GiB < jamba < 4.01 * GiB  # 4 GiB of KV plus 8.75 MiB of Mamba state
+
+
+def test_mistral_window_saves_8x_at_32k_as_in_the_mistral_paper():
+    config = CONFIGS["mistral-7b-v0.1"]
+    assert M.kv_bytes_per_token(config) * 32768 == 8 * M.kv_cache_bytes(config, 32768)  # Jiang et al. 2023: "8x"
+
+
+def test_deepseek_v3_mla_is_576_elements_per_layer():
+    config = CONFIGS["deepseek-v3"]
+    assert M.kv_bytes_per_token(config) == 61 * (512 + 64) * 2 == 70272
+    naive = 2 * 61 * config["num_key_value_heads"] * (config["qk_nope_head_dim"] + config["qk_rope_head_dim"]) * 2
+    assert naive / M.kv_bytes_per_token(config) > 50  # what an estimator ignoring MLA would claim
+
+
+def test_ssm_state_is_constant_and_per_token_growth_is_zero():
+    config = CONFIGS["mamba-2.8b"]
+    assert M.kv_bytes_per_token(config, "bfloat16") == 0
+    state = 64 * 5120 * (4 + 16) * 2
+    assert M.kv_cache_bytes(config, 1, cache_dtype="bfloat16") == M.kv_cache_bytes(config, 10**6, cache_dtype="bfloat16") == state
+
+
+def test_gemma3_text_config_and_pattern():
+    specs = M.layer_specs(CONFIGS["gemma-3-27b"])  # read from text_config
+    assert [s.index for s in specs if s.kind == "full"] == list(range(5, 62, 6))
+    assert all(s.token_cap == 1024 for s in specs if s.kind == "sliding")
+    assert M.kv_bytes_per_token(CONFIGS["gemma-3-27b"]) == 62 * 2 * 16 * 128 * 2  # explicit head_dim, not 5376 / 32
+
+
+def test_qwen_sliding_window_disabled_and_gpt_oss_layer_types():
+    assert all(s.kind == "full" for s in M.layer_specs(CONFIGS["qwen2.5-7b"]))
+    enabled = dict(CONFIGS["qwen2.5-7b"], use_sliding_window=True, sliding_window=4096, max_window_layers=20)
+    assert [s.kind for s in M.layer_specs(enabled)] == ["full"] * 20 + ["sliding"] * 8
+    kinds = [s.kind for s in M.layer_specs(CONFIGS["gpt-oss-20b"])]
+    assert kinds == ["sliding", "full"] * 12
+
+
+def test_dtypes_and_aliases():
+    config = CONFIGS["llama-3-8b"]
+    bf16 = M.kv_cache_bytes(config, 1000)
+    assert M.kv_cache_bytes(config, 1000, cache_dtype="fp8") * 2 == bf16 == M.kv_cache_bytes(config, 1000, cache_dtype="int4") * 4
+    assert M.kv_cache_bytes(config, 1000, cache_dtype="torch.float32") == 2 * bf16
+    assert M.kv_cache_bytes(dict(config, torch_dtype=None, dtype="bfloat16"), 1000) == bf16  # transformers 5.x field
+    assert M.kv_cache_bytes(config, 1000, batch_size=3) == 3 * bf16
+
+
+def test_streaming_llm_sinks_cap_every_attention_layer():
+    config = CONFIGS["llama-3-8b"]
+    capped = M.kv_cache_bytes(config, 100_000, sink_tokens=4, sink_window=1020)
+    assert capped == M.kv_cache_bytes(config, 1024)
+    with pytest.raises(ValueError, match="sink_window"):
+        M.kv_cache_bytes(config, 10, sink_tokens=4)
+
+
+# Bytes of caches really allocated equal the formula exactly.
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+
+SMALL_CONFIGS = {
+    "gqa": {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "torch_dtype": "float16"},
+    "gemma2": {"model_type": "gemma2", "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+               "hidden_size": 24, "sliding_window": 5, "torch_dtype": "bfloat16"},
+    "mla": {"model_type": "deepseek_v3", "num_hidden_layers": 2, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "torch_dtype": "bfloat16"},
+    "mamba": {"model_type": "mamba", "num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 16, "state_size": 4, "conv_kernel": 3, "expand": 2,
+              "torch_dtype": "float32"},
+    "jamba": {"model_type": "jamba", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16,
+              "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 4, "mamba_d_conv": 2, "mamba_expand": 2, "torch_dtype": "float16"},
+}
+
+
+def allocate_cache(config, batch_size, seq_len, dtype):
+    """Allocate the tensors a cache for this config holds, shaped as the models' caches shape them."""
+    config = M.load_config(config)
+    tensors = []
+    for spec in M.layer_specs(config):
+        held = spec.tokens_held(seq_len)
+        if spec.kind == "mla":  # one latent per token: (B, S, kv_lora_rank + qk_rope_head_dim)
+            tensors.append(torch.empty(batch_size, held, spec.elements_per_token, dtype=dtype))
+        elif spec.kind in ("mamba",):  # conv (B, intermediate, K) and ssm (B, intermediate, N)
+            inner = config.get("intermediate_size") or config["mamba_expand"] * config["hidden_size"]
+            kernel, state = config.get("conv_kernel", config.get("mamba_d_conv")), config.get("state_size", config.get("mamba_d_state"))
+            tensors += [torch.empty(batch_size, inner, kernel, dtype=dtype), torch.empty(batch_size, inner, state, dtype=dtype)]
+        else:  # K and V: (B, H_kv, S, D) each
+            kv_heads = config.get("num_key_value_heads", config.get("num_attention_heads"))
+            head_dim = spec.elements_per_token // (2 * kv_heads)
+            tensors += [torch.empty(batch_size, kv_heads, held, head_dim, dtype=dtype) for _ in range(2)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("name", SMALL_CONFIGS)
+@pytest.mark.parametrize("dtype", TORCH_DTYPES)
+@pytest.mark.parametrize("seq_len", [1, 4, 9])
+def test_formula_equals_allocated_bytes(name, dtype, seq_len):
+    config = SMALL_CONFIGS[name]
+    allocated = allocate_cache(config, 3, seq_len, TORCH_DTYPES[dtype])
+    assert M.kv_cache_bytes(dict(config, torch_dtype=dtype), seq_len, batch_size=3) == allocated
+
+
+def test_formula_equals_chapter_1_cache():
+    model = ToyModel(ToyConfig(num_layers=3, head_dim=8, d_model=16))
+    cache = model.new_cache(40)
+    generate_cached(model, np.arange(7), 20, cache=cache)
+    config = {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 1, "head_dim": 8, "hidden_size": 16, "torch_dtype": "float64"}
+    assert M.kv_cache_bytes(config, cache.length) == cache.buffer[:, :, : cache.length].nbytes
+
+
+def test_int4_packs_two_per_byte():
+    config = dict(SMALL_CONFIGS["gqa"], torch_dtype="int4")
+    packed = allocate_cache(dict(config, head_dim=4), 2, 6, torch.uint8)  # D=8 int4 values packed into 4 bytes
+    assert M.kv_cache_bytes(config, 6, batch_size=2) == packed
+
+
+# Bad input.
+def test_errors_name_the_field_and_model_type():
+    with pytest.raises(M.UnsupportedConfigError, match="missing field 'hidden_size' / 'n_embd' / 'd_model' for model_type 'llama'"):
+        M.kv_cache_bytes({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "torch_dtype": "float16"}, 10)
+    with pytest.raises(M.UnsupportedConfigError, match="model_type 'rwkv' is not supported; kvlib.memory sizes: deepseek_v2"):
+        M.layer_specs({"model_type": "rwkv"})
+    with pytest.raises(M.UnsupportedConfigError, match="missing field 'model_type'"):
+        M.layer_specs({"num_hidden_layers": 2})
+    with pytest.raises(M.UnsupportedConfigError, match="no 'torch_dtype' or 'dtype' field for model_type 'gpt2'; pass cache_dtype"):
+        M.kv_cache_bytes(CONFIGS["gpt2"], 10)
+    with pytest.raises(M.UnsupportedConfigError, match="sliding_window=4096 but kvlib does not know which layers of a 'llama' model slide"):
+        M.layer_specs(dict(CONFIGS["llama-3-8b"], sliding_window=4096))
+    with pytest.raises(M.UnsupportedConfigError, match="missing field 'num_kv_heads' for model_type 'falcon'"):
+        M.layer_specs(dict(CONFIGS["falcon-7b"], new_decoder_architecture=True))
+    with pytest.raises(M.UnsupportedConfigError, match="layer_types must list 24"):
+        M.layer_specs(dict(CONFIGS["gpt-oss-20b"], layer_types=["full_attention"] * 3))
+    with pytest.raises(ValueError, match="seq_len: expected an int >= 1, got 0"):
+        M.kv_cache_bytes(CONFIGS["llama-3-8b"], 0)
+    with pytest.raises(ValueError, match="batch_size: expected an int >= 1, got -2"):
+        M.kv_cache_bytes(CONFIGS["llama-3-8b"], 5, batch_size=-2)
+    with pytest.raises(ValueError, match="cache_dtype: expected one of float64, float32, bfloat16, float16, fp8, int8, int4, got 'int3'"):
+        M.kv_cache_bytes(CONFIGS["llama-3-8b"], 5, cache_dtype="int3")
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        M.load_config("/nonexistent/config.json")
+
+
+def test_max_concurrent_sequences_equation():
+    config = CONFIGS["llama-3-8b"]
+    weights = int(8.03e9 * 2)
+    budget = M.memory_budget(config, 80 * 10**9, 8192, weight_bytes=weights)
+    assert budget.kv_budget_bytes == budget.usable_bytes - weights - budget.runtime_overhead_bytes - budget.activation_bytes
+    assert budget.max_sequences == budget.kv_budget_bytes // M.kv_cache_bytes(config, 8192)
+    assert M.max_concurrent_sequences(config, 80 * 10**9, 8192, weight_bytes=weights) == budget.max_sequences
+    assert M.max_concurrent_sequences(config, 80 * 10**9, 8192, weight_bytes=weights, cache_dtype="fp8") >= 2 * budget.max_sequences
+    with pytest.raises(ValueError, match="cannot hold weights"):
+        M.max_concurrent_sequences(CONFIGS["deepseek-v3"], 80 * 10**9, 4096, weight_bytes=671 * 10**9)
+
+
+def test_cli_prints_a_table_and_rejects_bad_input(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "kvlib.memory", "llama-3-8b", "--seq-len", "4096", "--batch", "2"], capture_output=True, text=True)
+    assert done.returncode == 0 and "total: 1.00 GiB (1,073,741,824 bytes)" in done.stdout
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIGS["gpt2"]))
+    done = subprocess.run([sys.executable, "-m", "kvlib.memory", str(path), "--seq-len", "10", "--cache-dtype", "float16"], capture_output=True, text=True)
+    assert done.returncode == 0 and "MHA: 2 x 12 KV heads" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "kvlib.memory", str(path), "--seq-len", "10"], capture_output=True, text=True)
+    assert done.returncode == 2 and "pass cache_dtype" in done.stderr
