@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 NOTEBOOKS := notebooks solutions
 NBVAL_FLAGS := --nbval --nbval-sanitize-with .nbval_sanitize.cfg --nbval-cell-timeout=600
 
-.PHONY: install test unit nbval grading book outputs clean
+.PHONY: install test test-gpu unit nbval grading book outputs clean
 
 install: $(STAMP)
 
@@ -32,6 +32,11 @@ nbval: $(STAMP)
 
 grading: $(STAMP)
 	$(BIN)/python -m pytest tests/test_grading.py
+
+# On a machine with a CUDA GPU: the compiled-kernel tests (bf16, large shapes), then the benchmark.
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest tests -m gpu
+	$(BIN)/python -m kvlib.bench decode --out results/decode_bench.csv
 
 book: $(STAMP)
 	$(BIN)/jupyter-book build . -W --keep-going

@@ -117,6 +117,48 @@ def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token
 def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):  # forgets the weights
     return (gpu_memory_bytes - overhead_bytes) // (kv_bytes_per_token * seq_len)
 """, "expected 55 sequences, got 70"),
+    ("11_triton_decode.ipynb", "physical_slots", """
+def physical_slots(block_table, seq_len, block_size):  # ignores the block table: logical = physical
+    return torch.arange(seq_len)
+""", "token 0 lives in slot 48"),
+    ("11_triton_decode.ipynb", "reduce_kernel", """
+@triton.jit
+def reduce_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)  # weights exp(lse) without subtracting the max
+    splits, dims = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
+    mask = splits < num_splits
+    weights = tl.exp(tl.load(partial_lse_ptr + row * num_splits + splits, mask=mask, other=float("-inf")))
+    partial = tl.load(partial_out_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None, :], mask=mask[:, None], other=0.0)
+    tl.store(out_ptr + row * HEAD_DIM + dims, tl.sum(weights[:, None] * partial, axis=0) / tl.sum(weights, axis=0))
+""", "non-finite values"),
+    ("11_triton_decode.ipynb", "reduce_kernel", """
+@triton.jit
+def reduce_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)  # averages the partials
+    splits, dims = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
+    mask = splits < num_splits
+    partial = tl.load(partial_out_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None, :], mask=mask[:, None], other=0.0)
+    tl.store(out_ptr + row * HEAD_DIM + dims, tl.sum(partial, axis=0) / num_splits)
+""", "reduce of 4 splits"),
+    ("11_triton_decode.ipynb", "masked_decode_kernel", """
+@triton.jit
+def masked_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_len, scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    dims = tl.arange(0, HEAD_DIM)  # masks the loads but not the scores: zero keys still take weight
+    q = tl.load(q_ptr + dims)
+    m, l, acc = float("-inf"), 0.0, tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        valid = tokens < seq_len
+        k = tl.load(k_ptr + tokens[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + tokens[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
+        scores = tl.sum(q[None, :] * k, axis=1) * scale
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        p = tl.exp(scores - m_new)
+        l = l * tl.exp(m - m_new) + tl.sum(p, axis=0)
+        acc = acc * tl.exp(m - m_new) + tl.sum(p[:, None] * v, axis=0)
+        m = m_new
+    tl.store(out_ptr + dims, acc / l)
+""", "attention over the first 1 of 32"),
     ("04_online_softmax.ipynb", "online_softmax_update", """
 def online_softmax_update(m, l, block):  # forgets to rescale l when the maximum rises
     m_new = max(m, float(np.max(block)))

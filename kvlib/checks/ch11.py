@@ -1,0 +1,75 @@
+"""Chapter 11's graded questions, run under Triton's interpreter on a CPU: the block-table address
+arithmetic, the split-K (LSE) reduce kernel, and masking the last partial block."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import kvlib.kernels  # noqa: F401 - sets TRITON_INTERPRET=1 without a GPU, before the learner's kernels are decorated
+import triton
+from kvlib.attention import attention
+from kvlib.grading import Submission, question
+from kvlib.online_softmax import merge_partials
+from kvlib.testing import assert_close
+
+
+@question(function="physical_slots")
+def test_physical_slots(submission: Submission) -> None:
+    physical_slots = submission.function("physical_slots")
+    for table, seq_len, block_size in [([3, 0, 7], 40, 16), ([5], 1, 16), ([2, 9, 4, 1], 128, 32), ([6, 2], 17, 16)]:
+        block_table = torch.tensor(table, dtype=torch.int32)
+        expected = [table[t // block_size] * block_size + t % block_size for t in range(seq_len)]
+        got = physical_slots(block_table.clone(), seq_len, block_size)
+        assert isinstance(got, torch.Tensor), f"physical_slots should return a torch.Tensor, got {type(got).__name__}"
+        assert got.shape == (seq_len,), f"expected {seq_len} slots (one per token), got shape {tuple(got.shape)}"
+        wrong = [t for t in range(seq_len) if int(got[t]) != expected[t]]
+        assert not wrong, (f"block_table={table}, block_size={block_size}: token {wrong[0]} lives in slot {expected[wrong[0]]}, "
+                           f"you gave {int(got[wrong[0]])}")
+
+
+def _launch_reduce(kernel, partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
+    rows, num_splits, head_dim = partial_out.shape
+    out = torch.full((rows, head_dim), float("nan"))
+    kernel[(rows,)](partial_out, partial_lse, out, num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits))
+    return out
+
+
+@question(function="reduce_kernel")
+def test_reduce_kernel(submission: Submission) -> None:
+    kernel = submission.function("reduce_kernel")
+    rng = np.random.default_rng(11)
+    for rows, num_splits, shift in [(3, 4, 0.0), (2, 5, 1000.0), (4, 1, 0.0)]:
+        partial_out = rng.normal(size=(rows, num_splits, 16)).astype(np.float32)
+        partial_lse = (rng.normal(size=(rows, num_splits)) * 3 + shift).astype(np.float32)
+        if num_splits > 1:
+            partial_lse[0, -1] = -np.inf  # an empty split
+            partial_out[0, -1] = 0.0
+        expected, _ = merge_partials(list(partial_out.transpose(1, 0, 2)), list(partial_lse.T))
+        got = _launch_reduce(kernel, torch.from_numpy(partial_out), torch.from_numpy(partial_lse))
+        assert torch.isfinite(got).all(), (
+            f"with {num_splits} splits and lse around {shift:g} (one split empty, lse = -inf) your output has non-finite values: "
+            "weight each split by exp(lse - max lse)"
+        )
+        assert_close(got, expected, name=f"reduce of {num_splits} splits (lse around {shift:g})", rtol=1e-4, atol=1e-5)
+
+
+def _launch_masked_decode(kernel, q, k_buffer, v_buffer, seq_len, block_n=16):
+    out = torch.full((q.shape[0],), float("nan"))
+    kernel[(1,)](q, k_buffer, v_buffer, out, seq_len, q.shape[0] ** -0.5, HEAD_DIM=q.shape[0], BLOCK_N=block_n)
+    return out
+
+
+@question(function="masked_decode_kernel")
+def test_masked_decode_kernel(submission: Submission) -> None:
+    kernel = submission.function("masked_decode_kernel")
+    rng = np.random.default_rng(12)
+    for seq_len in (1, 5, 16, 37):
+        q, keys, values = rng.normal(size=32), rng.normal(size=(seq_len, 32)), rng.normal(size=(seq_len, 32))
+        padded = 16 * (seq_len // 16 + 2)  # the buffers run on past seq_len, holding garbage (another sequence's tokens)
+        k_buffer, v_buffer = np.full((padded, 32), 30.0), np.full((padded, 32), -50.0)
+        k_buffer[:seq_len], v_buffer[:seq_len] = keys, values
+        expected = attention(q[None, :], keys, values)[0]
+        as_torch = [torch.tensor(a, dtype=torch.float32) for a in (q, k_buffer, v_buffer)]
+        got = _launch_masked_decode(kernel, *as_torch, seq_len)
+        assert_close(got, expected, name=f"attention over the first {seq_len} of {padded} buffered tokens (tiles of 16)", rtol=1e-4, atol=1e-4)
