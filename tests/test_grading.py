@@ -91,6 +91,44 @@ def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):  # of
 def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):  # forgets V
     return num_layers * num_heads * head_dim * bytes_per_element * seq_len
 """, "should be 524288"),
+    ("02_cache_in_a_transformer.ipynb", "rope_at_offset", """
+def rope_at_offset(x, offset, theta):  # ignores the offset: every decode step at position 0
+    t, d = x.shape
+    inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.arange(t, dtype=torch.float32)[:, None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * angles.cos() + torch.cat([-x2, x1], dim=-1) * angles.sin()
+""", "offset=37"),
+    ("02_cache_in_a_transformer.ipynb", "rope_at_offset", """
+def rope_at_offset(x, offset, theta):  # the interleaved (GPT-J) pairing instead of rotate_half
+    t, d = x.shape
+    inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.arange(offset, offset + t, dtype=torch.float32)[:, None] * inv_freq
+    even, odd = x[:, 0::2], x[:, 1::2]
+    out = torch.empty_like(x)
+    out[:, 0::2] = even * angles.cos() - odd * angles.sin()
+    out[:, 1::2] = even * angles.sin() + odd * angles.cos()
+    return out
+""", "offset=37"),
+    ("02_cache_in_a_transformer.ipynb", "static_cache_insert", """
+def static_cache_insert(buffer, length, k_new):  # concatenates instead of writing in place
+    return torch.cat([buffer[:, :, :length], k_new], dim=2)
+""", "the buffer should hold the new rows"),
+    ("02_cache_in_a_transformer.ipynb", "static_cache_insert", """
+def static_cache_insert(buffer, length, k_new):  # no overflow check
+    buffer[:, :, length:length + k_new.shape[2]] = k_new
+    return buffer[:, :, :length + k_new.shape[2]]
+""", "RuntimeError"),
+    ("02_cache_in_a_transformer.ipynb", "reorder_for_beams", """
+def reorder_for_beams(layer_caches, beam_indices):  # reorders the keys but forgets the values
+    return [(keys[beam_indices], values) for keys, values in layer_caches]
+""", "layer 0 values"),
+    ("02_cache_in_a_transformer.ipynb", "reorder_for_beams", """
+def reorder_for_beams(layer_caches, beam_indices):  # inverts the permutation instead of following it
+    order = torch.argsort(beam_indices)
+    return [(keys[order], values[order]) for keys, values in layer_caches]
+""", "layer 0 keys"),
     ("03_counting_bytes.ipynb", "gqa_bytes_per_token", """
 def gqa_bytes_per_token(config):  # ignores num_key_value_heads: every head gets K and V
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]

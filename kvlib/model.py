@@ -1,0 +1,340 @@
+"""A decoder-only transformer with the Llama architecture, and a loader for Hugging Face
+Llama-format checkpoints.
+
+What it does: RMSNorm (Zhang & Sennrich, 2019), rotary position embeddings in the Hugging Face
+`rotate_half` convention (Su et al., 2021), SwiGLU MLP (Shazeer, 2020), no biases except the q/k/v
+biases of Qwen2, MHA/GQA/MQA from one code path (`num_key_value_heads`), an optional sliding window
+(Mistral). Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`), so a
+checkpoint's state dict loads as is. `model(input_ids, cache=...)` processes only the new tokens,
+at the right positions, reading and extending the cache (`kvlib.cache`).
+
+What it deliberately does not do: rope scaling (Llama 3.1's, YaRN), MoE, quantized weights,
+training tricks. Configs that need them are refused with an error rather than loaded wrongly.
+Layouts: activations (B, T, d_model); q (B, H, T, D); k, v (B, H_kv, S, D).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvlib._validate import check_positive_int
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class UnsupportedCheckpointError(ValueError):
+    """The checkpoint uses a feature this model does not implement (loading it would be wrong)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyperparameters, named as in Hugging Face's LlamaConfig."""
+
+    vocab_size: int = 128
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    head_dim: int | None = None  # default hidden_size // num_attention_heads
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2's q/k/v projections have biases
+    sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` positions only
+    torch_dtype: str = "float32"
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+            check_positive_int(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_key_value_heads: expected a divisor of num_attention_heads {self.num_attention_heads}, got {self.num_key_value_heads}")
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size: expected a multiple of num_attention_heads {self.num_attention_heads} (or an explicit head_dim), got {self.hidden_size}")
+        if self.dim % 2:
+            raise ValueError(f"head_dim: RoPE needs an even head dimension, got {self.dim}")
+
+    @property
+    def dim(self) -> int:
+        """D, the head dimension."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, config: dict) -> ModelConfig:
+        """Read a Hugging Face config dict (transformers 4.x or 5.x field names).
+
+        Raises:
+            UnsupportedCheckpointError: a model type, bias, rope scaling or activation this model
+                does not implement, named with the field that asks for it.
+        """
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedCheckpointError(f"config: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if config.get("mlp_bias"):
+            raise UnsupportedCheckpointError("config: mlp_bias=true (MLP biases) is not implemented")
+        if config.get("attention_bias"):
+            raise UnsupportedCheckpointError("config: attention_bias=true (biases on q/k/v/o) is not implemented")
+        if config.get("hidden_act", "silu") != "silu":
+            raise UnsupportedCheckpointError(f"config: hidden_act {config['hidden_act']!r} is not implemented (SwiGLU uses silu)")
+        rope = config.get("rope_parameters") or {}  # transformers 5.x
+        scaling = config.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} if rope else None)
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise UnsupportedCheckpointError(f"config: rope scaling {scaling!r} is not implemented (only the default RoPE)")
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        sliding = config.get("sliding_window") if model_type == "mistral" or config.get("use_sliding_window") else None
+        if model_type == "qwen2" and config.get("use_sliding_window"):
+            raise UnsupportedCheckpointError("config: Qwen2's use_sliding_window=true (per-layer windows) is not implemented")
+        return cls(
+            vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"], num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"], head_dim=config.get("head_dim"),
+            rope_theta=float(theta), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=config.get("max_position_embeddings", 2048), tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2", sliding_window=sliding, torch_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
+            model_type=model_type,
+        )
+
+    def to_hf(self) -> dict:
+        """This config as a Hugging Face (transformers 4.x style) config dict."""
+        config = {k: v for k, v in dataclasses.asdict(self).items() if k != "qkv_bias" and v is not None}
+        config.update(architectures=["LlamaForCausalLM"], hidden_act="silu", attention_bias=False, mlp_bias=False)
+        return config
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · weight, computed in float32 (Zhang & Sennrich, 2019)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for rotary embeddings at integer `positions` (B, T): each (B, T, D).
+
+    Frequencies theta^(-2i/D) for i < D/2, each used twice ([f, f] concatenated): the Hugging Face
+    convention that pairs dimension i with i + D/2 (see `rotate_half`).
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)  # (D/2,)
+    angles = positions.float()[..., None] * inv_freq  # (B, T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (B, T, D)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, D) by the angles of cos, sin (B, T, D): x·cos + rotate_half(x)·sin."""
+    return (x.float() * cos[:, None] + rotate_half(x.float()) * sin[:, None]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        h, d = config.hidden_size, config.dim
+        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache=None, attention_weights: list | None = None):
+        b, t, _ = x.shape
+        c = self.config
+        q = self.q_proj(x).view(b, t, c.num_attention_heads, c.dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)  # (B, H_kv, T, D)
+        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)  # (B, H_kv, T, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # keys are cached already rotated
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D): the cached prefix and the new tokens
+        group = c.num_attention_heads // c.num_key_value_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, D)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(c.dim)  # (B, H, T, S)
+        scores = scores.float().masked_fill(~mask[:, None], float("-inf"))
+        weights = scores.softmax(dim=-1).to(q.dtype)  # (B, H, T, S)
+        if attention_weights is not None:
+            attention_weights.append(weights.detach())
+        out = (weights @ v).transpose(1, 2).reshape(b, t, c.num_attention_heads * c.dim)  # (B, T, H·D)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, cache=None, attention_weights=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, attention_weights)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def attention_mask_4d(num_queries: int, num_keys: int, padding_mask: torch.Tensor | None, sliding_window: int | None, device) -> torch.Tensor:
+    """Boolean (B or 1, T, S) mask in cache-index space: query i (cache index S - T + i) sees key j
+    if j <= that index (causal over the cached prefix and within the new tokens), j is not padding
+    (a padding query sees only itself), and, with a window, j is among the last `sliding_window`."""
+    query_index = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]  # (T, 1)
+    key_index = torch.arange(num_keys, device=device)[None, :]  # (1, S)
+    mask = key_index <= query_index  # (T, S)
+    if sliding_window is not None:
+        mask &= key_index > query_index - sliding_window
+    mask = mask[None]  # (1, T, S)
+    if padding_mask is not None:
+        # a padding query would see nothing (a NaN softmax row that leaks into later layers as 0 * NaN);
+        # let every query see itself: real queries lose nothing, padding outputs are never used
+        mask = (mask & padding_mask[:, None, :].bool()) | (key_index == query_index)[None]  # (B, T, S)
+    return mask
+
+
+class LlamaModel(nn.Module):
+    """Llama-architecture causal LM: `model(input_ids) -> logits (B, T, V)`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights counted once
+
+    def forward(self, input_ids: torch.Tensor, *, cache=None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, attention_weights: list | None = None) -> torch.Tensor:
+        """Logits for the T new tokens.
+
+        Args:
+            input_ids: (B, T) token ids: the whole sequence, or with a cache the tokens after it.
+            cache: a `kvlib.cache` cache holding S0 earlier tokens per sequence (or None).
+            attention_mask: (B, S0 + T) 1 for real tokens, 0 for padding (left padding); default all 1.
+            position_ids: (B, T) RoPE positions; default: count of real tokens before each one.
+            attention_weights: a list to receive each layer's (B, H, T, S) attention weights.
+        Returns:
+            (B, T, V) logits in float32.
+        Raises:
+            ValueError, TypeError: ids out of range, wrong shapes, a mask of the wrong length.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids: expected an int64 (B, T) tensor, got {getattr(input_ids, 'dtype', type(input_ids).__name__)} "
+                            f"{tuple(getattr(input_ids, 'shape', ()))}")
+        b, t = input_ids.shape
+        if t == 0 or input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
+            raise ValueError(f"input_ids: expected 1+ ids in [0, {self.config.vocab_size}) per row, got shape {(b, t)}")
+        past = 0 if cache is None else cache.length
+        if attention_mask is not None and attention_mask.shape != (b, past + t):
+            raise ValueError(f"attention_mask: expected shape ({b}, {past + t}) (cached + new tokens), got {tuple(attention_mask.shape)}")
+        if position_ids is None:
+            if attention_mask is None:
+                position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
+            else:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # real tokens before each one
+        cos, sin = rope_cos_sin(position_ids, self.config.dim, self.config.rope_theta)
+        mask = attention_mask_4d(t, past + t, attention_mask, self.config.sliding_window, input_ids.device)
+        x = self.model.embed_tokens(input_ids)  # (B, T, d_model)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, cache, attention_weights)
+        if cache is not None:
+            cache.advance(t)
+        return self.lm_head(self.model.norm(x)).float()  # (B, T, V)
+
+
+# --- Hugging Face checkpoints -----------------------------------------------------------------------
+
+
+def save_hf_checkpoint(model: LlamaModel, path: str | os.PathLike) -> None:
+    """Write `config.json` and `model.safetensors` in the Hugging Face Llama layout."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> LlamaModel:
+    """Load a local Hugging Face Llama-format checkpoint (config.json + *.safetensors) by parameter name.
+
+    Args:
+        path: the checkpoint directory.
+        dtype: load the weights in this dtype (default: the config's `torch_dtype`/`dtype`).
+    Raises:
+        FileNotFoundError: no config.json or no safetensors files.
+        UnsupportedCheckpointError: see `ModelConfig.from_hf`.
+        ValueError: missing or unexpected parameters, or shapes that disagree with the config.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"path: no config.json in {path}")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"path: no *.safetensors files in {path}")
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    dtype = dtype or _TORCH_DTYPES.get(config.torch_dtype, torch.float32)
+    state = {}
+    for file in files:
+        state.update(load_file(str(file), device=str(device)))
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    expected = dict(model.state_dict())
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+        state.pop("lm_head.weight", None)
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # buffers some exports include
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path}: missing parameters {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"checkpoint {path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device).eval()
