@@ -94,6 +94,7 @@ def make_document(rng: np.random.Generator, *, num_facts: int = 16, distance: in
         source = int(rng.integers(1, DOC_LEN // 2 - copy_len))
         target = int(rng.integers(source + copy_len + 8, DOC_LEN - copy_len))
         tokens[target : target + copy_len] = tokens[source : source + copy_len]
+        used[source : source + copy_len] = True  # facts must overwrite neither the span nor its repeat
         used[target : target + copy_len] = True
         copy_positions = list(range(target + copy_len // 2, target + copy_len))
     keys = rng.choice(KEYS, size=num_facts, replace=False)

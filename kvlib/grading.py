@@ -190,6 +190,38 @@ def check(question_id: str, function: Callable) -> bool | None:
     return True
 
 
+def show(function: Callable, *args, **kwargs) -> None:
+    """Call the learner's `function` on an example and print what it returned (or raised).
+
+    The line under each exercise definition: immediate sight of what the code does, before the
+    check judges it. Silent while the grader executes the notebook.
+    """
+    if os.environ.get(ENV_GRADING) == "1":
+        return
+    name = getattr(function, "__name__", None) or getattr(getattr(function, "fn", None), "__name__", repr(function))
+    try:
+        result = function(*args, **kwargs)
+    except Exception as exc:  # the learner's code may raise anything
+        text = f"{type(exc).__name__}: {exc}"
+        print(f"{name}: not written yet" if "NotImplementedError" in text else f"{name} raised {text[:MESSAGE_CHARS]}")
+        return
+    print(f"{name} returned {_short(result)}")
+
+
+def _short(value) -> str:
+    """A compact, deterministic rendering of arrays, tensors, tuples and lists."""
+    import numpy as np
+
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_short(v) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        return f"array of shape {value.shape}: " + np.array2string(value, precision=4, suppress_small=True, threshold=12, max_line_width=100)
+    return repr(value)
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc) if isinstance(exc, AssertionError) else f"your code raised {type(exc).__name__}: {exc}"
     return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3] + "..."

@@ -62,7 +62,7 @@ class Phase:
     lr_end_fraction: float  # the learning rate decays (cosine) from lr to lr * this over the phase
 
 
-CURRICULUM = (Phase("recall drills (64 tokens)", 4000, 16, True, 1.0), Phase("documents (256 tokens)", 1600, 16, False, 0.1))
+CURRICULUM = (Phase("recall drills (64 tokens)", 4000, 16, True, 1.0), Phase("documents (256 tokens)", 2200, 16, False, 0.1))
 
 
 def train(*, curriculum=CURRICULUM, lr: float = 3e-3, warmup: int = 100, seed: int = 0, eval_every: int = 400,

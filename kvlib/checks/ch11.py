@@ -28,7 +28,8 @@ def test_physical_slots(submission: Submission) -> None:
                            f"you gave {int(got[wrong[0]])}")
 
 
-def _launch_reduce(kernel, partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
+def launch_reduce(kernel, partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
+    """Launch a learner's reduce kernel: partial_out (R, splits, D), partial_lse (R, splits) -> out (R, D)."""
     rows, num_splits, head_dim = partial_out.shape
     out = torch.full((rows, head_dim), float("nan"))
     kernel[(rows,)](partial_out, partial_lse, out, num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits))
@@ -46,7 +47,7 @@ def test_reduce_kernel(submission: Submission) -> None:
             partial_lse[0, -1] = -np.inf  # an empty split
             partial_out[0, -1] = 0.0
         expected, _ = merge_partials(list(partial_out.transpose(1, 0, 2)), list(partial_lse.T))
-        got = _launch_reduce(kernel, torch.from_numpy(partial_out), torch.from_numpy(partial_lse))
+        got = launch_reduce(kernel, torch.from_numpy(partial_out), torch.from_numpy(partial_lse))
         assert torch.isfinite(got).all(), (
             f"with {num_splits} splits and lse around {shift:g} (one split empty, lse = -inf) your output has non-finite values: "
             "weight each split by exp(lse - max lse)"
@@ -54,7 +55,8 @@ def test_reduce_kernel(submission: Submission) -> None:
         assert_close(got, expected, name=f"reduce of {num_splits} splits (lse around {shift:g})", rtol=1e-4, atol=1e-5)
 
 
-def _launch_masked_decode(kernel, q, k_buffer, v_buffer, seq_len, block_n=16):
+def launch_masked_decode(kernel, q, k_buffer, v_buffer, seq_len, block_n=16):
+    """Launch a learner's masked decode kernel: q (D,), buffers (S_buf, D), the first seq_len rows valid -> out (D,)."""
     out = torch.full((q.shape[0],), float("nan"))
     kernel[(1,)](q, k_buffer, v_buffer, out, seq_len, q.shape[0] ** -0.5, HEAD_DIM=q.shape[0], BLOCK_N=block_n)
     return out
@@ -71,5 +73,5 @@ def test_masked_decode_kernel(submission: Submission) -> None:
         k_buffer[:seq_len], v_buffer[:seq_len] = keys, values
         expected = attention(q[None, :], keys, values)[0]
         as_torch = [torch.tensor(a, dtype=torch.float32) for a in (q, k_buffer, v_buffer)]
-        got = _launch_masked_decode(kernel, *as_torch, seq_len)
+        got = launch_masked_decode(kernel, *as_torch, seq_len)
         assert_close(got, expected, name=f"attention over the first {seq_len} of {padded} buffered tokens (tiles of 16)", rtol=1e-4, atol=1e-4)
