@@ -93,8 +93,11 @@ def decode_lengths(batch_size: int, context: int, ragged: bool, seed: int = 0) -
 
 
 def kv_bytes_read(lengths: list[int], num_kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
-    """Bytes of K and V a decode step must read, once per KV head: Σ_b S_b · 2 · H_kv · D · b."""
-    return sum(lengths) * 2 * num_kv_heads * head_dim * bytes_per_element
+    """Bytes of K and V a decode step must read, once per KV head: Σ_b S_b · 2 · H_kv · D · b
+    (one layer's dense cache of all the batch's tokens, `kvlib.attention.dense_kv_cache_bytes`)."""
+    from kvlib.attention import dense_kv_cache_bytes
+
+    return dense_kv_cache_bytes(1, num_kv_heads, head_dim, bytes_per_element, sum(lengths))
 
 
 def decode_cases(quick: bool = False) -> list[dict]:
