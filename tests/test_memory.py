@@ -49,6 +49,38 @@ def test_deepseek_v3_mla_is_576_elements_per_layer():
     assert naive / M.kv_bytes_per_token(config) > 50  # what an estimator ignoring MLA would claim
 
 
+# Figures inference engines reported (quoted in the chapter with links).
+MiB = 2**20
+
+
+def test_llama_3_8b_matches_llama_cpp_and_vllm_allocations():
+    config = CONFIGS["llama-3-8b"]
+    assert M.kv_cache_bytes(config, 2048, cache_dtype="float16") == 256 * MiB  # llama.cpp at n_ctx 2048
+    # vLLM (vllm#12330): 11.12 GiB reserved, 5691 blocks of 16 tokens; the GiB figure is rounded.
+    assert M.kv_cache_bytes(config, 5691 * 16) / GiB == pytest.approx(11.12, abs=0.005)
+
+
+def test_gemma_3_27b_matches_llama_cpp_with_and_without_windowed_local_layers():
+    config = CONFIGS["gemma-3-27b"]
+    assert M.kv_bytes_per_token(config, "float16") * 4096 == 1984 * MiB  # every layer full, 4k tokens
+    layers = M.cache_report(config, 131072, cache_dtype="float16").layers
+    assert sum(u.bytes for u in layers if u.spec.kind == "full") == 10240 * MiB  # 10 global layers at 128k
+    local_per_token = sum(s.elements_per_token for s in M.layer_specs(config) if s.kind == "sliding") * 2
+    assert local_per_token * 1536 == 624 * MiB  # llama.cpp keeps window + 512 batch = 1536 cells
+
+
+def test_mamba_state_matches_llama_cpp_after_its_conv_convention():
+    config = CONFIGS["mamba-2.8b"]
+    one_conv_column = 64 * 5120 * 4  # llama.cpp keeps d_conv - 1 columns, HF's MambaCache d_conv
+    assert M.kv_cache_bytes(config, 1, cache_dtype="float32") - one_conv_column == 23.75 * MiB
+
+
+def test_gpt_oss_alternating_layers_halve_the_cache_at_long_context():
+    config = CONFIGS["gpt-oss-20b"]
+    ratio = M.kv_cache_bytes(config, 131072) / (M.kv_bytes_per_token(config) * 131072)
+    assert ratio == pytest.approx(0.5, abs=0.001)  # "halved" (Hugging Face transformers blog on gpt-oss)
+
+
 def test_ssm_state_is_constant_and_per_token_growth_is_zero():
     config = CONFIGS["mamba-2.8b"]
     assert M.kv_bytes_per_token(config, "bfloat16") == 0
