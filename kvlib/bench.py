@@ -7,7 +7,6 @@ wide margins, never print raw timings (COURSE.md, Determinism). GPU benchmarks u
 
 from __future__ import annotations
 
-import math
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -176,7 +175,7 @@ def decode_benchmark(out_csv: str, *, quick: bool = False, memory_fraction: floa
     from tqdm import tqdm
     from triton.testing import do_bench
 
-    from kvlib.kernels import default_num_splits, paged_decode_attention
+    from kvlib.kernels import default_num_splits, paged_decode_attention, shuffled_block_tables
 
     facts = _device_facts()
     copy_gbps = copy_bandwidth_gbps()
@@ -187,14 +186,9 @@ def decode_benchmark(out_csv: str, *, quick: bool = False, memory_fraction: floa
         lengths, block_size = case["lengths"], 16
         if case["cache_bytes"] > budget:  # paged + contiguous copies must both fit
             continue
-        blocks = [math.ceil(n / block_size) for n in lengths]
         generator = torch.Generator(device="cuda").manual_seed(0)
-        physical = torch.randperm(sum(blocks), device="cuda", generator=generator).int()
-        block_tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32, device="cuda")
-        offsets = np.cumsum([0] + blocks)
-        for b, count in enumerate(blocks):
-            block_tables[b, :count] = physical[offsets[b] : offsets[b] + count]
-        shape = (sum(blocks), block_size, case["num_kv_heads"], case["head_dim"])
+        block_tables, num_blocks = shuffled_block_tables(lengths, block_size, generator=generator, device="cuda")
+        shape = (num_blocks, block_size, case["num_kv_heads"], case["head_dim"])
         k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
         v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
         q = torch.randn(len(lengths), case["num_heads"], case["head_dim"], dtype=torch.bfloat16, device="cuda")

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kvlib.kernels import paged_decode_attention, paged_decode_attention_ref
+from kvlib.kernels import paged_decode_attention, paged_decode_attention_ref, shuffled_block_tables
 from kvlib.testing import assert_close
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -15,15 +15,7 @@ TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bf
 def make_paged_cache(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device="cpu", seed=0, spare_blocks=3):
     """Random q and a paged K/V cache whose block tables are shuffled, so logical order != physical."""
     generator = torch.Generator().manual_seed(seed)
-    blocks_needed = [math.ceil(n / block_size) for n in seq_lens]
-    max_blocks = max(blocks_needed)
-    num_blocks = sum(blocks_needed) + spare_blocks
-    physical = torch.randperm(num_blocks, generator=generator).int()
-    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    used = 0
-    for b, count in enumerate(blocks_needed):
-        block_tables[b, :count] = physical[used : used + count]
-        used += count
+    block_tables, num_blocks = shuffled_block_tables(seq_lens, block_size, spare_blocks=spare_blocks, generator=generator)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).to(dtype)
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
@@ -119,3 +111,17 @@ def test_kernel_on_gpu_large_cache_offsets():
     seq_lens = torch.tensor([20, 32], dtype=torch.int32, device="cuda")
     assert_close(paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens),
                  paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens), name="large cache", rtol=2e-2, atol=2e-2)
+
+
+def test_shuffled_block_tables_give_each_sequence_distinct_blocks_of_the_pool():
+    lengths, block_size = [1, 16, 17, 45], 16
+    tables, num_blocks = shuffled_block_tables(lengths, block_size, spare_blocks=2, generator=torch.Generator().manual_seed(0))
+    needed = [math.ceil(n / block_size) for n in lengths]
+    assert tables.shape == (4, max(needed)) and tables.dtype == torch.int32 and num_blocks == sum(needed) + 2
+    used = torch.cat([tables[b, :count] for b, count in enumerate(needed)])
+    assert len(set(used.tolist())) == sum(needed) and int(used.max()) < num_blocks  # no block shared, all in the pool
+    assert used.tolist() != sorted(used.tolist())  # shuffled: logical order is not physical order
+    with pytest.raises(ValueError, match="seq_lens"):
+        shuffled_block_tables([4, 0], block_size)
+    with pytest.raises(ValueError, match="block_size"):
+        shuffled_block_tables([4], 0)
