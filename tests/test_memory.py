@@ -69,6 +69,21 @@ def test_gemma_3_27b_matches_llama_cpp_with_and_without_windowed_local_layers():
     assert local_per_token * 1536 == 624 * MiB  # llama.cpp keeps window + 512 batch = 1536 cells
 
 
+def test_gpt2_matches_the_ggml_gpt2_example_readme():
+    # "memory size = 72.00 MB, n_mem = 12288": K and V in f32 for 12 layers x 1,024 positions, MB = 1024**2 bytes.
+    assert M.kv_cache_bytes(CONFIGS["gpt2"], 1024, cache_dtype="float32") == 72 * MiB
+
+
+def test_falcon_launch_blog_table_confirms_multiquery_to_its_rounding():
+    # huggingface.co/blog/falcon, "K,V-cache size for a 2.048 context": Falcon-7B 20MB, Falcon-40B 240MB.
+    falcon_7b = CONFIGS["falcon-7b"]
+    assert M.kv_cache_bytes(falcon_7b, 2048) == 16 * MiB  # 16.8 MB: "20MB" to one significant figure
+    assert M.kv_cache_bytes(dict(falcon_7b, multi_query=False), 2048) == 71 * 16 * MiB  # MHA would be ~1,191 MB
+    falcon_40b = {"model_type": "falcon", "num_hidden_layers": 60, "num_attention_heads": 128, "num_kv_heads": 8,
+                  "hidden_size": 8192, "new_decoder_architecture": True, "torch_dtype": "bfloat16"}
+    assert M.kv_cache_bytes(falcon_40b, 2048) == 240 * MiB
+
+
 def test_mamba_state_matches_llama_cpp_after_its_conv_convention():
     config = CONFIGS["mamba-2.8b"]
     one_conv_column = 64 * 5120 * 4  # llama.cpp keeps d_conv - 1 columns, HF's MambaCache d_conv
