@@ -60,8 +60,8 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (page)
     BLOCK_G: tl.constexpr,  # G padded to a power of two >= 16 (the rows of tl.dot)
-    BLOCK_D: tl.constexpr,  # D padded to a power of two
-    BLOCK_N: tl.constexpr,  # tokens per tile: a multiple of BLOCK_SIZE
+    BLOCK_D: tl.constexpr,  # D padded to a power of two >= 16
+    BLOCK_N: tl.constexpr,  # tokens per tile: a power of two >= 16, a multiple of BLOCK_SIZE
     COMPUTE_FP32: tl.constexpr,  # cast K/V to fp32 before the dots (fp32 inputs, the interpreter)
 ):
     batch = tl.program_id(0)
@@ -225,7 +225,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         scale: softmax scale, default D ** -0.5.
         num_splits: split-K factor; default fills the GPU's SMs (`default_num_splits`).
         validate: check lengths and block ids on the device first (one host sync).
-        block_n: tokens per tile (a multiple of block_size); default max(block_size, 64 // ...).
+        block_n: tokens per tile: a power of two >= 16 and a multiple of block_size; default max(block_size, 64).
     Returns:
         (B, H_q, D) in q's dtype; accumulation in fp32.
     Raises:
@@ -241,13 +241,14 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected an int >= 1, got {num_splits!r}")
     block_n = max(block_size, 64) if block_n is None else block_n
-    if block_n % block_size:
-        raise ValueError(f"block_n: expected a multiple of block_size {block_size}, got {block_n}")
+    if not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1) or block_n % block_size:
+        # tl.arange needs a power of two; tl.dot on a GPU needs every dimension >= 16
+        raise ValueError(f"block_n: expected a power of two >= 16 and a multiple of block_size {block_size}, got {block_n!r}")
 
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot's K dimension on a GPU is >= 16; masks cover the padding
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse, scale * LOG2_E,
         q.stride(0), q.stride(1),

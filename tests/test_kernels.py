@@ -49,6 +49,18 @@ def test_scale_and_block_n():
     assert_close(paged_decode_attention(*inputs, scale=0.3, block_n=32), paged_decode_attention_ref(*inputs, scale=0.3), name="scale 0.3", rtol=1e-5, atol=1e-5)
 
 
+def test_head_dim_below_16_is_padded_for_tl_dot():
+    inputs = make_paged_cache([5, 40], 4, 1, 8, 16, torch.float32)  # D = 8: BLOCK_D is padded to 16 and masked
+    assert_close(paged_decode_attention(*inputs, num_splits=2), paged_decode_attention_ref(*inputs), name="D = 8", rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_n", [8, 48, 24, "64"])
+def test_block_n_must_be_a_power_of_two_of_at_least_16(block_n):
+    inputs = make_paged_cache([5], 2, 1, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="block_n: expected a power of two >= 16"):
+        paged_decode_attention(*inputs, block_n=block_n)
+
+
 def test_reference_matches_dense_attention():
     q, k_cache, v_cache, block_tables, seq_lens = make_paged_cache([20], 4, 2, 8, 16, torch.float32, spare_blocks=0)
     order = block_tables[0, :2].long()
