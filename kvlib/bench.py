@@ -204,7 +204,7 @@ def decode_benchmark(out_csv: str, *, quick: bool = False, memory_fraction: floa
         del k_dense, v_dense, k_cache, v_cache
         for kernel, (time_ms, detail) in timings.items():
             gbps = case["cache_bytes"] / (time_ms * 1e-3) / 1e9
-            rows.append({**{k: v for k, v in facts.items()}, "date": date, "kernel": kernel, "detail": detail,
+            rows.append({**facts, "date": date, "kernel": kernel, "detail": detail,
                          "heads_q": case["num_heads"], "heads_kv": case["num_kv_heads"], "head_dim": case["head_dim"], "dtype": "bfloat16",
                          "block_size": block_size, "batch": case["batch"], "context": case["context"], "ragged": case["ragged"],
                          "mean_len": round(float(np.mean(lengths)), 1), "time_us": round(time_ms * 1e3, 2), "bytes_read": case["cache_bytes"],

@@ -22,10 +22,9 @@ import copy
 import torch
 
 from kvlib._validate import check_positive_int
+from kvlib.attention import CacheOverflowError  # one exception for every kvlib cache (re-exported here)
 
-
-class CacheOverflowError(ValueError):
-    """A write would take a preallocated cache past its capacity."""
+__all__ = ["CacheOverflowError", "DynamicCache", "StaticCache"]
 
 
 class _Cache:

@@ -490,8 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     if not path.exists() and (CONFIG_DIR / f"{args.config}.json").exists():
         path = CONFIG_DIR / f"{args.config}.json"
     try:
-        report = cache_report(path, args.seq_len, args.batch, args.cache_dtype)
-        per_token = kv_bytes_per_token(path, args.cache_dtype)
+        config = load_config(path)  # read once, sized twice
+        report = cache_report(config, args.seq_len, args.batch, args.cache_dtype)
+        per_token = kv_bytes_per_token(config, args.cache_dtype)
     except (OSError, ValueError, TypeError) as exc:
         parser.error(str(exc))
     print(report.table())

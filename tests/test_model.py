@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from kvlib import attention
 from kvlib.cache import CacheOverflowError, DynamicCache, StaticCache
 from kvlib.generation import generate
 from kvlib.model import LlamaModel, ModelConfig, UnsupportedCheckpointError, apply_rope, load_hf_checkpoint, rope_cos_sin, save_hf_checkpoint
@@ -112,6 +113,7 @@ def test_caches_validate_and_overflow():
     model(prompts(length=8), cache=cache)
     with pytest.raises(CacheOverflowError, match="holds 10 tokens per sequence; writing 3 after 8 needs 11"):
         model(prompts(length=3), cache=cache)
+    assert CacheOverflowError is attention.CacheOverflowError  # one class for chapter 1's and chapter 2's caches
     k = torch.zeros(2, 2, 1, 16)
     with pytest.raises(ValueError, match=r"layer_idx: expected an int in \[0, 3\), got 3"):
         cache.update(3, k, k)
