@@ -60,6 +60,16 @@ def test_llama_3_8b_matches_llama_cpp_and_vllm_allocations():
     assert M.kv_cache_bytes(config, 5691 * 16) / GiB == pytest.approx(11.12, abs=0.005)
 
 
+def test_qwen2_5_7b_matches_vllm_cpu_block_count():
+    # vllm#13882 (Qwen2.5-7B-Instruct, bnb-4bit weights, bfloat16 cache): "# CPU blocks: 4681". vLLM V0
+    # sizes that pool as swap_space (default 4 GiB) // block bytes, a block holding 16 tokens.
+    config = CONFIGS["qwen2.5-7b"]
+    block_bytes = 16 * M.kv_bytes_per_token(config, "bfloat16")
+    assert 4 * GiB // block_bytes == 4681
+    every_head = dict(config, num_key_value_heads=config["num_attention_heads"])
+    assert 4 * GiB // (16 * M.kv_bytes_per_token(every_head, "bfloat16")) == 668  # what MHA (7x the cache) would have logged
+
+
 def test_gemma_3_27b_matches_llama_cpp_with_and_without_windowed_local_layers():
     config = CONFIGS["gemma-3-27b"]
     assert M.kv_bytes_per_token(config, "float16") * 4096 == 1984 * MiB  # every layer full, 4k tokens
