@@ -79,6 +79,17 @@ def test_gemma_3_27b_matches_llama_cpp_with_and_without_windowed_local_layers():
     assert local_per_token * 1536 == 624 * MiB  # llama.cpp keeps window + 512 batch = 1536 cells
 
 
+def test_gpt_oss_20b_matches_llama_cpp_full_and_sliding_caches():
+    # ik_llama.cpp#822, a llama-server log at -c 131072 (f16): 12 full layers x 131,072 cells = 3072 MiB,
+    # 12 sliding layers x 768 cells (128-token window + 512 micro-batch, padded to 256) = 18 MiB.
+    specs = M.layer_specs(CONFIGS["gpt-oss-20b"])
+    f16_bytes_per_cell = {kind: 2 * sum(s.elements_per_token for s in specs if s.kind == kind) for kind in ("full", "sliding")}
+    assert f16_bytes_per_cell["full"] * 131072 == 3072 * MiB
+    assert f16_bytes_per_cell["sliding"] * 768 == 18 * MiB
+    # kvlib sizes what the model attends to: the sliding layers keep 128 tokens, not llama.cpp's 768 cells.
+    assert M.kv_cache_bytes(CONFIGS["gpt-oss-20b"], 131072, cache_dtype="float16") == 3072 * MiB + 18 * MiB * 128 // 768
+
+
 def test_gpt2_matches_the_ggml_gpt2_example_readme():
     # "memory size = 72.00 MB, n_mem = 12288": K and V in f32 for 12 layers x 1,024 positions, MB = 1024**2 bytes.
     assert M.kv_cache_bytes(CONFIGS["gpt2"], 1024, cache_dtype="float32") == 72 * MiB
