@@ -90,6 +90,15 @@ def test_gpt_oss_20b_matches_llama_cpp_full_and_sliding_caches():
     assert M.kv_cache_bytes(CONFIGS["gpt-oss-20b"], 131072, cache_dtype="float16") == 3072 * MiB + 18 * MiB * 128 // 768
 
 
+def test_deepseek_v3_matches_llama_cpp_mla_cache():
+    # llama.cpp#11446, 61 layers at 32,768 tokens: "KV self size = 2196.00 MiB, K^R (f16): 244.00 MiB, c^KV (f16): 1952.00 MiB".
+    config = CONFIGS["deepseek-v3"]
+    assert M.kv_cache_bytes(config, 32768, cache_dtype="float16") == 2196 * MiB
+    layers = config["num_hidden_layers"]
+    assert layers * config["kv_lora_rank"] * 32768 * 2 == 1952 * MiB
+    assert layers * config["qk_rope_head_dim"] * 32768 * 2 == 244 * MiB
+
+
 def test_gpt2_matches_the_ggml_gpt2_example_readme():
     # "memory size = 72.00 MB, n_mem = 12288": K and V in f32 for 12 layers x 1,024 positions, MB = 1024**2 bytes.
     assert M.kv_cache_bytes(CONFIGS["gpt2"], 1024, cache_dtype="float32") == 72 * MiB
