@@ -70,24 +70,27 @@ def test_qwen2_5_7b_matches_vllm_cpu_block_count():
     assert 4 * GiB // (16 * M.kv_bytes_per_token(every_head, "bfloat16")) == 668  # what MHA (7x the cache) would have logged
 
 
+def f16_bytes_per_cell(config, kind):
+    """Bytes one f16 cache cell (one token) takes across every layer of one kind, with no window cap."""
+    return 2 * sum(s.elements_per_token for s in M.layer_specs(config) if s.kind == kind)
+
+
 def test_gemma_3_27b_matches_llama_cpp_with_and_without_windowed_local_layers():
     config = CONFIGS["gemma-3-27b"]
     assert M.kv_bytes_per_token(config, "float16") * 4096 == 1984 * MiB  # every layer full, 4k tokens
     layers = M.cache_report(config, 131072, cache_dtype="float16").layers
     assert sum(u.bytes for u in layers if u.spec.kind == "full") == 10240 * MiB  # 10 global layers at 128k
-    local_per_token = sum(s.elements_per_token for s in M.layer_specs(config) if s.kind == "sliding") * 2
-    assert local_per_token * 1536 == 624 * MiB  # llama.cpp keeps window + 512 batch = 1536 cells
+    assert f16_bytes_per_cell(config, "sliding") * 1536 == 624 * MiB  # llama.cpp keeps window + 512 batch = 1536 cells
 
 
 def test_gpt_oss_20b_matches_llama_cpp_full_and_sliding_caches():
     # ik_llama.cpp#822, a llama-server log at -c 131072 (f16): 12 full layers x 131,072 cells = 3072 MiB,
     # 12 sliding layers x 768 cells (128-token window + 512 micro-batch, padded to 256) = 18 MiB.
-    specs = M.layer_specs(CONFIGS["gpt-oss-20b"])
-    f16_bytes_per_cell = {kind: 2 * sum(s.elements_per_token for s in specs if s.kind == kind) for kind in ("full", "sliding")}
-    assert f16_bytes_per_cell["full"] * 131072 == 3072 * MiB
-    assert f16_bytes_per_cell["sliding"] * 768 == 18 * MiB
+    config = CONFIGS["gpt-oss-20b"]
+    assert f16_bytes_per_cell(config, "full") * 131072 == 3072 * MiB
+    assert f16_bytes_per_cell(config, "sliding") * 768 == 18 * MiB
     # kvlib sizes what the model attends to: the sliding layers keep 128 tokens, not llama.cpp's 768 cells.
-    assert M.kv_cache_bytes(CONFIGS["gpt-oss-20b"], 131072, cache_dtype="float16") == 3072 * MiB + 18 * MiB * 128 // 768
+    assert M.kv_cache_bytes(config, 131072, cache_dtype="float16") == 3072 * MiB + 18 * MiB * 128 // 768
 
 
 def test_deepseek_v3_matches_llama_cpp_mla_cache():
