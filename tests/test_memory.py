@@ -63,11 +63,12 @@ def test_llama_3_8b_matches_llama_cpp_and_vllm_allocations():
 def test_qwen2_5_7b_matches_vllm_cpu_block_count():
     # vllm#13882 (Qwen2.5-7B-Instruct, bnb-4bit weights, bfloat16 cache): "# CPU blocks: 4681". vLLM V0
     # sizes that pool as swap_space (default 4 GiB) // block bytes, a block holding 16 tokens.
+    def cpu_blocks(config):
+        return 4 * GiB // (16 * M.kv_bytes_per_token(config, "bfloat16"))
+
     config = CONFIGS["qwen2.5-7b"]
-    block_bytes = 16 * M.kv_bytes_per_token(config, "bfloat16")
-    assert 4 * GiB // block_bytes == 4681
-    every_head = dict(config, num_key_value_heads=config["num_attention_heads"])
-    assert 4 * GiB // (16 * M.kv_bytes_per_token(every_head, "bfloat16")) == 668  # what MHA (7x the cache) would have logged
+    assert cpu_blocks(config) == 4681
+    assert cpu_blocks(dict(config, num_key_value_heads=config["num_attention_heads"])) == 668  # what MHA (7x the cache) would have logged
 
 
 def f16_bytes_per_cell(config, kind):
