@@ -33,7 +33,8 @@ def check_array(
         if value.ndim not in allowed:
             expected = " or ".join(str(n) for n in allowed)
             raise ValueError(
-                f"{name}: expected {expected} dimensions, got shape {value.shape} ({value.ndim} dimensions)"
+                f"{name}: expected {expected} dimensions, got shape {value.shape} ({value.ndim} "
+                "dimensions)"
             )
     if floating and not np.issubdtype(value.dtype, np.floating):
         raise TypeError(f"{name}: expected a floating-point dtype, got {value.dtype}")
@@ -67,5 +68,7 @@ def check_shape(x: object, expected: Sequence[int | None], name: str = "x") -> N
     """
     shape = tuple(getattr(x, "shape", ()))
     expected = tuple(expected)
-    if len(shape) != len(expected) or any(e is not None and s != e for s, e in zip(shape, expected)):
+    if len(shape) != len(expected) or any(
+        e is not None and s != e for s, e in zip(shape, expected)
+    ):
         raise ValueError(f"{name}: expected shape {expected}, got {shape}")

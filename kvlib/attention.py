@@ -54,7 +54,8 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def causal_mask(num_queries: int, num_keys: int) -> np.ndarray:
-    """Boolean causal mask for `num_queries` new tokens that follow `num_keys - num_queries` cached ones.
+    """Boolean causal mask for `num_queries` new tokens that follow `num_keys - num_queries` cached
+    ones.
 
     Query i sits at absolute position `num_keys - num_queries + i` and may attend to keys
     0 .. that position. With `num_queries == num_keys` this is the usual lower-triangular prefill
@@ -69,13 +70,17 @@ def causal_mask(num_queries: int, num_keys: int) -> np.ndarray:
     t = check_positive_int("num_queries", num_queries)
     s = check_positive_int("num_keys", num_keys)
     if t > s:
-        raise ValueError(f"num_queries: expected <= num_keys ({s}), got {t} (queries need their own keys)")
+        raise ValueError(
+            f"num_queries: expected <= num_keys ({s}), got {t} (queries need their own keys)"
+        )
     query_positions = np.arange(s - t, s)[:, None]  # (T, 1)
     key_positions = np.arange(s)[None, :]  # (1, S)
     return key_positions <= query_positions  # (T, S)
 
 
-def attention_weights(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = None, *, scale: float | None = None) -> np.ndarray:
+def attention_weights(
+    q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = None, *, scale: float | None = None
+) -> np.ndarray:
     """The attention probabilities softmax(q k^T * scale) with masked entries at 0.
 
     Args:
@@ -91,7 +96,10 @@ def attention_weights(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = No
     check_array("q", q, floating=True)
     check_array("k", k, floating=True)
     if q.ndim < 2 or k.ndim != q.ndim:
-        raise ValueError(f"q, k: expected (..., T, D) and (..., S, D) of equal rank >= 2, got {q.shape} and {k.shape}")
+        raise ValueError(
+            f"q, k: expected (..., T, D) and (..., S, D) of equal rank >= 2, got {q.shape} and "
+            f"{k.shape}"
+        )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"k: expected head dim D = {q.shape[-1]} (from q), got {k.shape[-1]}")
     if q.shape[:-2] != k.shape[:-2]:
@@ -103,15 +111,28 @@ def attention_weights(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = No
         if mask.dtype != np.bool_:
             raise TypeError(f"mask: expected a bool array (True = attend), got dtype {mask.dtype}")
         if mask.shape not in (scores.shape[-2:], scores.shape):
-            allowed = " or ".join(dict.fromkeys(str(shape) for shape in (scores.shape[-2:], scores.shape)))
-            raise ValueError(f"mask: expected shape {allowed} (T queries x S keys), got {mask.shape}")
+            allowed = " or ".join(
+                dict.fromkeys(str(shape) for shape in (scores.shape[-2:], scores.shape))
+            )
+            raise ValueError(
+                f"mask: expected shape {allowed} (T queries x S keys), got {mask.shape}"
+            )
         if not np.all(mask.any(axis=-1)):
-            raise ValueError("mask: every query row needs at least one True (a fully masked row has no output)")
+            raise ValueError(
+                "mask: every query row needs at least one True (a fully masked row has no output)"
+            )
         scores = np.where(mask, scores, -np.inf)
     return softmax(scores, axis=-1)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None = None, *, scale: float | None = None) -> np.ndarray:
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None = None,
+    *,
+    scale: float | None = None,
+) -> np.ndarray:
     """Scaled dot-product attention, softmax(q k^T * scale) v (Vaswani et al., 2017).
 
     Args:
@@ -156,16 +177,23 @@ def cached_attention_step(
     check_array("k_cache", k_cache, ndim=2, floating=True)
     check_array("v_cache", v_cache, ndim=2, floating=True)
     if k_cache.shape != (k_cache.shape[0], q.shape[0]) or k_new.shape != q.shape:
-        raise ValueError(f"k_new, k_cache: expected ({q.shape[0]},) and (S, {q.shape[0]}), got {k_new.shape} and {k_cache.shape}")
+        raise ValueError(
+            f"k_new, k_cache: expected ({q.shape[0]},) and (S, {q.shape[0]}), got {k_new.shape} "
+            f"and {k_cache.shape}"
+        )
     if v_cache.shape != (k_cache.shape[0], v_new.shape[0]):
-        raise ValueError(f"v_cache: expected ({k_cache.shape[0]}, {v_new.shape[0]}), got {v_cache.shape}")
+        raise ValueError(
+            f"v_cache: expected ({k_cache.shape[0]}, {v_new.shape[0]}), got {v_cache.shape}"
+        )
     k_cache = np.concatenate([k_cache, k_new[None, :]], axis=0)  # (S + 1, D)
     v_cache = np.concatenate([v_cache, v_new[None, :]], axis=0)  # (S + 1, D_v)
     out = attention(q[None, :], k_cache, v_cache)[0]  # (1, D_v) -> (D_v,)
     return out, k_cache, v_cache
 
 
-def dense_kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int, seq_len: int) -> int:
+def dense_kv_cache_bytes(
+    num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: int, seq_len: int
+) -> int:
     """Bytes a KV cache holds for one sequence: 2 * L * H_kv * D * b * S.
 
     The 2 is one key and one value vector per token, per head, per layer. Chapter 3 generalises
@@ -184,7 +212,7 @@ def dense_kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, byte
     return 2 * int(np.prod(factors, dtype=object))
 
 
-# --- the toy decoder -------------------------------------------------------------------------------
+# --- the toy decoder ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -201,7 +229,9 @@ class OpCounts:
     score_entries: int = 0
 
     def __add__(self, other: OpCounts) -> OpCounts:
-        return OpCounts(self.projected_rows + other.projected_rows, self.score_entries + other.score_entries)
+        return OpCounts(
+            self.projected_rows + other.projected_rows, self.score_entries + other.score_entries
+        )
 
 
 @dataclass(frozen=True)
@@ -217,7 +247,9 @@ class ToyConfig:
         for name in ("vocab_size", "d_model", "head_dim", "num_layers"):
             check_positive_int(name, getattr(self, name))
         if self.d_model % 2:
-            raise ValueError(f"d_model: expected an even size (sinusoidal positions), got {self.d_model}")
+            raise ValueError(
+                f"d_model: expected an even size (sinusoidal positions), got {self.d_model}"
+            )
 
 
 @dataclass(frozen=True)
@@ -259,16 +291,23 @@ class KVCache:
             CacheOverflowError: length + T > max_seq_len (names capacity and requested length).
             ValueError, TypeError: bad layer index or shapes.
         """
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+        if (
+            isinstance(layer, bool)
+            or not isinstance(layer, (int, np.integer))
+            or not 0 <= layer < self.num_layers
+        ):
             raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
         check_array("k", k, ndim=2, floating=True)
         check_array("v", v, ndim=2, floating=True)
         if k.shape != v.shape or k.shape[1] != self.head_dim:
-            raise ValueError(f"k, v: expected equal shapes (T, {self.head_dim}), got {k.shape} and {v.shape}")
+            raise ValueError(
+                f"k, v: expected equal shapes (T, {self.head_dim}), got {k.shape} and {v.shape}"
+            )
         end = self.length + k.shape[0]
         if end > self.max_seq_len:
             raise CacheOverflowError(
-                f"KVCache holds at most {self.max_seq_len} tokens; writing {k.shape[0]} after {self.length} needs {end}"
+                f"KVCache holds at most {self.max_seq_len} tokens; writing {k.shape[0]} after "
+                f"{self.length} needs {end}"
             )
         self.buffer[layer, 0, self.length : end] = k
         self.buffer[layer, 1, self.length : end] = v
@@ -278,13 +317,18 @@ class KVCache:
         """Move the write position by `num_tokens` (after the last layer has written them)."""
         num_tokens = check_positive_int("num_tokens", num_tokens)
         if self.length + num_tokens > self.max_seq_len:
-            raise CacheOverflowError(f"KVCache holds at most {self.max_seq_len} tokens; cannot advance to {self.length + num_tokens}")
+            raise CacheOverflowError(
+                f"KVCache holds at most {self.max_seq_len} tokens; cannot advance to "
+                f"{self.length + num_tokens}"
+            )
         self.length += num_tokens
 
     @property
     def used_bytes(self) -> int:
         """Bytes of the filled rows: 2 * L * D * 8 * length (one head per layer, float64)."""
-        return dense_kv_cache_bytes(self.num_layers, 1, self.head_dim, self.buffer.itemsize, self.length)
+        return dense_kv_cache_bytes(
+            self.num_layers, 1, self.head_dim, self.buffer.itemsize, self.length
+        )
 
 
 def sinusoidal_positions(positions: np.ndarray, d_model: int) -> np.ndarray:
@@ -321,14 +365,20 @@ class ToyModel:
             )
             for _ in range(c.num_layers)
         ]
-        self.unembedding = rng.normal(size=(c.d_model, c.vocab_size)) / np.sqrt(c.d_model)  # (d_model, V)
+        self.unembedding = rng.normal(size=(c.d_model, c.vocab_size)) / np.sqrt(
+            c.d_model
+        )  # (d_model, V)
 
     def new_cache(self, max_seq_len: int) -> KVCache:
         """An empty cache sized for this model."""
         return KVCache(self.config.num_layers, max_seq_len, self.config.head_dim)
 
     def forward(
-        self, token_ids: np.ndarray, cache: KVCache | None = None, counts: OpCounts | None = None, mask: np.ndarray | None = None
+        self,
+        token_ids: np.ndarray,
+        cache: KVCache | None = None,
+        counts: OpCounts | None = None,
+        mask: np.ndarray | None = None,
     ) -> np.ndarray:
         """Logits for T tokens.
 
@@ -346,10 +396,14 @@ class ToyModel:
         """
         check_array("token_ids", token_ids, ndim=1, integer=True)
         if token_ids.size == 0 or token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
-            raise ValueError(f"token_ids: expected 1+ ids in [0, {self.config.vocab_size}), got {token_ids!r}")
+            raise ValueError(
+                f"token_ids: expected 1+ ids in [0, {self.config.vocab_size}), got {token_ids!r}"
+            )
         past = 0 if cache is None else cache.length
         t = token_ids.shape[0]
-        x = self.embedding[token_ids] + sinusoidal_positions(np.arange(past, past + t), self.config.d_model)  # (T, d_model)
+        x = self.embedding[token_ids] + sinusoidal_positions(
+            np.arange(past, past + t), self.config.d_model
+        )  # (T, d_model)
         for index, layer in enumerate(self.layers):
             h = rms_norm(x)  # (T, d_model)
             q, k, v = h @ layer.w_q, h @ layer.w_k, h @ layer.w_v  # (T, D) each
@@ -417,7 +471,9 @@ def generate_naive(model: ToyModel, prompt_ids: np.ndarray, max_new_tokens: int)
     return GenerationTrace(np.array(tokens), np.stack(all_logits), step_counts)
 
 
-def generate_cached(model: ToyModel, prompt_ids: np.ndarray, max_new_tokens: int, cache: KVCache | None = None) -> GenerationTrace:
+def generate_cached(
+    model: ToyModel, prompt_ids: np.ndarray, max_new_tokens: int, cache: KVCache | None = None
+) -> GenerationTrace:
     """Greedy generation with a KV cache: prefill the prompt once, then feed one token per step.
 
     Step 0 (prefill) encodes the P prompt tokens and fills the cache; each later step encodes only
@@ -428,7 +484,8 @@ def generate_cached(model: ToyModel, prompt_ids: np.ndarray, max_new_tokens: int
         model: a ToyModel.
         prompt_ids: (P,) ints.
         max_new_tokens: N >= 1.
-        cache: an empty KVCache to fill (for inspection afterwards); default: a new one of P + N rows.
+        cache: an empty KVCache to fill (for inspection afterwards); default: a new one of P + N
+            rows.
     Returns:
         A GenerationTrace with tokens (P + N,), logits (N, V) and N step counts.
     Raises:
@@ -438,7 +495,10 @@ def generate_cached(model: ToyModel, prompt_ids: np.ndarray, max_new_tokens: int
     if cache is None:
         cache = model.new_cache(prompt_ids.shape[0] + n)
     elif cache.length:
-        raise ValueError(f"cache: expected an empty cache, got one holding {cache.length} tokens (reusing a cache across prompts mixes them)")
+        raise ValueError(
+            f"cache: expected an empty cache, got one holding {cache.length} tokens (reusing a "
+            "cache across prompts mixes them)"
+        )
     tokens = list(prompt_ids)
     all_logits, step_counts = [], []
     next_input = np.array(tokens)  # prefill: the whole prompt

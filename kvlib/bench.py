@@ -1,7 +1,9 @@
 """Timing helpers for the notebooks' Measure sections.
 
-Wall-clock timing on a CPU is noisy; the notebooks plot these numbers and assert only ratios with
-wide margins, never print raw timings (COURSE.md, Determinism). GPU benchmarks use
+Wall-clock timing on a CPU is noisy, and a learner's laptop is rarely idle. The notebooks time
+contenders interleaved (`interleaved_times_ms`), compare minima, plot the numbers and assert only
+ratios with margins that hold with one core busy; they never print raw timings (COURSE.md,
+Determinism). GPU benchmarks use
 `triton.testing.do_bench` instead.
 """
 
@@ -9,41 +11,59 @@ from __future__ import annotations
 
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from kvlib._validate import check_positive_int
 
 
-def median_time_ms(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of `fn()` in milliseconds over `repeats` calls, after `warmup` untimed calls.
+def interleaved_times_ms(
+    fns: Mapping[str, Callable[[], object]], *, repeats: int = 5, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Wall times of several callables in milliseconds, measured interleaved: A B A B ...
 
-    The median (not the mean) so that one interruption by the operating system does not move it.
+    Each round calls every function once, in the order given, so a slow spell of the machine
+    (another process, a frequency change) hits every contender alike instead of one of them.
+    Compare the results by their minimum (`min(times)`) or median, never by one run.
 
+    Args:
+        fns: name -> a callable of no arguments (at least one).
+        repeats: timed rounds (>= 1).
+        warmup: untimed rounds first (>= 0).
+    Returns:
+        name -> the `repeats` times in ms, in the order measured.
     Raises:
-        TypeError: `fn` is not callable. ValueError: repeats < 1 or warmup < 0.
+        TypeError: a value of `fns` is not callable. ValueError: `fns` is empty, repeats < 1 or
+            warmup < 0.
     """
-    if not callable(fn):
-        raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+    if not fns:
+        raise ValueError("fns: expected at least one callable, got none")
+    for name, fn in fns.items():
+        if not callable(fn):
+            raise TypeError(f"fns[{name!r}]: expected a callable, got {type(fn).__name__}")
     repeats = check_positive_int("repeats", repeats)
     warmup = check_positive_int("warmup", warmup, allow_zero=True)
     for _ in range(warmup):
-        fn()
-    times_ms = []
+        for fn in fns.values():
+            fn()
+    times_ms: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times_ms.append((time.perf_counter() - start) * 1e3)
-    times_ms.sort()
-    return times_ms[len(times_ms) // 2]
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times_ms[name].append((time.perf_counter() - start) * 1e3)
+    return times_ms
 
 
 def loglog_slope(sizes, values) -> float:
     """Least-squares slope of log(values) against log(sizes): the exponent k in values ~ sizes^k."""
     sizes, values = np.asarray(sizes, dtype=float), np.asarray(values, dtype=float)
     if sizes.shape != values.shape or sizes.ndim != 1 or sizes.size < 2:
-        raise ValueError(f"sizes, values: expected two 1-D arrays of equal length >= 2, got {sizes.shape} and {values.shape}")
+        raise ValueError(
+            f"sizes, values: expected two 1-D arrays of equal length >= 2, got {sizes.shape} and "
+            f"{values.shape}"
+        )
     if np.any(sizes <= 0) or np.any(values <= 0):
         raise ValueError("sizes, values: a log-log fit needs positive numbers")
     slope, _ = np.polyfit(np.log(sizes), np.log(values), 1)
@@ -75,10 +95,23 @@ def peak_memory_bytes(fn: Callable[[], object]) -> int:
 # --- the decode-attention benchmark: `python -m kvlib.bench decode` -------------------------------
 
 # Peak memory bandwidth in GB/s from the vendors' datasheets, matched against the device name.
-PEAK_BANDWIDTH_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100 80GB HBM3": 3350.0, "H100 PCIe": 2000.0, "H100 NVL": 3900.0,
-                       "A100-SXM4-80GB": 2039.0, "A100 80GB PCIe": 1935.0, "A100-SXM4-40GB": 1555.0, "L40S": 864.0}
+PEAK_BANDWIDTH_GBPS = {
+    "H200": 4800.0,
+    "H100 SXM": 3350.0,
+    "H100 80GB HBM3": 3350.0,
+    "H100 PCIe": 2000.0,
+    "H100 NVL": 3900.0,
+    "A100-SXM4-80GB": 2039.0,
+    "A100 80GB PCIe": 1935.0,
+    "A100-SXM4-40GB": 1555.0,
+    "L40S": 864.0,
+}
 
-DECODE_HEADS = [(32, 8), (32, 32), (32, 4)]  # (H_q, H_kv): Llama-3-8B's GQA first, then MHA and GQA-8
+DECODE_HEADS = [
+    (32, 8),
+    (32, 32),
+    (32, 4),
+]  # (H_q, H_kv): Llama-3-8B's GQA first, then MHA and GQA-8
 DECODE_BATCHES = [1, 4, 16, 64]
 DECODE_CONTEXTS = [1024, 4096, 16384, 32768, 65536, 131072]
 
@@ -91,7 +124,9 @@ def decode_lengths(batch_size: int, context: int, ragged: bool, seed: int = 0) -
     return [int(n) for n in rng.integers(context // 2, context + 1, size=batch_size)]
 
 
-def kv_bytes_read(lengths: list[int], num_kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+def kv_bytes_read(
+    lengths: list[int], num_kv_heads: int, head_dim: int, bytes_per_element: int
+) -> int:
     """Bytes of K and V a decode step must read, once per KV head: Σ_b S_b · 2 · H_kv · D · b
     (one layer's dense cache of all the batch's tokens, `kvlib.attention.dense_kv_cache_bytes`)."""
     from kvlib.attention import dense_kv_cache_bytes
@@ -105,12 +140,22 @@ def decode_cases(quick: bool = False) -> list[dict]:
     heads = DECODE_HEADS[:1] if quick else DECODE_HEADS
     contexts = [4096, 32768] if quick else DECODE_CONTEXTS
     for num_heads, num_kv_heads in heads:
-        for batch in ([1, 16] if quick else DECODE_BATCHES):
+        for batch in [1, 16] if quick else DECODE_BATCHES:
             for context in contexts:
                 for ragged in (False, True):
                     lengths = decode_lengths(batch, context, ragged)
-                    cases.append(dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=128, batch=batch, context=context,
-                                      ragged=ragged, lengths=lengths, cache_bytes=kv_bytes_read(lengths, num_kv_heads, 128, 2)))
+                    cases.append(
+                        dict(
+                            num_heads=num_heads,
+                            num_kv_heads=num_kv_heads,
+                            head_dim=128,
+                            batch=batch,
+                            context=context,
+                            ragged=ragged,
+                            lengths=lengths,
+                            cache_bytes=kv_bytes_read(lengths, num_kv_heads, 128, 2),
+                        )
+                    )
     return cases
 
 
@@ -122,11 +167,27 @@ def _device_facts() -> dict:
 
     name = torch.cuda.get_device_name()
     try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0].strip()
+        driver = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            .stdout.split("\n")[0]
+            .strip()
+        )
     except (OSError, subprocess.SubprocessError):
         driver = "unknown"
     peak = next((gbps for key, gbps in PEAK_BANDWIDTH_GBPS.items() if key in name), float("nan"))
-    return {"device": name, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda, "driver": driver, "peak_gbps": peak}
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "driver": driver,
+        "peak_gbps": peak,
+    }
 
 
 def copy_bandwidth_gbps(num_bytes: int = 2 * 2**30) -> float:
@@ -141,19 +202,31 @@ def copy_bandwidth_gbps(num_bytes: int = 2 * 2**30) -> float:
 
 
 def _sdpa_baseline(q, k_dense, v_dense, lengths):
-    """SDPA on a contiguous (B, H_kv, S_max, D) cache with enable_gqa; returns (callable, backend name)."""
+    """SDPA on a contiguous (B, H_kv, S_max, D) cache with enable_gqa; returns (callable, backend
+    name)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     mask = None
     if len(set(lengths)) > 1:  # ragged: a padding mask (rules out the flash backend)
         positions = torch.arange(k_dense.shape[2], device=q.device)
-        mask = (positions[None, :] < torch.tensor(lengths, device=q.device)[:, None])[:, None, None, :]
+        mask = (positions[None, :] < torch.tensor(lengths, device=q.device)[:, None])[
+            :, None, None, :
+        ]
     query = q[:, :, None, :]  # (B, H_q, 1, D)
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+    for backend in (
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.MATH,
+    ):
+
         def run(backend=backend):
             with sdpa_kernel([backend]):
-                return torch.nn.functional.scaled_dot_product_attention(query, k_dense, v_dense, attn_mask=mask, enable_gqa=True)
+                return torch.nn.functional.scaled_dot_product_attention(
+                    query, k_dense, v_dense, attn_mask=mask, enable_gqa=True
+                )
+
         try:
             run()
         except RuntimeError:
@@ -162,7 +235,9 @@ def _sdpa_baseline(q, k_dense, v_dense, lengths):
     raise RuntimeError("no SDPA backend accepted these shapes")
 
 
-def decode_benchmark(out_csv: str, *, quick: bool = False, memory_fraction: float = 0.35) -> list[dict]:
+def decode_benchmark(
+    out_csv: str, *, quick: bool = False, memory_fraction: float = 0.35
+) -> list[dict]:
     """Time `paged_decode_attention` and SDPA on every case that fits; write and return the rows.
 
     Each case: bf16, D = 128, block size 16, shuffled block tables. Time: `triton.testing.do_bench`
@@ -170,6 +245,7 @@ def decode_benchmark(out_csv: str, *, quick: bool = False, memory_fraction: floa
     """
     import csv
     import datetime
+    import functools
 
     import torch
     from tqdm import tqdm
@@ -187,29 +263,76 @@ def decode_benchmark(out_csv: str, *, quick: bool = False, memory_fraction: floa
         if case["cache_bytes"] > budget:  # paged + contiguous copies must both fit
             continue
         generator = torch.Generator(device="cuda").manual_seed(0)
-        block_tables, num_blocks = shuffled_block_tables(lengths, block_size, generator=generator, device="cuda")
+        block_tables, num_blocks = shuffled_block_tables(
+            lengths, block_size, generator=generator, device="cuda"
+        )
         shape = (num_blocks, block_size, case["num_kv_heads"], case["head_dim"])
         k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
         v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-        q = torch.randn(len(lengths), case["num_heads"], case["head_dim"], dtype=torch.bfloat16, device="cuda")
+        q = torch.randn(
+            len(lengths), case["num_heads"], case["head_dim"], dtype=torch.bfloat16, device="cuda"
+        )
         seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
         num_splits = default_num_splits(len(lengths), case["num_kv_heads"], max(lengths), q.device)
-        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=num_splits)  # validates once
-        timings = {"triton_paged": (do_bench(lambda: paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=num_splits, validate=False),
-                                             warmup=25, rep=100, return_mode="median"), f"splits={num_splits}")}
-        k_dense = torch.randn(len(lengths), case["num_kv_heads"], max(lengths), case["head_dim"], dtype=torch.bfloat16, device="cuda")
+        paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, num_splits=num_splits
+        )  # validates once
+        paged = functools.partial(
+            paged_decode_attention,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            num_splits=num_splits,
+            validate=False,
+        )  # binds the tensors now, so the `del` below frees them once timed
+        timings = {
+            "triton_paged": (
+                do_bench(paged, warmup=25, rep=100, return_mode="median"),
+                f"splits={num_splits}",
+            )
+        }
+        k_dense = torch.randn(
+            len(lengths),
+            case["num_kv_heads"],
+            max(lengths),
+            case["head_dim"],
+            dtype=torch.bfloat16,
+            device="cuda",
+        )
         v_dense = torch.randn_like(k_dense)
         sdpa, backend = _sdpa_baseline(q, k_dense, v_dense, lengths)
-        timings["sdpa_contiguous"] = (do_bench(sdpa, warmup=25, rep=100, return_mode="median"), backend)
-        del k_dense, v_dense, k_cache, v_cache
+        timings["sdpa_contiguous"] = (
+            do_bench(sdpa, warmup=25, rep=100, return_mode="median"),
+            backend,
+        )
+        del k_dense, v_dense, k_cache, v_cache, paged, sdpa
         for kernel, (time_ms, detail) in timings.items():
             gbps = case["cache_bytes"] / (time_ms * 1e-3) / 1e9
-            rows.append({**facts, "date": date, "kernel": kernel, "detail": detail,
-                         "heads_q": case["num_heads"], "heads_kv": case["num_kv_heads"], "head_dim": case["head_dim"], "dtype": "bfloat16",
-                         "block_size": block_size, "batch": case["batch"], "context": case["context"], "ragged": case["ragged"],
-                         "mean_len": round(float(np.mean(lengths)), 1), "time_us": round(time_ms * 1e3, 2), "bytes_read": case["cache_bytes"],
-                         "gbps": round(gbps, 1), "pct_of_peak": round(100 * gbps / facts["peak_gbps"], 1), "copy_gbps": round(copy_gbps, 1),
-                         "pct_of_copy": round(100 * gbps / copy_gbps, 1)})
+            rows.append(
+                {
+                    **facts,
+                    "date": date,
+                    "kernel": kernel,
+                    "detail": detail,
+                    "heads_q": case["num_heads"],
+                    "heads_kv": case["num_kv_heads"],
+                    "head_dim": case["head_dim"],
+                    "dtype": "bfloat16",
+                    "block_size": block_size,
+                    "batch": case["batch"],
+                    "context": case["context"],
+                    "ragged": case["ragged"],
+                    "mean_len": round(float(np.mean(lengths)), 1),
+                    "time_us": round(time_ms * 1e3, 2),
+                    "bytes_read": case["cache_bytes"],
+                    "gbps": round(gbps, 1),
+                    "pct_of_peak": round(100 * gbps / facts["peak_gbps"], 1),
+                    "copy_gbps": round(copy_gbps, 1),
+                    "pct_of_copy": round(100 * gbps / copy_gbps, 1),
+                }
+            )
         torch.cuda.empty_cache()
     with open(out_csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -222,17 +345,32 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m kvlib.bench decode [--out CSV] [--quick] [--dry-run]`."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m kvlib.bench", description="Benchmarks that need a GPU.")
+    parser = argparse.ArgumentParser(
+        prog="python -m kvlib.bench", description="Benchmarks that need a GPU."
+    )
     sub = parser.add_subparsers(dest="benchmark", required=True)
-    decode = sub.add_parser("decode", help="paged decode attention vs SDPA, GB/s against the copy bandwidth")
-    decode.add_argument("--out", default="results/decode_bench.csv", help="CSV to write (default results/decode_bench.csv)")
+    decode = sub.add_parser(
+        "decode", help="paged decode attention vs SDPA, GB/s against the copy bandwidth"
+    )
+    decode.add_argument(
+        "--out",
+        default="results/decode_bench.csv",
+        help="CSV to write (default results/decode_bench.csv)",
+    )
     decode.add_argument("--quick", action="store_true", help="a handful of shapes only")
-    decode.add_argument("--dry-run", action="store_true", help="list the cases and their cache sizes; time nothing (no GPU needed)")
+    decode.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the cases and their cache sizes; time nothing (no GPU needed)",
+    )
     args = parser.parse_args(argv)
     if args.dry_run:
         for case in decode_cases(args.quick):
-            print(f"H_q={case['num_heads']:>2} H_kv={case['num_kv_heads']:>2} batch={case['batch']:>2} context={case['context']:>6} "
-                  f"{'ragged' if case['ragged'] else 'uniform':<7} K+V bytes={case['cache_bytes']:,}")
+            print(
+                f"H_q={case['num_heads']:>2} H_kv={case['num_kv_heads']:>2} "
+                f"batch={case['batch']:>2} context={case['context']:>6} "
+                f"{'ragged' if case['ragged'] else 'uniform':<7} K+V bytes={case['cache_bytes']:,}"
+            )
         return 0
     import torch
 

@@ -22,7 +22,9 @@ import copy
 import torch
 
 from kvlib._validate import check_positive_int
-from kvlib.attention import CacheOverflowError  # one exception for every kvlib cache (re-exported here)
+from kvlib.attention import (
+    CacheOverflowError,
+)  # one exception for every kvlib cache (re-exported here)
 
 __all__ = ["CacheOverflowError", "DynamicCache", "StaticCache"]
 
@@ -31,16 +33,41 @@ class _Cache:
     num_layers: int
     length: int
 
-    def _check_update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, expected: tuple[int, int, int] | None = None,
-                      dtype: torch.dtype | None = None, device: torch.device | None = None) -> None:
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx: expected an int in [0, {self.num_layers}), got {layer_idx!r}")
-        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or k.shape != v.shape:
-            raise ValueError(f"k, v: expected two (B, H_kv, T, D) tensors of one shape, got {tuple(getattr(k, 'shape', ()))} and {tuple(getattr(v, 'shape', ()))}")
+    def _check_update(
+        self,
+        layer_idx: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        expected: tuple[int, int, int] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        if (
+            isinstance(layer_idx, bool)
+            or not isinstance(layer_idx, int)
+            or not 0 <= layer_idx < self.num_layers
+        ):
+            raise ValueError(
+                f"layer_idx: expected an int in [0, {self.num_layers}), got {layer_idx!r}"
+            )
+        if (
+            not isinstance(k, torch.Tensor)
+            or not isinstance(v, torch.Tensor)
+            or k.dim() != 4
+            or k.shape != v.shape
+        ):
+            raise ValueError(
+                "k, v: expected two (B, H_kv, T, D) tensors of one shape, got "
+                f"{tuple(getattr(k, 'shape', ()))} and {tuple(getattr(v, 'shape', ()))}"
+            )
         if expected is not None and (k.shape[0], k.shape[1], k.shape[3]) != expected:
-            raise ValueError(f"k: expected (B, H_kv, T, D) with (B, H_kv, D) = {expected}, got {tuple(k.shape)}")
+            raise ValueError(
+                f"k: expected (B, H_kv, T, D) with (B, H_kv, D) = {expected}, got {tuple(k.shape)}"
+            )
         if dtype is not None and (k.dtype != dtype or v.dtype != dtype):
-            raise TypeError(f"k, v: expected dtype {dtype} (the cache's), got {k.dtype} and {v.dtype}")
+            raise TypeError(
+                f"k, v: expected dtype {dtype} (the cache's), got {k.dtype} and {v.dtype}"
+            )
         if device is not None and (k.device != device or v.device != device):
             raise ValueError(f"k, v: expected device {device} (the cache's), got {k.device}")
 
@@ -59,11 +86,24 @@ class DynamicCache(_Cache):
         self.length = 0
         self.allocations = 0  # tensors allocated by torch.cat (two per layer per step)
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append T new rows for layer `layer_idx`; return its (B, H_kv, length + T, D) keys and values."""
-        old_k = self.keys[layer_idx] if isinstance(layer_idx, int) and 0 <= layer_idx < self.num_layers else None
-        self._check_update(layer_idx, k, v, None if old_k is None else (old_k.shape[0], old_k.shape[1], old_k.shape[3]),
-                           None if old_k is None else old_k.dtype, None if old_k is None else old_k.device)
+    def update(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append T new rows for layer `layer_idx`; return its (B, H_kv, length + T, D) keys and
+        values."""
+        old_k = (
+            self.keys[layer_idx]
+            if isinstance(layer_idx, int) and 0 <= layer_idx < self.num_layers
+            else None
+        )
+        self._check_update(
+            layer_idx,
+            k,
+            v,
+            None if old_k is None else (old_k.shape[0], old_k.shape[1], old_k.shape[3]),
+            None if old_k is None else old_k.dtype,
+            None if old_k is None else old_k.device,
+        )
         if old_k is None:
             self.keys[layer_idx], self.values[layer_idx] = k, v
         else:
@@ -80,12 +120,17 @@ class DynamicCache(_Cache):
                 self.values[i] = self.values[i].index_select(0, indices.to(self.values[i].device))
 
     def repeat(self, num_copies: int) -> DynamicCache:
-        """A new cache in which each sequence is copied `num_copies` times, consecutively (prefill once,
+        """A new cache in which each sequence is copied `num_copies` times, consecutively (prefill
+        once,
         decode several samples or beams)."""
         num_copies = check_positive_int("num_copies", num_copies)
         bigger = copy.copy(self)  # keeps the class (and any subclass's behaviour)
-        bigger.keys = [None if k is None else k.repeat_interleave(num_copies, dim=0) for k in self.keys]
-        bigger.values = [None if v is None else v.repeat_interleave(num_copies, dim=0) for v in self.values]
+        bigger.keys = [
+            None if k is None else k.repeat_interleave(num_copies, dim=0) for k in self.keys
+        ]
+        bigger.values = [
+            None if v is None else v.repeat_interleave(num_copies, dim=0) for v in self.values
+        ]
         return bigger
 
     @property
@@ -97,12 +142,38 @@ class StaticCache(_Cache):
     """A preallocated cache. Layout: buffer `(L, 2, B, H_kv, T_max, D)`; `buffer[l, 0]` holds layer
     l's keys and `buffer[l, 1]` its values; positions `[0, length)` are filled."""
 
-    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
-                 *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        sizes = [check_positive_int(n, v) for n, v in (("num_layers", num_layers), ("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                                                         ("max_seq_len", max_seq_len), ("head_dim", head_dim))]
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        sizes = [
+            check_positive_int(n, v)
+            for n, v in (
+                ("num_layers", num_layers),
+                ("batch_size", batch_size),
+                ("num_kv_heads", num_kv_heads),
+                ("max_seq_len", max_seq_len),
+                ("head_dim", head_dim),
+            )
+        ]
         self.num_layers, self.batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim = sizes
-        self.buffer = torch.zeros(num_layers, 2, batch_size, num_kv_heads, max_seq_len, head_dim, dtype=dtype, device=device)
+        self.buffer = torch.zeros(
+            num_layers,
+            2,
+            batch_size,
+            num_kv_heads,
+            max_seq_len,
+            head_dim,
+            dtype=dtype,
+            device=device,
+        )
         self.length = 0
         self.allocations = 1
 
@@ -110,41 +181,80 @@ class StaticCache(_Cache):
     def for_model(cls, model, batch_size: int, max_seq_len: int) -> StaticCache:
         """A cache sized for `model` (a LlamaModel), in its dtype and on its device."""
         c, weight = model.config, model.lm_head.weight
-        return cls(c.num_hidden_layers, batch_size, c.num_key_value_heads, max_seq_len, c.dim, dtype=weight.dtype, device=weight.device)
+        return cls(
+            c.num_hidden_layers,
+            batch_size,
+            c.num_key_value_heads,
+            max_seq_len,
+            c.dim,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write T new rows for layer `layer_idx` at `length`; return views `(B, H_kv, length + T, D)`.
+    def update(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write T new rows for layer `layer_idx` at `length`; return views `(B, H_kv, length + T,
+        D)`.
 
         Raises:
             CacheOverflowError: length + T > max_seq_len. ValueError/TypeError: wrong layer, shape,
             dtype or device.
         """
-        self._check_update(layer_idx, k, v, (self.batch_size, self.num_kv_heads, self.head_dim), self.buffer.dtype, self.buffer.device)
+        self._check_update(
+            layer_idx,
+            k,
+            v,
+            (self.batch_size, self.num_kv_heads, self.head_dim),
+            self.buffer.dtype,
+            self.buffer.device,
+        )
         end = self.length + k.shape[2]
         if end > self.max_seq_len:
-            raise CacheOverflowError(f"StaticCache holds {self.max_seq_len} tokens per sequence; writing {k.shape[2]} after {self.length} needs {end}")
+            raise CacheOverflowError(
+                f"StaticCache holds {self.max_seq_len} tokens per sequence; writing {k.shape[2]} "
+                f"after {self.length} needs {end}"
+            )
         self.buffer[layer_idx, 0, :, :, self.length : end] = k
         self.buffer[layer_idx, 1, :, :, self.length : end] = v
         return self.buffer[layer_idx, 0, :, :, :end], self.buffer[layer_idx, 1, :, :, :end]
 
     def advance(self, num_tokens: int) -> None:
         if self.length + num_tokens > self.max_seq_len:
-            raise CacheOverflowError(f"StaticCache holds {self.max_seq_len} tokens per sequence; cannot advance to {self.length + num_tokens}")
+            raise CacheOverflowError(
+                f"StaticCache holds {self.max_seq_len} tokens per sequence; cannot advance to "
+                f"{self.length + num_tokens}"
+            )
         super().advance(num_tokens)
 
     def reorder(self, indices: torch.Tensor) -> None:
         """Keep sequences `indices` (B,) in that order, in place (the batch size cannot change)."""
         if indices.shape != (self.batch_size,):
-            raise ValueError(f"indices: expected ({self.batch_size},) for a static batch, got {tuple(indices.shape)}")
-        self.buffer[:, :, :, :, : self.length] = self.buffer[:, :, indices.to(self.buffer.device), :, : self.length]
+            raise ValueError(
+                f"indices: expected ({self.batch_size},) for a static batch, got "
+                f"{tuple(indices.shape)}"
+            )
+        self.buffer[:, :, :, :, : self.length] = self.buffer[
+            :, :, indices.to(self.buffer.device), :, : self.length
+        ]
 
     def repeat(self, num_copies: int) -> StaticCache:
-        """A new cache with each sequence copied `num_copies` times (batch B * num_copies), same capacity."""
+        """A new cache with each sequence copied `num_copies` times (batch B * num_copies), same
+        capacity."""
         num_copies = check_positive_int("num_copies", num_copies)
         bigger = copy.copy(self)  # keeps the class (and any subclass's behaviour)
         bigger.batch_size = self.batch_size * num_copies
-        bigger.buffer = self.buffer.new_zeros(self.num_layers, 2, bigger.batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
-        bigger.buffer[:, :, :, :, : self.length] = self.buffer[:, :, :, :, : self.length].repeat_interleave(num_copies, dim=2)
+        bigger.buffer = self.buffer.new_zeros(
+            self.num_layers,
+            2,
+            bigger.batch_size,
+            self.num_kv_heads,
+            self.max_seq_len,
+            self.head_dim,
+        )
+        bigger.buffer[:, :, :, :, : self.length] = self.buffer[
+            :, :, :, :, : self.length
+        ].repeat_interleave(num_copies, dim=2)
         bigger.allocations = self.allocations + 1
         return bigger
 

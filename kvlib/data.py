@@ -68,7 +68,8 @@ def filler(rng: np.random.Generator, length: int) -> np.ndarray:
 
 @dataclasses.dataclass
 class Document:
-    """tokens (DOC_LEN,); answer_positions: where a GET's value is predicted (the token at that index
+    """tokens (DOC_LEN,); answer_positions: where a GET's value is predicted (the token at that
+    index
     is the value, predicted from the logits at index - 1); distances: tokens from each SET's value
     to its GET's value; copy_positions: indices inside the repeated span (its second half)."""
 
@@ -78,7 +79,13 @@ class Document:
     copy_positions: list[int]
 
 
-def make_document(rng: np.random.Generator, *, num_facts: int = 16, distance: int | None = None, copy_len: int = 16) -> Document:
+def make_document(
+    rng: np.random.Generator,
+    *,
+    num_facts: int = 16,
+    distance: int | None = None,
+    copy_len: int = 16,
+) -> Document:
     """One document: BOS, filler, a copied span, and `num_facts` SET/GET pairs.
 
     Args:
@@ -94,7 +101,9 @@ def make_document(rng: np.random.Generator, *, num_facts: int = 16, distance: in
         source = int(rng.integers(1, DOC_LEN // 2 - copy_len))
         target = int(rng.integers(source + copy_len + 8, DOC_LEN - copy_len))
         tokens[target : target + copy_len] = tokens[source : source + copy_len]
-        used[source : source + copy_len] = True  # facts must overwrite neither the span nor its repeat
+        used[source : source + copy_len] = (
+            True  # facts must overwrite neither the span nor its repeat
+        )
         used[target : target + copy_len] = True
         copy_positions = list(range(target + copy_len // 2, target + copy_len))
     keys = rng.choice(KEYS, size=num_facts, replace=False)
@@ -119,7 +128,8 @@ def make_document(rng: np.random.Generator, *, num_facts: int = 16, distance: in
 
 
 def make_drill(rng: np.random.Generator, *, num_facts: int = 10, length: int = 64) -> Document:
-    """A short, dense recall drill: BOS, `num_facts` SETs, then their GETs in a shuffled order, then filler.
+    """A short, dense recall drill: BOS, `num_facts` SETs, then their GETs in a shuffled order, then
+    filler.
 
     The curriculum's first phase: recall is learned through a sudden phase change (the induction
     circuit forms), and short dense drills reach it in far fewer, cheaper steps than full documents.
@@ -127,7 +137,11 @@ def make_drill(rng: np.random.Generator, *, num_facts: int = 10, length: int = 6
     keys = rng.choice(KEYS, size=num_facts, replace=False)
     values = rng.choice(VALUES, size=num_facts)
     order = rng.permutation(num_facts)
-    head = [BOS] + [t for k, v in zip(keys, values) for t in (SET, k, v)] + [t for i in order for t in (GET, keys[i], values[i])]
+    head = (
+        [BOS]
+        + [t for k, v in zip(keys, values) for t in (SET, k, v)]
+        + [t for i in order for t in (GET, keys[i], values[i])]
+    )
     tokens = np.concatenate([head, filler(rng, length - len(head))])[:length].astype(np.int64)
     answers = [1 + 3 * num_facts + 3 * j + 2 for j in range(num_facts)]
     distances = [answers[j] - (1 + 3 * int(order[j]) + 2) for j in range(num_facts)]
@@ -141,11 +155,14 @@ def batches(seed: int, batch_size: int, num_batches: int | None = None, *, drill
     batch_size = check_positive_int("batch_size", batch_size)
     produced = 0
     while num_batches is None or produced < num_batches:
-        yield np.stack([(make_drill(rng) if drill else make_document(rng)).tokens for _ in range(batch_size)])
+        yield np.stack(
+            [(make_drill(rng) if drill else make_document(rng)).tokens for _ in range(batch_size)]
+        )
         produced += 1
 
 
 def recall_documents(distance: int, num_documents: int, seed: int = 7) -> list[Document]:
-    """Documents whose facts are all exactly `distance` tokens apart (4 facts each), for recall-vs-distance."""
+    """Documents whose facts are all exactly `distance` tokens apart (4 facts each), for recall-vs-
+    distance."""
     rng = np.random.default_rng(seed + 1000 * distance)
     return [make_document(rng, num_facts=4, distance=distance) for _ in range(num_documents)]

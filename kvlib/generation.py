@@ -23,11 +23,15 @@ def _new_cache(model, kind, batch_size: int, max_seq_len: int):
         return StaticCache.for_model(model, batch_size, max_seq_len)
     if callable(kind):
         return kind(model, batch_size, max_seq_len)
-    raise ValueError(f"cache: expected 'dynamic', 'static' or a factory(model, batch_size, max_seq_len), got {kind!r}")
+    raise ValueError(
+        "cache: expected 'dynamic', 'static' or a factory(model, batch_size, max_seq_len), got "
+        f"{kind!r}"
+    )
 
 
 def _prefill(model, input_ids, attention_mask, cache, chunk_size):
-    """Run the prompt through the model (in chunks of `chunk_size` tokens); return the last logits (B, V)."""
+    """Run the prompt through the model (in chunks of `chunk_size` tokens); return the last logits
+    (B, V)."""
     if cache is None:
         return model(input_ids, attention_mask=attention_mask)[:, -1]
     t = input_ids.shape[1]
@@ -38,7 +42,9 @@ def _prefill(model, input_ids, attention_mask, cache, chunk_size):
     return logits[:, -1]
 
 
-def _choose(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> torch.Tensor:
+def _choose(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
     """(B, V) logits -> (B,) next tokens: argmax at temperature 0, else sampled from the top k."""
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -50,9 +56,20 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int | None, generat
 
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
-             use_cache: bool = True, cache: str = "dynamic", temperature: float = 0.0, top_k: int | None = None,
-             generator: torch.Generator | None = None, num_beams: int = 1, prefill_chunk_size: int | None = None) -> torch.Tensor:
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    use_cache: bool = True,
+    cache: str = "dynamic",
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+    num_beams: int = 1,
+    prefill_chunk_size: int | None = None,
+) -> torch.Tensor:
     """Generate `max_new_tokens` tokens after each prompt.
 
     Args:
@@ -74,7 +91,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
         ValueError, TypeError: bad sizes, masks or options.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise TypeError(f"input_ids: expected a (B, T) tensor, got {type(input_ids).__name__} {tuple(getattr(input_ids, 'shape', ()))}")
+        raise TypeError(
+            f"input_ids: expected a (B, T) tensor, got {type(input_ids).__name__} "
+            f"{tuple(getattr(input_ids, 'shape', ()))}"
+        )
     max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
     num_beams = check_positive_int("num_beams", num_beams)
     if prefill_chunk_size is not None:
@@ -85,13 +105,27 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     elif attention_mask.shape != (b, t):
-        raise ValueError(f"attention_mask: expected shape {(b, t)}, got {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask: expected shape {(b, t)}, got {tuple(attention_mask.shape)}"
+        )
     elif (attention_mask.sum(dim=1) == 0).any():
         raise ValueError("attention_mask: every prompt needs at least one real token")
     if num_beams > 1:
         if temperature != 0:
-            raise ValueError("temperature: beam search here is deterministic; use temperature=0 with num_beams > 1")
-        return _beam_search(model, input_ids, attention_mask, max_new_tokens, num_beams, use_cache, cache, prefill_chunk_size)
+            raise ValueError(
+                "temperature: beam search here is deterministic; use temperature=0 with num_beams "
+                "> 1"
+            )
+        return _beam_search(
+            model,
+            input_ids,
+            attention_mask,
+            max_new_tokens,
+            num_beams,
+            use_cache,
+            cache,
+            prefill_chunk_size,
+        )
 
     kv = _new_cache(model, cache, b, t + max_new_tokens) if use_cache else None
     logits = _prefill(model, input_ids, attention_mask, kv, prefill_chunk_size)
@@ -102,17 +136,25 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
         mask = torch.cat([mask, torch.ones_like(next_tokens)[:, None]], dim=1)
         if step < max_new_tokens - 1:
             if kv is None:
-                logits = model(tokens, attention_mask=mask)[:, -1]  # naive: the whole sequence again
+                logits = model(tokens, attention_mask=mask)[
+                    :, -1
+                ]  # naive: the whole sequence again
             else:
-                logits = model(next_tokens[:, None], cache=kv, attention_mask=mask)[:, -1]  # decode: the new token only
+                logits = model(next_tokens[:, None], cache=kv, attention_mask=mask)[
+                    :, -1
+                ]  # decode: the new token only
     return tokens
 
 
-def _beam_search(model, input_ids, attention_mask, max_new_tokens, num_beams, use_cache, cache_kind, chunk_size):
+def _beam_search(
+    model, input_ids, attention_mask, max_new_tokens, num_beams, use_cache, cache_kind, chunk_size
+):
     """Beam search by total log-probability; returns the best beam of each prompt (B, T + N)."""
     b, t = input_ids.shape
     kv = _new_cache(model, cache_kind, b, t + max_new_tokens) if use_cache else None
-    logits = _prefill(model, input_ids, attention_mask, kv, chunk_size)  # (B, V): one prefill per prompt
+    logits = _prefill(
+        model, input_ids, attention_mask, kv, chunk_size
+    )  # (B, V): one prefill per prompt
     if kv is not None:
         kv = kv.repeat(num_beams)  # (B * beams) sequences share each prompt's prefill
     logprobs = logits.log_softmax(dim=-1).repeat_interleave(num_beams, dim=0)  # (B * beams, V)
@@ -125,7 +167,9 @@ def _beam_search(model, input_ids, attention_mask, max_new_tokens, num_beams, us
         total = scores[:, :, None] + logprobs.view(b, num_beams, vocab)  # (B, beams, V)
         scores, flat = total.view(b, -1).topk(num_beams, dim=-1)  # (B, beams)
         origin = flat // vocab  # which beam each survivor extends
-        chosen = (torch.arange(b, device=flat.device)[:, None] * num_beams + origin).view(-1)  # rows of the batch
+        chosen = (torch.arange(b, device=flat.device)[:, None] * num_beams + origin).view(
+            -1
+        )  # rows of the batch
         next_tokens = (flat % vocab).view(-1)
         tokens = torch.cat([tokens[chosen], next_tokens[:, None]], dim=1)
         mask = torch.cat([mask[chosen], torch.ones_like(next_tokens)[:, None]], dim=1)

@@ -72,12 +72,19 @@ def question(*, function: str, points: int = 1, blocked: tuple[str, ...] = ()) -
 
     def register(test: Callable[[Submission], None]) -> Callable[[Submission], None]:
         if not test.__name__.startswith("test_"):
-            raise ValueError(f"test: expected a function named test_<question id>, got {test.__name__}")
+            raise ValueError(
+                f"test: expected a function named test_<question id>, got {test.__name__}"
+            )
         question_id = test.__name__.removeprefix("test_")
         chapter = test.__module__.rsplit(".", 1)[-1]
         if question_id in _QUESTIONS and _QUESTIONS[question_id].chapter != chapter:
-            raise ValueError(f"question id {question_id!r} is used by chapters {_QUESTIONS[question_id].chapter} and {chapter}")
-        _QUESTIONS[question_id] = Question(question_id, function, points, tuple(blocked), test, chapter)
+            raise ValueError(
+                f"question id {question_id!r} is used by chapters "
+                f"{_QUESTIONS[question_id].chapter} and {chapter}"
+            )
+        _QUESTIONS[question_id] = Question(
+            question_id, function, points, tuple(blocked), test, chapter
+        )
         return test
 
     return register
@@ -94,16 +101,25 @@ def chapter_questions(chapter: str) -> list[Question]:
     except ModuleNotFoundError as exc:
         if exc.name != f"kvlib.checks.ch{chapter}":
             raise
-        available = sorted(p.stem.removeprefix("ch") for p in Path(__file__).with_name("checks").glob("ch[0-9]*.py"))
-        raise ValueError(f"chapter: no graded questions for chapter {chapter!r}; chapters with exercises: {available}") from None
+        available = sorted(
+            p.stem.removeprefix("ch")
+            for p in Path(__file__).with_name("checks").glob("ch[0-9]*.py")
+        )
+        raise ValueError(
+            f"chapter: no graded questions for chapter {chapter!r}; chapters with exercises: "
+            f"{available}"
+        ) from None
     return [q for q in _QUESTIONS.values() if q.chapter == f"ch{chapter}"]
 
 
 def chapter_of(notebook: str | os.PathLike) -> str:
-    """The chapter number of an exercise notebook from its file name: `01_naive_vs_cached.ipynb` -> "01"."""
+    """The chapter number of an exercise notebook from its file name: `01_naive_vs_cached.ipynb` ->
+    "01"."""
     match = re.match(r"(\d\d)_", Path(notebook).name)
     if not match:
-        raise ValueError(f"notebook: expected a file named NN_<chapter>.ipynb, got {Path(notebook).name!r}")
+        raise ValueError(
+            f"notebook: expected a file named NN_<chapter>.ipynb, got {Path(notebook).name!r}"
+        )
     return match.group(1)
 
 
@@ -115,17 +131,21 @@ class Submission:
         self.errors = errors or []
 
     def function(self, name: str) -> Callable:
-        """The learner's function `name`; fails the question with a clear message if it is missing."""
+        """The learner's function `name`; fails the question with a clear message if missing."""
         value = self.namespace.get(name)
         if value is None:
             hint = f" The notebook raised while it ran: {self.errors[0]}" if self.errors else ""
-            raise AssertionError(f"`{name}` is not defined: keep its cell and its name as given.{hint}")
+            raise AssertionError(
+                f"`{name}` is not defined: keep its cell and its name as given.{hint}"
+            )
         if not callable(value):
-            raise AssertionError(f"`{name}` should be a function, but it is a {type(value).__name__}")
+            raise AssertionError(
+                f"`{name}` should be a function, but it is a {type(value).__name__}"
+            )
         return value
 
 
-# --- blocking the functions a question asks the learner to write -----------------------------------
+# --- blocking the functions a question asks the learner to write ----------------------------------
 
 
 @contextlib.contextmanager
@@ -147,7 +167,10 @@ def blocked(names: tuple[str, ...], question_id: str) -> Iterator[None]:
             caller = sys._getframe(1).f_globals.get("__name__", "")
             if caller.startswith("kvlib.") and not caller.startswith("kvlib.checks"):
                 return _original(*args, **kwargs)
-            raise GradingError(f"{_name} is unavailable while question {question_id!r} is graded: write it yourself")
+            raise GradingError(
+                f"{_name} is unavailable while question {question_id!r} is graded: write it "
+                "yourself"
+            )
 
         for module in list(sys.modules.values()):
             name = getattr(module, "__name__", "")
@@ -164,7 +187,7 @@ def blocked(names: tuple[str, ...], question_id: str) -> Iterator[None]:
             setattr(module, key, value)
 
 
-# --- in the notebook --------------------------------------------------------------------------------
+# --- in the notebook ------------------------------------------------------------------------------
 
 
 def check(question_id: str, function: Callable) -> bool | None:
@@ -175,10 +198,14 @@ def check(question_id: str, function: Callable) -> bool | None:
     """
     if os.environ.get(ENV_GRADING) == "1":
         return None
-    for chapter in sorted(p.stem.removeprefix("ch") for p in Path(__file__).with_name("checks").glob("ch[0-9]*.py")):
+    for chapter in sorted(
+        p.stem.removeprefix("ch") for p in Path(__file__).with_name("checks").glob("ch[0-9]*.py")
+    ):
         chapter_questions(chapter)
     if question_id not in _QUESTIONS:
-        raise ValueError(f"question_id: unknown question {question_id!r}; known: {sorted(_QUESTIONS)}")
+        raise ValueError(
+            f"question_id: unknown question {question_id!r}; known: {sorted(_QUESTIONS)}"
+        )
     q = _QUESTIONS[question_id]
     try:
         with blocked(q.blocked, q.id):
@@ -198,12 +225,18 @@ def show(function: Callable, *args, **kwargs) -> None:
     """
     if os.environ.get(ENV_GRADING) == "1":
         return
-    name = getattr(function, "__name__", None) or getattr(getattr(function, "fn", None), "__name__", repr(function))
+    name = getattr(function, "__name__", None) or getattr(
+        getattr(function, "fn", None), "__name__", repr(function)
+    )
     try:
         result = function(*args, **kwargs)
     except Exception as exc:  # the learner's code may raise anything
         text = f"{type(exc).__name__}: {exc}"
-        print(f"{name}: not written yet" if "NotImplementedError" in text else f"{name} raised {text[:MESSAGE_CHARS]}")
+        print(
+            f"{name}: not written yet"
+            if "NotImplementedError" in text
+            else f"{name} raised {text[:MESSAGE_CHARS]}"
+        )
         return
     print(f"{name} returned {_short(result)}")
 
@@ -218,12 +251,18 @@ def _short(value) -> str:
     if hasattr(value, "detach"):
         value = value.detach().cpu().numpy()
     if isinstance(value, np.ndarray):
-        return f"array of shape {value.shape}: " + np.array2string(value, precision=4, suppress_small=True, threshold=12, max_line_width=100)
+        return f"array of shape {value.shape}: " + np.array2string(
+            value, precision=4, suppress_small=True, threshold=12, max_line_width=100
+        )
     return repr(value)
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc) if isinstance(exc, AssertionError) else f"your code raised {type(exc).__name__}: {exc}"
+    text = (
+        str(exc)
+        if isinstance(exc, AssertionError)
+        else f"your code raised {type(exc).__name__}: {exc}"
+    )
     return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 3] + "..."
 
 
@@ -241,7 +280,9 @@ def _strip_magics(source: str) -> str:
     lines = []
     for line in source.splitlines():
         stripped = line.lstrip()
-        lines.append(line[: len(line) - len(stripped)] + "pass" if stripped.startswith(("%", "!")) else line)
+        lines.append(
+            line[: len(line) - len(stripped)] + "pass" if stripped.startswith(("%", "!")) else line
+        )
     return "\n".join(lines)
 
 
@@ -264,7 +305,11 @@ def load_notebook(path: str | os.PathLike, *, cell_timeout_s: float = 20.0) -> S
     previous = signal.signal(signal.SIGALRM, on_alarm) if can_alarm else None
     os.environ[ENV_GRADING] = "1"
     try:
-        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        with (
+            open(os.devnull, "w") as sink,
+            contextlib.redirect_stdout(sink),
+            contextlib.redirect_stderr(sink),
+        ):
             for index, cell in enumerate(notebook.cells):
                 if cell.cell_type != "code":
                     continue
@@ -285,7 +330,7 @@ def load_notebook(path: str | os.PathLike, *, cell_timeout_s: float = 20.0) -> S
     return Submission(namespace, errors)
 
 
-# --- the pytest plugin (loaded with `-p kvlib.grading` in the grader's subprocess) -----------------
+# --- the pytest plugin (loaded with `-p kvlib.grading` in the grader's subprocess) ----------------
 
 if ENV_SUBMISSION in os.environ:  # only inside the grader's subprocess
     import pytest
@@ -294,17 +339,22 @@ if ENV_SUBMISSION in os.environ:  # only inside the grader's subprocess
     def submission() -> Iterator[Submission]:
         q = _QUESTIONS[os.environ[ENV_QUESTION]]
         with blocked(q.blocked, q.id):
-            yield load_notebook(os.environ[ENV_SUBMISSION], cell_timeout_s=float(os.environ.get(ENV_CELL_TIMEOUT, "20")))
+            yield load_notebook(
+                os.environ[ENV_SUBMISSION],
+                cell_timeout_s=float(os.environ.get(ENV_CELL_TIMEOUT, "20")),
+            )
 
     def pytest_runtest_makereport(item, call) -> None:
         """Write the question's outcome; a skip or an error in any phase counts as a failure."""
         if call.when == "call" or call.excinfo is not None:
             passed = call.excinfo is None
             message = "" if passed else _describe(call.excinfo.value)
-            Path(os.environ[ENV_RESULT]).write_text(json.dumps({"passed": passed, "message": message}))
+            Path(os.environ[ENV_RESULT]).write_text(
+                json.dumps({"passed": passed, "message": message})
+            )
 
 
-# --- the grader -------------------------------------------------------------------------------------
+# --- the grader -----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -330,17 +380,30 @@ class GradeReport:
         return sum(self.max_points)
 
     def to_json(self) -> dict:
-        """The grader's `--json` object: notebook, score, max_score, questions[id, passed, points, message]."""
-        return {"notebook": self.notebook, "score": self.score, "max_score": self.max_score,
-                "questions": [dataclasses.asdict(q) for q in self.questions]}
+        """The grader's `--json` object.
+
+        Keys: notebook, score, max_score, questions[id, passed, points, message].
+        """
+        return {
+            "notebook": self.notebook,
+            "score": self.score,
+            "max_score": self.max_score,
+            "questions": [dataclasses.asdict(q) for q in self.questions],
+        }
 
     def table(self) -> str:
         """A readable per-question table and the total."""
         width = max([len(q.id) for q in self.questions] + [8])
-        lines = [f"Grading {self.notebook}", f"{'question':<{width}}  result  points  message", "-" * (width + 40)]
+        lines = [
+            f"Grading {self.notebook}",
+            f"{'question':<{width}}  result  points  message",
+            "-" * (width + 40),
+        ]
         for q, max_points in zip(self.questions, self.max_points):
             verdict = "pass" if q.passed else "FAIL"
-            lines.append(f"{q.id:<{width}}  {verdict:<6}  {q.points:>2}/{max_points:<3}  {q.message}")
+            lines.append(
+                f"{q.id:<{width}}  {verdict:<6}  {q.points:>2}/{max_points:<3}  {q.message}"
+            )
         lines.append(f"score: {self.score}/{self.max_score}")
         return "\n".join(lines)
 
@@ -351,22 +414,61 @@ def _grade_question(notebook: Path, q: Question, timeout_s: float) -> QuestionRe
     with tempfile.TemporaryDirectory(prefix="kvlib-grade-") as tmp:
         result_path = Path(tmp) / "result.json"
         env = dict(os.environ, MPLBACKEND="Agg", PYTHONHASHSEED="0")
-        env.update({ENV_SUBMISSION: str(notebook), ENV_QUESTION: q.id, ENV_RESULT: str(result_path),
-                    ENV_CELL_TIMEOUT: str(max(1.0, timeout_s / 3))})
-        command = [sys.executable, "-m", "pytest", f"{test_file}::test_{q.id}", "-p", "kvlib.grading",
-                   "-p", "no:cacheprovider", "-q", "--no-header", "-o", "addopts=", "--rootdir", tmp]
-        process = subprocess.Popen(command, env=env, cwd=tmp, stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=(os.name == "posix"))
+        env.update(
+            {
+                ENV_SUBMISSION: str(notebook),
+                ENV_QUESTION: q.id,
+                ENV_RESULT: str(result_path),
+                ENV_CELL_TIMEOUT: str(max(1.0, timeout_s / 3)),
+            }
+        )
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            f"{test_file}::test_{q.id}",
+            "-p",
+            "kvlib.grading",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--no-header",
+            "-o",
+            "addopts=",
+            "--rootdir",
+            tmp,
+        ]
+        process = subprocess.Popen(
+            command,
+            env=env,
+            cwd=tmp,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=(os.name == "posix"),
+        )
         try:
             process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             _kill(process)
-            return QuestionResult(q.id, False, 0, f"timed out after {timeout_s:g} s (an infinite loop, or far too slow)")
+            return QuestionResult(
+                q.id,
+                False,
+                0,
+                f"timed out after {timeout_s:g} s (an infinite loop, or far too slow)",
+            )
         if not result_path.exists():
-            return QuestionResult(q.id, False, 0, f"the grading process ended (exit status {process.returncode}) before the test "
-                                  "finished: does the notebook call sys.exit, os._exit or crash Python?")
+            return QuestionResult(
+                q.id,
+                False,
+                0,
+                f"the grading process ended (exit status {process.returncode}) before the test "
+                "finished: does the notebook call sys.exit, os._exit or crash Python?",
+            )
         outcome = json.loads(result_path.read_text())
-        return QuestionResult(q.id, bool(outcome["passed"]), q.points if outcome["passed"] else 0, outcome["message"])
+        return QuestionResult(
+            q.id, bool(outcome["passed"]), q.points if outcome["passed"] else 0, outcome["message"]
+        )
 
 
 def _kill(process: subprocess.Popen) -> None:
@@ -378,7 +480,9 @@ def _kill(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def grade_notebook(notebook: str | os.PathLike, *, timeout_s: float = 60.0, only: list[str] | None = None) -> GradeReport:
+def grade_notebook(
+    notebook: str | os.PathLike, *, timeout_s: float = 60.0, only: list[str] | None = None
+) -> GradeReport:
     """Grade an exercise notebook question by question (each in its own subprocess).
 
     Args:
@@ -388,7 +492,8 @@ def grade_notebook(notebook: str | os.PathLike, *, timeout_s: float = 60.0, only
     Returns:
         A GradeReport.
     Raises:
-        FileNotFoundError: no such notebook. ValueError: a chapter without questions, or timeout_s <= 0.
+        FileNotFoundError: no such notebook. ValueError: a chapter without questions, or timeout_s
+            <= 0.
     """
     path = Path(notebook).resolve()
     if not path.is_file():
@@ -399,7 +504,10 @@ def grade_notebook(notebook: str | os.PathLike, *, timeout_s: float = 60.0, only
     if only is not None:
         unknown = sorted(set(only) - {q.id for q in questions})
         if unknown:
-            raise ValueError(f"only: unknown question ids {unknown}; this chapter has {[q.id for q in questions]}")
+            raise ValueError(
+                f"only: unknown question ids {unknown}; this chapter has "
+                f"{[q.id for q in questions]}"
+            )
         questions = [q for q in questions if q.id in only]
     results = [_grade_question(path, q, timeout_s) for q in questions]
     return GradeReport(str(notebook), results, [q.points for q in questions])
@@ -409,11 +517,19 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m kvlib.grade NOTEBOOK [--json] [--timeout S]`: exit 0 whenever grading ran."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m kvlib.grade", description="Grade a course exercise notebook.")
+    parser = argparse.ArgumentParser(
+        prog="python -m kvlib.grade", description="Grade a course exercise notebook."
+    )
     parser.add_argument("notebook", help="path to exercises/NN_<chapter>.ipynb")
-    parser.add_argument("--json", action="store_true", help="print exactly one JSON object instead of a table")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per question (default 60)")
-    parser.add_argument("--question", action="append", metavar="ID", help="grade only this question (repeatable)")
+    parser.add_argument(
+        "--json", action="store_true", help="print exactly one JSON object instead of a table"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds allowed per question (default 60)"
+    )
+    parser.add_argument(
+        "--question", action="append", metavar="ID", help="grade only this question (repeatable)"
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:

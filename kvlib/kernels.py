@@ -49,12 +49,20 @@ def _decode_split_kernel(
     partial_out_ptr,  # (B, H_q, num_splits, D) fp32: each split's normalised output
     partial_lse_ptr,  # (B, H_q, num_splits) fp32: each split's log2-sum-exp2 of its scores
     qk_scale,  # softmax scale * log2(e): scores come out in the log2 domain
-    stride_qb, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
     stride_bt_b,
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
     num_splits,
     GROUP_SIZE: tl.constexpr,  # G = H_q / H_kv query heads per KV head
     HEAD_DIM: tl.constexpr,  # D
@@ -80,8 +88,11 @@ def _decode_split_kernel(
     heads = kv_head * GROUP_SIZE + group
     group_mask = group < GROUP_SIZE
     dim_mask = dims < HEAD_DIM
-    q = tl.load(q_ptr + batch * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=group_mask[:, None] & dim_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + batch * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=group_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
     if COMPUTE_FP32:
         q = q.to(tl.float32)
 
@@ -95,14 +106,30 @@ def _decode_split_kernel(
         # --- block-table lookup: logical token -> (physical block, slot) ---
         tokens = tile_start + offsets  # [BLOCK_N]
         token_mask = tokens < end
-        physical = tl.load(block_tables_ptr + batch * stride_bt_b + tokens // BLOCK_SIZE, mask=token_mask, other=0)
+        physical = tl.load(
+            block_tables_ptr + batch * stride_bt_b + tokens // BLOCK_SIZE, mask=token_mask, other=0
+        )
         physical = physical.to(tl.int64)  # block offsets of large caches pass 2**31 elements
         slot = tokens % BLOCK_SIZE
         kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + physical[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + physical[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(
+            k_cache_ptr
+            + physical[:, None] * stride_kb
+            + slot[:, None] * stride_kt
+            + kv_head * stride_kh
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        v = tl.load(
+            v_cache_ptr
+            + physical[:, None] * stride_vb
+            + slot[:, None] * stride_vt
+            + kv_head * stride_vh
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
         if COMPUTE_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -123,7 +150,13 @@ def _decode_split_kernel(
     has_tokens = l > 0
     out = acc / tl.where(has_tokens, l, 1.0)[:, None]
     lse = tl.where(has_tokens, m + tl.log2(tl.where(has_tokens, l, 1.0)), float("-inf"))
-    out_ptrs = partial_out_ptr + batch * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :]
+    out_ptrs = (
+        partial_out_ptr
+        + batch * stride_ob
+        + heads[:, None] * stride_oh
+        + split * stride_os
+        + dims[None, :]
+    )
     tl.store(out_ptrs, out, mask=group_mask[:, None] & dim_mask[None, :])
     tl.store(partial_lse_ptr + batch * stride_lb + heads * stride_lh + split, lse, mask=group_mask)
 
@@ -133,9 +166,13 @@ def _reduce_splits_kernel(
     partial_out_ptr,  # (B, H_q, num_splits, D) fp32
     partial_lse_ptr,  # (B, H_q, num_splits) fp32, log2 domain
     out_ptr,  # (B, H_q, D) in q's dtype
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh,
-    stride_outb, stride_outh,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_outb,
+    stride_outh,
     num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
@@ -149,63 +186,118 @@ def _reduce_splits_kernel(
     dim_mask = dims < HEAD_DIM
 
     # --- weights exp2(lse_i - max lse): each split's share of the softmax denominator ---
-    lse = tl.load(partial_lse_ptr + batch * stride_lb + head * stride_lh + splits, mask=split_mask, other=float("-inf"))
+    lse = tl.load(
+        partial_lse_ptr + batch * stride_lb + head * stride_lh + splits,
+        mask=split_mask,
+        other=float("-inf"),
+    )
     top = tl.max(lse, axis=0)
     weights = tl.exp2(lse - top)  # [BLOCK_S]; 0 for empty splits
-    partial = tl.load(partial_out_ptr + batch * stride_ob + head * stride_oh + splits[:, None] * stride_os + dims[None, :],
-                      mask=split_mask[:, None] & dim_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    partial = tl.load(
+        partial_out_ptr
+        + batch * stride_ob
+        + head * stride_oh
+        + splits[:, None] * stride_os
+        + dims[None, :],
+        mask=split_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
 
     # --- the exact merge ---
     out = tl.sum(weights[:, None] * partial, axis=0) / tl.sum(weights, axis=0)
-    tl.store(out_ptr + batch * stride_outb + head * stride_outh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+    tl.store(
+        out_ptr + batch * stride_outb + head * stride_outh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_mask,
+    )
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, validate: bool) -> tuple[int, int, int, int]:
+def _check_inputs(
+    q, k_cache, v_cache, block_tables, seq_lens, validate: bool
+) -> tuple[int, int, int, int]:
     """Validate before launch; returns (B, H_q, H_kv, D)."""
-    for name, tensor in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)):
+    for name, tensor in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+    ):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if q.dim() != 3:
         raise ValueError(f"q: expected (B, H_q, D), got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache, v_cache: expected equal shapes (num_blocks, block_size, H_kv, D), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            "k_cache, v_cache: expected equal shapes (num_blocks, block_size, H_kv, D), got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim:
         raise ValueError(f"k_cache: expected head dim D = {head_dim} (from q), got {cache_dim}")
     if num_heads % num_kv_heads:
-        raise ValueError(f"q: H_q = {num_heads} query heads must be a multiple of H_kv = {num_kv_heads} KV heads")
+        raise ValueError(
+            f"q: H_q = {num_heads} query heads must be a multiple of H_kv = {num_kv_heads} KV heads"
+        )
     if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"q, k_cache, v_cache: expected one dtype among float32/float16/bfloat16, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise TypeError(
+            "q, k_cache, v_cache: expected one dtype among float32/float16/bfloat16, got "
+            f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise TypeError(f"block_tables, seq_lens: expected int32, got {block_tables.dtype} and {seq_lens.dtype}")
+        raise TypeError(
+            f"block_tables, seq_lens: expected int32, got {block_tables.dtype} and {seq_lens.dtype}"
+        )
     if block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables: expected ({batch}, max_blocks_per_seq), got {tuple(block_tables.shape)}")
+        raise ValueError(
+            f"block_tables: expected ({batch}, max_blocks_per_seq), got {tuple(block_tables.shape)}"
+        )
     if seq_lens.shape != (batch,):
         raise ValueError(f"seq_lens: expected ({batch},), got {tuple(seq_lens.shape)}")
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
     if len(devices) != 1:
-        raise ValueError(f"q, k_cache, v_cache, block_tables, seq_lens: expected one device, got {sorted(map(str, devices))}")
+        raise ValueError(
+            "q, k_cache, v_cache, block_tables, seq_lens: expected one device, got "
+            f"{sorted(map(str, devices))}"
+        )
     if block_size & (block_size - 1) or block_size < 1:
         raise ValueError(f"k_cache: expected a power-of-two block_size, got {block_size}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
-        raise ValueError("q, k_cache, v_cache, block_tables: expected a contiguous last dimension (stride 1)")
+    if (
+        q.stride(-1) != 1
+        or k_cache.stride(-1) != 1
+        or v_cache.stride(-1) != 1
+        or block_tables.stride(-1) != 1
+    ):
+        raise ValueError(
+            "q, k_cache, v_cache, block_tables: expected a contiguous last dimension (stride 1)"
+        )
     if validate:  # one host sync for all value checks
         capacity = block_tables.shape[1] * block_size
-        lengths_ok, blocks_low, blocks_high = torch.stack([
-            ((seq_lens >= 1) & (seq_lens <= capacity)).all(),
-            (block_tables >= 0).all() | (block_tables.numel() == 0),
-            (block_tables < num_blocks).all() | (block_tables.numel() == 0),
-        ]).tolist()
+        lengths_ok, blocks_low, blocks_high = torch.stack(
+            [
+                ((seq_lens >= 1) & (seq_lens <= capacity)).all(),
+                (block_tables >= 0).all() | (block_tables.numel() == 0),
+                (block_tables < num_blocks).all() | (block_tables.numel() == 0),
+            ]
+        ).tolist()
         if not lengths_ok:
-            raise ValueError(f"seq_lens: expected every length in [1, {capacity}] (block table capacity), got {seq_lens.tolist()}")
+            raise ValueError(
+                f"seq_lens: expected every length in [1, {capacity}] (block table capacity), got "
+                f"{seq_lens.tolist()}"
+            )
         if not (blocks_low and blocks_high):
-            raise ValueError(f"block_tables: expected block ids in [0, {num_blocks}), got min {int(block_tables.min())}, max {int(block_tables.max())}")
+            raise ValueError(
+                f"block_tables: expected block ids in [0, {num_blocks}), got min "
+                f"{int(block_tables.min())}, max {int(block_tables.max())}"
+            )
     return batch, num_heads, num_kv_heads, head_dim
 
 
-def default_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Split count that fills the device's SMs (kvlib.online_softmax.choose_num_splits); 1 on CPU."""
+def default_num_splits(
+    batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device
+) -> int:
+    """Split count that fills the device's SMs (`online_softmax.choose_num_splits`); 1 on CPU."""
     from kvlib.online_softmax import choose_num_splits
 
     if device.type != "cuda":
@@ -214,7 +306,18 @@ def default_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, dev
     return choose_num_splits(batch_size, num_kv_heads, max_seq_len, num_sms=num_sms)
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=None, validate=True, block_n=None):
+def paged_decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale=None,
+    num_splits=None,
+    validate=True,
+    block_n=None,
+):
     """Decode attention over a paged KV cache (one new query per sequence and head).
 
     Args:
@@ -225,14 +328,17 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
         scale: softmax scale, default D ** -0.5.
         num_splits: split-K factor; default fills the GPU's SMs (`default_num_splits`).
         validate: check lengths and block ids on the device first (one host sync).
-        block_n: tokens per tile: a power of two >= 16 and a multiple of block_size; default max(block_size, 64).
+        block_n: tokens per tile: a power of two >= 16 and a multiple of block_size; default
+            max(block_size, 64).
     Returns:
         (B, H_q, D) in q's dtype; accumulation in fp32.
     Raises:
         TypeError, ValueError: inputs that disagree in shape, dtype or device, H_q not a multiple
         of H_kv, lengths beyond the block table, block ids outside the cache.
     """
-    batch, num_heads, num_kv_heads, head_dim = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, validate)
+    batch, num_heads, num_kv_heads, head_dim = _check_inputs(
+        q, k_cache, v_cache, block_tables, seq_lens, validate
+    )
     block_size = k_cache.shape[1]
     group_size = num_heads // num_kv_heads
     scale = head_dim**-0.5 if scale is None else float(scale)
@@ -241,43 +347,98 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *, scale
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected an int >= 1, got {num_splits!r}")
     block_n = max(block_size, 64) if block_n is None else block_n
-    if not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1) or block_n % block_size:
+    if (
+        not isinstance(block_n, int)
+        or block_n < 16
+        or block_n & (block_n - 1)
+        or block_n % block_size
+    ):
         # tl.arange needs a power of two; tl.dot on a GPU needs every dimension >= 16
-        raise ValueError(f"block_n: expected a power of two >= 16 and a multiple of block_size {block_size}, got {block_n!r}")
+        raise ValueError(
+            f"block_n: expected a power of two >= 16 and a multiple of block_size {block_size}, "
+            f"got {block_n!r}"
+        )
 
-    partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    partial_out = torch.empty(
+        batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+    )
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    block_d = max(16, triton.next_power_of_2(head_dim))  # tl.dot's K dimension on a GPU is >= 16; masks cover the padding
+    block_d = max(
+        16, triton.next_power_of_2(head_dim)
+    )  # tl.dot's K dimension on a GPU is >= 16; masks cover the padding
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, partial_out, partial_lse, scale * LOG2_E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        partial_out,
+        partial_lse,
+        scale * LOG2_E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
         num_splits,
-        GROUP_SIZE=group_size, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(group_size)), BLOCK_D=block_d, BLOCK_N=block_n,
+        GROUP_SIZE=group_size,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group_size)),
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
         COMPUTE_FP32=INTERPRETED or q.dtype == torch.float32,
     )
     _reduce_splits_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out,
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
-        out.stride(0), out.stride(1),
+        partial_out,
+        partial_lse,
+        out,
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
         num_splits,
-        HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d,
     )
     return out
 
 
-def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, num_splits=None, validate=True, block_n=None):
+def paged_decode_attention_ref(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale=None,
+    num_splits=None,
+    validate=True,
+    block_n=None,
+):
     """Reference for `paged_decode_attention`, same signature: gather each sequence's K/V through
     its block table, repeat KV heads for their query groups, and attend in fp32 with plain torch
-    (`num_splits`, `validate` and `block_n` change nothing here). Returns (B, H_q, D) in q's dtype."""
-    batch, num_heads, num_kv_heads, head_dim = _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, validate)
+    (`num_splits`, `validate` and `block_n` change nothing here).
+
+    Returns (B, H_q, D) in q's dtype.
+    """
+    batch, num_heads, num_kv_heads, head_dim = _check_inputs(
+        q, k_cache, v_cache, block_tables, seq_lens, validate
+    )
     block_size = k_cache.shape[1]
     scale = head_dim**-0.5 if scale is None else float(scale)
     out = torch.empty_like(q)
@@ -293,8 +454,14 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, *, s
     return out
 
 
-def shuffled_block_tables(seq_lens, block_size: int, *, spare_blocks: int = 0, generator: torch.Generator | None = None,
-                          device="cpu") -> tuple[torch.Tensor, int]:
+def shuffled_block_tables(
+    seq_lens,
+    block_size: int,
+    *,
+    spare_blocks: int = 0,
+    generator: torch.Generator | None = None,
+    device="cpu",
+) -> tuple[torch.Tensor, int]:
     """Block tables for a paged cache whose physical blocks are in random order, as a busy
     allocator leaves them (PagedAttention, Kwon et al., 2023): sequence b gets
     ceil(seq_lens[b] / block_size) distinct blocks of a pool of sum(...) + `spare_blocks` blocks.
@@ -308,11 +475,17 @@ def shuffled_block_tables(seq_lens, block_size: int, *, spare_blocks: int = 0, g
     if not lengths or min(lengths) < 1:
         raise ValueError(f"seq_lens: expected at least one length, all >= 1; got {lengths}")
     if block_size < 1 or spare_blocks < 0:
-        raise ValueError(f"block_size: expected >= 1 and spare_blocks >= 0; got {block_size} and {spare_blocks}")
+        raise ValueError(
+            f"block_size: expected >= 1 and spare_blocks >= 0; got {block_size} and {spare_blocks}"
+        )
     blocks_needed = [math.ceil(n / block_size) for n in lengths]
     num_blocks = sum(blocks_needed) + spare_blocks
-    physical = torch.randperm(num_blocks, generator=generator, device=generator.device if generator is not None else "cpu").int()
-    block_tables = torch.zeros(len(lengths), max(blocks_needed), dtype=torch.int32, device=physical.device)
+    physical = torch.randperm(
+        num_blocks, generator=generator, device=generator.device if generator is not None else "cpu"
+    ).int()
+    block_tables = torch.zeros(
+        len(lengths), max(blocks_needed), dtype=torch.int32, device=physical.device
+    )
     used = 0
     for b, count in enumerate(blocks_needed):
         block_tables[b, :count] = physical[used : used + count]

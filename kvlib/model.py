@@ -56,12 +56,25 @@ class ModelConfig:
     model_type: str = "llama"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        ):
             check_positive_int(name, getattr(self, name))
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_key_value_heads: expected a divisor of num_attention_heads {self.num_attention_heads}, got {self.num_key_value_heads}")
+            raise ValueError(
+                "num_key_value_heads: expected a divisor of num_attention_heads "
+                f"{self.num_attention_heads}, got {self.num_key_value_heads}"
+            )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size: expected a multiple of num_attention_heads {self.num_attention_heads} (or an explicit head_dim), got {self.hidden_size}")
+            raise ValueError(
+                "hidden_size: expected a multiple of num_attention_heads "
+                f"{self.num_attention_heads} (or an explicit head_dim), got {self.hidden_size}"
+            )
         if self.dim % 2:
             raise ValueError(f"head_dim: RoPE needs an even head dimension, got {self.dim}")
 
@@ -80,35 +93,69 @@ class ModelConfig:
         """
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedCheckpointError(f"config: model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise UnsupportedCheckpointError(
+                f"config: model_type {model_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         if config.get("mlp_bias"):
-            raise UnsupportedCheckpointError("config: mlp_bias=true (MLP biases) is not implemented")
+            raise UnsupportedCheckpointError(
+                "config: mlp_bias=true (MLP biases) is not implemented"
+            )
         if config.get("attention_bias"):
-            raise UnsupportedCheckpointError("config: attention_bias=true (biases on q/k/v/o) is not implemented")
+            raise UnsupportedCheckpointError(
+                "config: attention_bias=true (biases on q/k/v/o) is not implemented"
+            )
         if config.get("hidden_act", "silu") != "silu":
-            raise UnsupportedCheckpointError(f"config: hidden_act {config['hidden_act']!r} is not implemented (SwiGLU uses silu)")
+            raise UnsupportedCheckpointError(
+                f"config: hidden_act {config['hidden_act']!r} is not implemented (SwiGLU uses silu)"
+            )
         rope = config.get("rope_parameters") or {}  # transformers 5.x
-        scaling = config.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"} if rope else None)
+        scaling = config.get("rope_scaling") or (
+            {k: v for k, v in rope.items() if k != "rope_theta"} if rope else None
+        )
         if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise UnsupportedCheckpointError(f"config: rope scaling {scaling!r} is not implemented (only the default RoPE)")
+            raise UnsupportedCheckpointError(
+                f"config: rope scaling {scaling!r} is not implemented (only the default RoPE)"
+            )
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        sliding = config.get("sliding_window") if model_type == "mistral" or config.get("use_sliding_window") else None
+        sliding = (
+            config.get("sliding_window")
+            if model_type == "mistral" or config.get("use_sliding_window")
+            else None
+        )
         if model_type == "qwen2" and config.get("use_sliding_window"):
-            raise UnsupportedCheckpointError("config: Qwen2's use_sliding_window=true (per-layer windows) is not implemented")
+            raise UnsupportedCheckpointError(
+                "config: Qwen2's use_sliding_window=true (per-layer windows) is not implemented"
+            )
         return cls(
-            vocab_size=config["vocab_size"], hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-            num_hidden_layers=config["num_hidden_layers"], num_attention_heads=config["num_attention_heads"],
-            num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"], head_dim=config.get("head_dim"),
-            rope_theta=float(theta), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=config.get("max_position_embeddings", 2048), tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2", sliding_window=sliding, torch_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=config["num_attention_heads"],
+            num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
+            head_dim=config.get("head_dim"),
+            rope_theta=float(theta),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
+            sliding_window=sliding,
+            torch_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
             model_type=model_type,
         )
 
     def to_hf(self) -> dict:
         """This config as a Hugging Face (transformers 4.x style) config dict."""
-        config = {k: v for k, v in dataclasses.asdict(self).items() if k != "qkv_bias" and v is not None}
-        config.update(architectures=["LlamaForCausalLM"], hidden_act="silu", attention_bias=False, mlp_bias=False)
+        config = {
+            k: v for k, v in dataclasses.asdict(self).items() if k != "qkv_bias" and v is not None
+        }
+        config.update(
+            architectures=["LlamaForCausalLM"],
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+        )
         return config
 
 
@@ -122,16 +169,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        ) * self.weight
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for rotary embeddings at integer `positions` (B, T): each (B, T, D).
 
     Frequencies theta^(-2i/D) for i < D/2, each used twice ([f, f] concatenated): the Hugging Face
     convention that pairs dimension i with i + D/2 (see `rotate_half`).
     """
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)  # (D/2,)
+    inv_freq = theta ** (
+        -torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    )  # (D/2,)
     angles = positions.float()[..., None] * inv_freq  # (B, T, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (B, T, D)
     return angles.cos(), angles.sin()
@@ -162,11 +215,17 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         c = self.config
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)  # (B, H_kv, T, D)
-        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)  # (B, H_kv, T, D)
+        k = (
+            self.k_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)
+        )  # (B, H_kv, T, D)
+        v = (
+            self.v_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)
+        )  # (B, H_kv, T, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # keys are cached already rotated
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D): the cached prefix and the new tokens
+            k, v = cache.update(
+                self.layer_idx, k, v
+            )  # (B, H_kv, S, D): the cached prefix and the new tokens
         group = c.num_attention_heads // c.num_key_value_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, D)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(c.dim)  # (B, H, T, S)
@@ -174,7 +233,9 @@ class Attention(nn.Module):
         weights = scores.softmax(dim=-1).to(q.dtype)  # (B, H, T, S)
         if attention_weights is not None:
             attention_weights.append(weights.detach())
-        out = (weights @ v).transpose(1, 2).reshape(b, t, c.num_attention_heads * c.dim)  # (B, T, H·D)
+        out = (
+            (weights @ v).transpose(1, 2).reshape(b, t, c.num_attention_heads * c.dim)
+        )  # (B, T, H·D)
         return self.o_proj(out)
 
 
@@ -206,11 +267,19 @@ class Backbone(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def attention_mask_4d(num_queries: int, num_keys: int, padding_mask: torch.Tensor | None, sliding_window: int | None, device) -> torch.Tensor:
+def attention_mask_4d(
+    num_queries: int,
+    num_keys: int,
+    padding_mask: torch.Tensor | None,
+    sliding_window: int | None,
+    device,
+) -> torch.Tensor:
     """Boolean (B or 1, T, S) mask in cache-index space: query i (cache index S - T + i) sees key j
     if j <= that index (causal over the cached prefix and within the new tokens), j is not padding
     (a padding query sees only itself), and, with a window, j is among the last `sliding_window`."""
@@ -221,9 +290,12 @@ def attention_mask_4d(num_queries: int, num_keys: int, padding_mask: torch.Tenso
         mask &= key_index > query_index - sliding_window
     mask = mask[None]  # (1, T, S)
     if padding_mask is not None:
-        # a padding query would see nothing (a NaN softmax row that leaks into later layers as 0 * NaN);
+        # a padding query would see nothing (a NaN softmax row that leaks into later layers as 0 *
+        # NaN);
         # let every query see itself: real queries lose nothing, padding outputs are never used
-        mask = (mask & padding_mask[:, None, :].bool()) | (key_index == query_index)[None]  # (B, T, S)
+        mask = (mask & padding_mask[:, None, :].bool()) | (key_index == query_index)[
+            None
+        ]  # (B, T, S)
     return mask
 
 
@@ -242,14 +314,22 @@ class LlamaModel(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once
 
-    def forward(self, input_ids: torch.Tensor, *, cache=None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, attention_weights: list | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cache=None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_weights: list | None = None,
+    ) -> torch.Tensor:
         """Logits for the T new tokens.
 
         Args:
             input_ids: (B, T) token ids: the whole sequence, or with a cache the tokens after it.
             cache: a `kvlib.cache` cache holding S0 earlier tokens per sequence (or None).
-            attention_mask: (B, S0 + T) 1 for real tokens, 0 for padding (left padding); default all 1.
+            attention_mask: (B, S0 + T) 1 for real tokens, 0 for padding (left padding); default all
+                1.
             position_ids: (B, T) RoPE positions; default: count of real tokens before each one.
             attention_weights: a list to receive each layer's (B, H, T, S) attention weights.
         Returns:
@@ -257,22 +337,39 @@ class LlamaModel(nn.Module):
         Raises:
             ValueError, TypeError: ids out of range, wrong shapes, a mask of the wrong length.
         """
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"input_ids: expected an int64 (B, T) tensor, got {getattr(input_ids, 'dtype', type(input_ids).__name__)} "
-                            f"{tuple(getattr(input_ids, 'shape', ()))}")
+        if (
+            not isinstance(input_ids, torch.Tensor)
+            or input_ids.dim() != 2
+            or input_ids.dtype not in (torch.int64, torch.int32)
+        ):
+            raise TypeError(
+                "input_ids: expected an int64 (B, T) tensor, got "
+                f"{getattr(input_ids, 'dtype', type(input_ids).__name__)} "
+                f"{tuple(getattr(input_ids, 'shape', ()))}"
+            )
         b, t = input_ids.shape
         if t == 0 or input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
-            raise ValueError(f"input_ids: expected 1+ ids in [0, {self.config.vocab_size}) per row, got shape {(b, t)}")
+            raise ValueError(
+                f"input_ids: expected 1+ ids in [0, {self.config.vocab_size}) per row, got shape "
+                f"{(b, t)}"
+            )
         past = 0 if cache is None else cache.length
         if attention_mask is not None and attention_mask.shape != (b, past + t):
-            raise ValueError(f"attention_mask: expected shape ({b}, {past + t}) (cached + new tokens), got {tuple(attention_mask.shape)}")
+            raise ValueError(
+                f"attention_mask: expected shape ({b}, {past + t}) (cached + new tokens), got "
+                f"{tuple(attention_mask.shape)}"
+            )
         if position_ids is None:
             if attention_mask is None:
                 position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
             else:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]  # real tokens before each one
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[
+                    :, past:
+                ]  # real tokens before each one
         cos, sin = rope_cos_sin(position_ids, self.config.dim, self.config.rope_theta)
-        mask = attention_mask_4d(t, past + t, attention_mask, self.config.sliding_window, input_ids.device)
+        mask = attention_mask_4d(
+            t, past + t, attention_mask, self.config.sliding_window, input_ids.device
+        )
         x = self.model.embed_tokens(input_ids)  # (B, T, d_model)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, cache, attention_weights)
@@ -281,7 +378,7 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.model.norm(x)).float()  # (B, T, V)
 
 
-# --- Hugging Face checkpoints -----------------------------------------------------------------------
+# --- Hugging Face checkpoints ---------------------------------------------------------------------
 
 
 def save_hf_checkpoint(model: LlamaModel, path: str | os.PathLike) -> None:
@@ -297,8 +394,11 @@ def save_hf_checkpoint(model: LlamaModel, path: str | os.PathLike) -> None:
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> LlamaModel:
-    """Load a local Hugging Face Llama-format checkpoint (config.json + *.safetensors) by parameter name.
+def load_hf_checkpoint(
+    path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> LlamaModel:
+    """Load a local Hugging Face Llama-format checkpoint (config.json + *.safetensors) by parameter
+    name.
 
     Args:
         path: the checkpoint directory.
@@ -327,13 +427,20 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | None = N
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
         state.pop("lm_head.weight", None)
-    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # buffers some exports include
+    state = {
+        k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")
+    }  # buffers some exports include
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path}: missing parameters {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"checkpoint {path}: missing parameters {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     for name, tensor in state.items():
         if tensor.shape != expected[name].shape:
-            raise ValueError(f"checkpoint {path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}")
+            raise ValueError(
+                f"checkpoint {path}: {name} has shape {tuple(tensor.shape)}, the config implies "
+                f"{tuple(expected[name].shape)}"
+            )
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -30,13 +30,16 @@ def setup_notebook(seed: int = 0) -> str:
         torch.manual_seed(seed)
     import matplotlib as mpl
 
-    mpl.rcParams.update({"figure.figsize": (7.0, 4.0), "figure.dpi": 90, "axes.grid": True, "grid.alpha": 0.3})
+    mpl.rcParams.update(
+        {"figure.figsize": (7.0, 4.0), "figure.dpi": 90, "axes.grid": True, "grid.alpha": 0.3}
+    )
     return f"kvlib {kvlib.__version__} ready (seed {seed})"
 
 
 def execute_in_place(paths: list[str], *, timeout_s: int = 900) -> None:
     """Execute each notebook (or every notebook under each folder) from top to bottom and save it
-    with fresh outputs, using nbclient in the notebook's own folder. Raises on the first failing cell.
+    with fresh outputs, using nbclient in the notebook's own folder. Raises on the first failing
+    cell.
     """
     from pathlib import Path
 
@@ -49,7 +52,12 @@ def execute_in_place(paths: list[str], *, timeout_s: int = 900) -> None:
         notebooks.extend(sorted(path.glob("*.ipynb")) if path.is_dir() else [path])
     for path in tqdm(notebooks, desc="executing notebooks", unit="notebook"):
         notebook = nbformat.read(path, as_version=4)
-        NotebookClient(notebook, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+        NotebookClient(
+            notebook,
+            timeout=timeout_s,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(path.parent)}},
+        ).execute()
         nbformat.write(notebook, path)
 
 

@@ -64,7 +64,14 @@ def _check_qkv(q: np.ndarray, k, v) -> tuple[int, int]:
 
 
 def tiled_attention(
-    q: np.ndarray, k, v, *, tile_size: int, query_tile_size: int | None = None, causal: bool = False, scale: float | None = None
+    q: np.ndarray,
+    k,
+    v,
+    *,
+    tile_size: int,
+    query_tile_size: int | None = None,
+    causal: bool = False,
+    scale: float | None = None,
 ) -> np.ndarray:
     """Attention computed tile by tile with the FlashAttention recurrence (Dao et al., 2022).
 
@@ -78,7 +85,8 @@ def tiled_attention(
 
     and return `acc / l`. Tiles need not divide the lengths. K and V are read once per query
     tile (once in all when one query tile covers T, as in decode). With `causal`, query i sits at
-    position S - T + i (see `kvlib.attention.causal_mask`) and tiles wholly in its future are skipped.
+    position S - T + i (see `kvlib.attention.causal_mask`) and tiles wholly in its future are
+    skipped.
 
     Args:
         q: (T, D) float queries.
@@ -94,7 +102,11 @@ def tiled_attention(
     """
     t, s = _check_qkv(q, k, v)
     tile_size = check_positive_int("tile_size", tile_size)
-    query_tile_size = tile_size if query_tile_size is None else check_positive_int("query_tile_size", query_tile_size)
+    query_tile_size = (
+        tile_size
+        if query_tile_size is None
+        else check_positive_int("query_tile_size", query_tile_size)
+    )
     if causal and t > s:
         raise ValueError(f"q: causal attention needs T <= S, got T = {t}, S = {s}")
     scale = q.shape[1] ** -0.5 if scale is None else float(scale)
@@ -105,12 +117,21 @@ def tiled_attention(
         m = np.full(rows, -np.inf)  # running max per query
         l = np.zeros(rows)  # running denominator per query
         acc = np.zeros((rows, v.shape[1]))  # unnormalised output, [query_tile, D_v]
-        last_visible = s - t + q_start + rows - 1 if causal else s - 1  # the tile's last query sees keys <= this
+        last_visible = (
+            s - t + q_start + rows - 1 if causal else s - 1
+        )  # the tile's last query sees keys <= this
         for k_start in range(0, last_visible + 1, tile_size):
-            k_tile, v_tile = np.asarray(k[k_start : k_start + tile_size]), np.asarray(v[k_start : k_start + tile_size])
+            k_tile, v_tile = (
+                np.asarray(k[k_start : k_start + tile_size]),
+                np.asarray(v[k_start : k_start + tile_size]),
+            )
             scores = q_tile @ k_tile.T * scale  # [query_tile, tile]
-            if causal:  # query i sits at position s - t + i; key 0 is visible to all, so m is finite after tile 0
-                query_positions = s - t + np.arange(q_start, q_start + rows)[:, None]  # [query_tile, 1]
+            # query i sits at position s - t + i; key 0 is visible to all, so m is finite after tile
+            # 0
+            if causal:
+                query_positions = (
+                    s - t + np.arange(q_start, q_start + rows)[:, None]
+                )  # [query_tile, 1]
                 key_positions = np.arange(k_start, k_start + k_tile.shape[0])[None, :]  # [1, tile]
                 scores = np.where(key_positions <= query_positions, scores, -np.inf)
             # --- the online update: rescale what we have, add this tile ---
@@ -124,10 +145,17 @@ def tiled_attention(
     return out
 
 
-# --- split-K decoding -------------------------------------------------------------------------------
+# --- split-K decoding -----------------------------------------------------------------------------
 
 
-def partial_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float | None = None, mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def partial_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    scale: float | None = None,
+    mask: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Attention of queries over one chunk of the cache, with the chunk's log-sum-exp.
 
     Args:
@@ -157,7 +185,9 @@ def partial_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: flo
     return out, lse
 
 
-def merge_partials(outs: Sequence[np.ndarray], lses: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def merge_partials(
+    outs: Sequence[np.ndarray], lses: Sequence[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
     """Merge partial attention results over disjoint chunks into the result over their union.
 
     With `M = max_i lse_i`, chunk i's weight is `w_i = exp(lse_i - M)` (its share of the softmax
@@ -171,21 +201,30 @@ def merge_partials(outs: Sequence[np.ndarray], lses: Sequence[np.ndarray]) -> tu
         (out (..., D_v), lse (...)). If every chunk is empty for a query: out 0, lse -inf.
     """
     if len(outs) != len(lses) or not outs:
-        raise ValueError(f"outs, lses: expected equally many (>= 1) partials, got {len(outs)} and {len(lses)}")
+        raise ValueError(
+            f"outs, lses: expected equally many (>= 1) partials, got {len(outs)} and {len(lses)}"
+        )
     outs, lses = np.stack(outs), np.stack(lses)  # (n, ..., D_v), (n, ...)
     if outs.shape[:-1] != lses.shape:
-        raise ValueError(f"lses: expected shape {outs.shape[1:-1]} per partial (outs without D_v), got {lses.shape[1:]}")
+        raise ValueError(
+            f"lses: expected shape {outs.shape[1:-1]} per partial (outs without D_v), got "
+            f"{lses.shape[1:]}"
+        )
     top = lses.max(axis=0)  # (...)
     safe_top = np.where(np.isneginf(top), 0.0, top)
     weights = np.exp(lses - safe_top)  # (n, ...): 0 for empty chunks
     total = weights.sum(axis=0)  # (...)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = np.where(total[..., None] > 0, (weights[..., None] * outs).sum(axis=0) / total[..., None], 0.0)
+        out = np.where(
+            total[..., None] > 0, (weights[..., None] * outs).sum(axis=0) / total[..., None], 0.0
+        )
         lse = np.where(total > 0, safe_top + np.log(total), -np.inf)
     return out, lse
 
 
-def split_k_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, num_splits: int, scale: float | None = None) -> np.ndarray:
+def split_k_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, *, num_splits: int, scale: float | None = None
+) -> np.ndarray:
     """Decode attention with the cache split into `num_splits` chunks, each attended independently
     (in parallel on a GPU), then merged with their log-sum-exps.
 
@@ -199,12 +238,22 @@ def split_k_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, num_splits
     _, s = _check_qkv(q, k, v)
     num_splits = check_positive_int("num_splits", num_splits)
     bounds = np.linspace(0, s, num_splits + 1).round().astype(int)
-    partials = [partial_attention(q, k[a:b], v[a:b], scale=scale) for a, b in zip(bounds[:-1], bounds[1:])]
+    partials = [
+        partial_attention(q, k[a:b], v[a:b], scale=scale) for a, b in zip(bounds[:-1], bounds[1:])
+    ]
     out, _ = merge_partials([o for o, _ in partials], [lse for _, lse in partials])
     return out
 
 
-def choose_num_splits(batch_size: int, num_kv_heads: int, seq_len: int, *, num_sms: int, min_tokens_per_split: int = 256, max_splits: int = 64) -> int:
+def choose_num_splits(
+    batch_size: int,
+    num_kv_heads: int,
+    seq_len: int,
+    *,
+    num_sms: int,
+    min_tokens_per_split: int = 256,
+    max_splits: int = 64,
+) -> int:
     """How many split-K chunks per (sequence, KV head) keep a GPU busy during decode.
 
     Without splitting, decode launches `B · H_kv` programs; with fewer programs than SMs, most of
@@ -219,10 +268,17 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, seq_len: int, *, num_s
     Returns:
         num_splits >= 1.
     """
-    programs = check_positive_int("batch_size", batch_size) * check_positive_int("num_kv_heads", num_kv_heads)
+    programs = check_positive_int("batch_size", batch_size) * check_positive_int(
+        "num_kv_heads", num_kv_heads
+    )
     seq_len = check_positive_int("seq_len", seq_len)
     num_sms = check_positive_int("num_sms", num_sms)
-    limit = max(1, min(max_splits, seq_len // check_positive_int("min_tokens_per_split", min_tokens_per_split)))
+    limit = max(
+        1,
+        min(
+            max_splits, seq_len // check_positive_int("min_tokens_per_split", min_tokens_per_split)
+        ),
+    )
 
     def efficiency(splits: int) -> float:
         waves = programs * splits / num_sms
@@ -232,7 +288,7 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, seq_len: int, *, num_s
     return next(n for n in range(1, limit + 1) if efficiency(n) >= 0.85 * best)
 
 
-# --- counting passes over K and V -------------------------------------------------------------------
+# --- counting passes over K and V -----------------------------------------------------------------
 
 
 class RowReadCounter:
@@ -245,7 +301,11 @@ class RowReadCounter:
     def __init__(self, array: np.ndarray, *, max_rows_per_read: int | None = None):
         self.array = check_array("array", array, ndim=2)
         self.shape = array.shape
-        self.max_rows_per_read = None if max_rows_per_read is None else check_positive_int("max_rows_per_read", max_rows_per_read)
+        self.max_rows_per_read = (
+            None
+            if max_rows_per_read is None
+            else check_positive_int("max_rows_per_read", max_rows_per_read)
+        )
         self.rows_read = 0
 
     def __len__(self) -> int:
@@ -255,10 +315,15 @@ class RowReadCounter:
         if isinstance(index, tuple) and len(index) == 2 and index[1] == slice(None):
             index = index[0]  # k[a:b, :] is k[a:b]
         if not isinstance(index, slice):
-            raise TypeError(f"index: only row slices such as k[a:b] are allowed here, got {index!r}")
+            raise TypeError(
+                f"index: only row slices such as k[a:b] are allowed here, got {index!r}"
+            )
         rows = self.array[index]
         if self.max_rows_per_read is not None and rows.shape[0] > self.max_rows_per_read:
-            raise ValueError(f"index: read {rows.shape[0]} rows at once; at most {self.max_rows_per_read} (one tile) are allowed")
+            raise ValueError(
+                f"index: read {rows.shape[0]} rows at once; at most {self.max_rows_per_read} (one "
+                "tile) are allowed"
+            )
         self.rows_read += rows.shape[0]
         return rows
 
@@ -273,9 +338,19 @@ def three_pass_attention(q: np.ndarray, k, v, *, tile_size: int) -> np.ndarray:
     _check_qkv(q, k, v)
     s, scale = k.shape[0], q.shape[1] ** -0.5
     tiles = range(0, s, tile_size)
-    m = np.max([(q @ k[a : a + tile_size].T * scale).max(axis=1) for a in tiles], axis=0)  # pass 1 over K
-    l = sum(np.exp(q @ k[a : a + tile_size].T * scale - m[:, None]).sum(axis=1) for a in tiles)  # pass 2 over K
-    return sum(np.exp(q @ k[a : a + tile_size].T * scale - m[:, None]) @ v[a : a + tile_size] for a in tiles) / l[:, None]  # pass 3
+    m = np.max(
+        [(q @ k[a : a + tile_size].T * scale).max(axis=1) for a in tiles], axis=0
+    )  # pass 1 over K
+    l = sum(
+        np.exp(q @ k[a : a + tile_size].T * scale - m[:, None]).sum(axis=1) for a in tiles
+    )  # pass 2 over K
+    return (
+        sum(
+            np.exp(q @ k[a : a + tile_size].T * scale - m[:, None]) @ v[a : a + tile_size]
+            for a in tiles
+        )
+        / l[:, None]
+    )  # pass 3
 
 
 def two_pass_attention(q: np.ndarray, k, v, *, tile_size: int) -> np.ndarray:
@@ -289,4 +364,10 @@ def two_pass_attention(q: np.ndarray, k, v, *, tile_size: int) -> np.ndarray:
         m_new = np.maximum(m, scores.max(axis=1))
         l = l * np.exp(m - m_new) + np.exp(scores - m_new[:, None]).sum(axis=1)
         m = m_new
-    return sum(np.exp(q @ k[a : a + tile_size].T * scale - m[:, None]) @ v[a : a + tile_size] for a in range(0, s, tile_size)) / l[:, None]
+    return (
+        sum(
+            np.exp(q @ k[a : a + tile_size].T * scale - m[:, None]) @ v[a : a + tile_size]
+            for a in range(0, s, tile_size)
+        )
+        / l[:, None]
+    )

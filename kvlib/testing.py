@@ -9,12 +9,16 @@ from __future__ import annotations
 import numpy as np
 
 
-def assert_close(actual, expected, *, name: str = "result", rtol: float = 1e-9, atol: float = 1e-12) -> None:
-    """Assert |actual - expected| <= atol + rtol * |expected| elementwise (numpy arrays or torch tensors).
+def assert_close(
+    actual, expected, *, name: str = "result", rtol: float = 1e-9, atol: float = 1e-12
+) -> None:
+    """Assert |actual - expected| <= atol + rtol * |expected| elementwise (numpy arrays or torch
+    tensors).
 
     Raises:
         AssertionError: wrong type, shape, non-finite values where expected is finite, or a
-            difference beyond tolerance; the message gives the max absolute difference and its index.
+            difference beyond tolerance; the message gives the max absolute difference and its
+            index.
     """
     actual, expected = _to_numpy(actual, f"{name}"), _to_numpy(expected, f"expected {name}")
     if actual.shape != expected.shape:
@@ -23,20 +27,28 @@ def assert_close(actual, expected, *, name: str = "result", rtol: float = 1e-9, 
     bad_finite = np.isfinite(expected) & ~np.isfinite(actual)
     if bad_finite.any():
         index = tuple(int(i) for i in np.argwhere(bad_finite)[0])
-        raise AssertionError(f"{name}: got {actual[index]} at index {index} where {expected[index]:.6g} was expected")
+        raise AssertionError(
+            f"{name}: got {actual[index]} at index {index} where {expected[index]:.6g} was expected"
+        )
     diff = np.abs(actual - expected)
     allowed = atol + rtol * np.abs(expected)
     if np.any(diff > allowed):
         index = np.unravel_index(int(np.argmax(diff - allowed)), diff.shape)
         raise AssertionError(
-            f"{name}: max abs difference {diff.max():.3g} (at index {tuple(int(i) for i in index)}: got "
-            f"{actual[index]:.6g}, expected {expected[index]:.6g}); tolerance atol={atol:g}, rtol={rtol:g}"
+            f"{name}: max abs difference {diff.max():.3g} (at index "
+            f"{tuple(int(i) for i in index)}: got "
+            f"{actual[index]:.6g}, expected {expected[index]:.6g}); tolerance atol={atol:g}, "
+            f"rtol={rtol:g}"
         )
 
 
 def _to_numpy(value, name: str) -> np.ndarray:
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
-        value = value.detach().cpu().float().numpy() if str(value.dtype) == "torch.bfloat16" else value.detach().cpu().numpy()
+        value = (
+            value.detach().cpu().float().numpy()
+            if str(value.dtype) == "torch.bfloat16"
+            else value.detach().cpu().numpy()
+        )
     if not isinstance(value, (np.ndarray, np.generic, int, float)):
         raise AssertionError(f"{name}: expected an array, got {type(value).__name__}")
     return np.asarray(value)

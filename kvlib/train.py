@@ -25,11 +25,26 @@ from kvlib import data
 from kvlib.model import LlamaModel, ModelConfig, save_hf_checkpoint
 
 COURSE_MODEL_DIR = Path(__file__).with_name("weights") / "course-model"
-COURSE_CONFIG = ModelConfig(vocab_size=data.VOCAB_SIZE, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=4, rope_theta=10000.0, max_position_embeddings=1024, torch_dtype="float32")
+COURSE_CONFIG = ModelConfig(
+    vocab_size=data.VOCAB_SIZE,
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    rope_theta=10000.0,
+    max_position_embeddings=1024,
+    torch_dtype="float32",
+)
 
 
-def evaluate(model: LlamaModel, *, seed: int = 99, num_documents: int = 64, distances=(8, 32, 64, 128, 192, 240)) -> dict:
+def evaluate(
+    model: LlamaModel,
+    *,
+    seed: int = 99,
+    num_documents: int = 64,
+    distances=(8, 32, 64, 128, 192, 240),
+) -> dict:
     """Held-out next-token loss, recall accuracy per SET-to-GET distance, and copy accuracy."""
     model.eval()
     rng = np.random.default_rng(seed)
@@ -37,23 +52,37 @@ def evaluate(model: LlamaModel, *, seed: int = 99, num_documents: int = 64, dist
     with torch.no_grad():
         tokens = torch.from_numpy(np.stack([d.tokens for d in docs]))
         logits = model(tokens)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).item()
+        loss = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+        ).item()
         predictions = logits.argmax(-1)
-        copy_hits = [predictions[i, p - 1] == tokens[i, p] for i, d in enumerate(docs) for p in d.copy_positions]
+        copy_hits = [
+            predictions[i, p - 1] == tokens[i, p]
+            for i, d in enumerate(docs)
+            for p in d.copy_positions
+        ]
         recall = {}
         for distance in distances:
             recall_docs = data.recall_documents(distance, 32)
             recall_tokens = torch.from_numpy(np.stack([d.tokens for d in recall_docs]))
             recall_predictions = model(recall_tokens).argmax(-1)
-            hits = [recall_predictions[i, p - 1] == recall_tokens[i, p] for i, d in enumerate(recall_docs) for p in d.answer_positions]
+            hits = [
+                recall_predictions[i, p - 1] == recall_tokens[i, p]
+                for i, d in enumerate(recall_docs)
+                for p in d.answer_positions
+            ]
             recall[distance] = float(torch.stack(hits).float().mean())
     model.train()
-    return {"heldout_loss": loss, "copy_accuracy": float(torch.stack(copy_hits).float().mean()), "recall_accuracy": recall}
+    return {
+        "heldout_loss": loss,
+        "copy_accuracy": float(torch.stack(copy_hits).float().mean()),
+        "recall_accuracy": recall,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """One stage of the curriculum: `steps` optimizer steps on batches of drills or full documents."""
+    """One stage of the curriculum: `steps` optimizer steps on drills or on full documents."""
 
     name: str
     steps: int
@@ -62,11 +91,22 @@ class Phase:
     lr_end_fraction: float  # the learning rate decays (cosine) from lr to lr * this over the phase
 
 
-CURRICULUM = (Phase("recall drills (64 tokens)", 4000, 16, True, 1.0), Phase("documents (256 tokens)", 2200, 16, False, 0.1))
+CURRICULUM = (
+    Phase("recall drills (64 tokens)", 4000, 16, True, 1.0),
+    Phase("documents (256 tokens)", 2200, 16, False, 0.1),
+)
 
 
-def train(*, curriculum=CURRICULUM, lr: float = 3e-3, warmup: int = 100, seed: int = 0, eval_every: int = 400,
-          out_dir: Path = COURSE_MODEL_DIR, threads: int = 2) -> LlamaModel:
+def train(
+    *,
+    curriculum=CURRICULUM,
+    lr: float = 3e-3,
+    warmup: int = 100,
+    seed: int = 0,
+    eval_every: int = 400,
+    out_dir: Path = COURSE_MODEL_DIR,
+    threads: int = 2,
+) -> LlamaModel:
     """Train the course model through `curriculum`; write the checkpoint, `training_log.jsonl` and
     `loss_curve.png` to `out_dir`."""
     from tqdm import tqdm
@@ -76,29 +116,49 @@ def train(*, curriculum=CURRICULUM, lr: float = 3e-3, warmup: int = 100, seed: i
     model = LlamaModel(COURSE_CONFIG)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     log, started, step = [], time.perf_counter(), 0
     progress = tqdm(total=sum(p.steps for p in curriculum), desc="training", unit="step")
     for phase_index, phase in enumerate(curriculum):
-        for phase_step, batch in enumerate(data.batches(seed + phase_index, phase.batch_size, phase.steps, drill=phase.drill)):
+        for phase_step, batch in enumerate(
+            data.batches(seed + phase_index, phase.batch_size, phase.steps, drill=phase.drill)
+        ):
             cosine = 0.5 * (1 + math.cos(math.pi * phase_step / phase.steps))
-            scale = min(1.0, (step + 1) / warmup) * (phase.lr_end_fraction + (1 - phase.lr_end_fraction) * cosine)
+            scale = min(1.0, (step + 1) / warmup) * (
+                phase.lr_end_fraction + (1 - phase.lr_end_fraction) * cosine
+            )
             for group in optimizer.param_groups:
                 group["lr"] = lr * scale
             tokens = torch.from_numpy(batch)
             logits = model(tokens)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+            )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             step += 1
-            entry = {"step": step, "phase": phase.name, "loss": round(loss.item(), 5), "lr": lr * scale, "elapsed_s": round(time.perf_counter() - started, 1)}
+            entry = {
+                "step": step,
+                "phase": phase.name,
+                "loss": round(loss.item(), 5),
+                "lr": lr * scale,
+                "elapsed_s": round(time.perf_counter() - started, 1),
+            }
             if step % eval_every == 0 or phase_step + 1 == phase.steps:
                 entry.update(evaluate(model, num_documents=32))
-                progress.set_postfix(loss=f"{loss.item():.3f}", heldout=f"{entry['heldout_loss']:.3f}", recall64=f"{entry['recall_accuracy'][64]:.2f}")
+                progress.set_postfix(
+                    loss=f"{loss.item():.3f}",
+                    heldout=f"{entry['heldout_loss']:.3f}",
+                    recall64=f"{entry['recall_accuracy'][64]:.2f}",
+                )
             log.append(entry)
             progress.update()
     progress.close()
@@ -117,9 +177,13 @@ def plot_loss_curve(log: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([e["step"] for e in log], [e["loss"] for e in log], lw=0.8, label="training loss (batch)")
+    ax.plot(
+        [e["step"] for e in log], [e["loss"] for e in log], lw=0.8, label="training loss (batch)"
+    )
     evals = [e for e in log if "heldout_loss" in e]
-    ax.plot([e["step"] for e in evals], [e["heldout_loss"] for e in evals], "o-", label="held-out loss")
+    ax.plot(
+        [e["step"] for e in evals], [e["heldout_loss"] for e in evals], "o-", label="held-out loss"
+    )
     ax.set_title("course model training")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
@@ -130,13 +194,28 @@ def plot_loss_curve(log: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlib.train", description="Train the course model (defaults reproduce the committed one).")
+    parser = argparse.ArgumentParser(
+        prog="python -m kvlib.train",
+        description="Train the course model (defaults reproduce the committed one).",
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--scale", type=float, default=1.0, help="multiply every phase's steps (e.g. 0.1 for a quick smoke run)")
-    parser.add_argument("--out", type=Path, default=COURSE_MODEL_DIR, help=f"output directory (default {COURSE_MODEL_DIR})")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply every phase's steps (e.g. 0.1 for a quick smoke run)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=COURSE_MODEL_DIR,
+        help=f"output directory (default {COURSE_MODEL_DIR})",
+    )
     args = parser.parse_args(argv)
-    curriculum = tuple(dataclasses.replace(p, steps=max(1, round(p.steps * args.scale))) for p in CURRICULUM)
+    curriculum = tuple(
+        dataclasses.replace(p, steps=max(1, round(p.steps * args.scale))) for p in CURRICULUM
+    )
     train(curriculum=curriculum, lr=args.lr, seed=args.seed, out_dir=args.out)
     print(f"saved to {args.out}")
     return 0

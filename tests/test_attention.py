@@ -6,7 +6,7 @@ import torch
 
 from kvlib import attention as A
 from kvlib._validate import check_shape
-from kvlib.bench import loglog_slope, median_time_ms
+from kvlib.bench import interleaved_times_ms, loglog_slope
 from kvlib.testing import assert_close
 
 
@@ -22,7 +22,9 @@ def test_softmax_matches_definition_and_survives_large_inputs():
 
 
 def test_softmax_masked_entries_and_errors():
-    assert_close(A.softmax(np.array([0.0, -np.inf, 0.0])), np.array([0.5, 0.0, 0.5]), name="masked softmax")
+    assert_close(
+        A.softmax(np.array([0.0, -np.inf, 0.0])), np.array([0.5, 0.0, 0.5]), name="masked softmax"
+    )
     with pytest.raises(ValueError, match="entirely -inf"):
         A.softmax(np.array([[0.0, 1.0], [-np.inf, -np.inf]]))
     with pytest.raises(TypeError, match="x: expected a numpy array, got list"):
@@ -51,7 +53,10 @@ def test_attention_matches_torch_sdpa(num_queries, num_keys):
     mask = A.causal_mask(num_queries, num_keys)
     ours = A.attention(q, k, v, mask)
     theirs = torch.nn.functional.scaled_dot_product_attention(
-        torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), attn_mask=torch.from_numpy(mask)
+        torch.from_numpy(q),
+        torch.from_numpy(k),
+        torch.from_numpy(v),
+        attn_mask=torch.from_numpy(mask),
     )
     assert_close(ours, theirs, name="attention vs torch SDPA", rtol=1e-10, atol=1e-12)
 
@@ -73,11 +78,15 @@ def test_attention_validates_inputs():
     q, k, v = np.ones((2, 4)), np.ones((3, 4)), np.ones((3, 2))
     with pytest.raises(ValueError, match=r"k: expected head dim D = 4 \(from q\), got 5"):
         A.attention(q, np.ones((3, 5)), v)
-    with pytest.raises(ValueError, match=r"v: expected leading shape \(3,\) \(from k\), got \(2,\)"):
+    with pytest.raises(
+        ValueError, match=r"v: expected leading shape \(3,\) \(from k\), got \(2,\)"
+    ):
         A.attention(q, k, np.ones((2, 2)))
     with pytest.raises(TypeError, match="mask: expected a bool array"):
         A.attention(q, k, v, np.ones((2, 3)))
-    with pytest.raises(ValueError, match=r"mask: expected shape \(2, 3\) \(T queries x S keys\), got \(2, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"mask: expected shape \(2, 3\) \(T queries x S keys\), got \(2, 2\)"
+    ):
         A.attention(q, k, v, np.ones((2, 2), dtype=bool))
     with pytest.raises(ValueError, match="every query row needs at least one True"):
         A.attention(q, k, v, np.zeros((2, 3), dtype=bool))
@@ -91,7 +100,9 @@ def test_cached_attention_step_equals_full_recompute():
     for t in range(6):
         out, k_cache, v_cache = A.cached_attention_step(qs[t], ks[t], vs[t], k_cache, v_cache)
         check_shape(k_cache, (t + 1, 4), "k_cache")
-        expected = A.attention(qs[: t + 1], ks[: t + 1], vs[: t + 1], A.causal_mask(t + 1, t + 1))[-1]
+        expected = A.attention(qs[: t + 1], ks[: t + 1], vs[: t + 1], A.causal_mask(t + 1, t + 1))[
+            -1
+        ]
         assert_close(out, expected, name=f"decode step {t}")
     with pytest.raises(ValueError, match="k_new, k_cache"):
         A.cached_attention_step(qs[0], ks[0], vs[0], np.zeros((2, 5)), np.zeros((2, 3)))
@@ -103,7 +114,9 @@ def test_cached_generation_equals_naive(num_layers, prompt_len, new_tokens):
     prompt = np.arange(prompt_len) * 7 % 64
     naive = A.generate_naive(model, prompt, new_tokens)
     cached = A.generate_cached(model, prompt, new_tokens)
-    assert np.array_equal(naive.tokens, cached.tokens), f"tokens differ: {naive.tokens} vs {cached.tokens}"
+    assert np.array_equal(naive.tokens, cached.tokens), (
+        f"tokens differ: {naive.tokens} vs {cached.tokens}"
+    )
     assert_close(cached.logits, naive.logits, name="cached vs naive logits", rtol=1e-10, atol=1e-10)
 
 
@@ -112,8 +125,12 @@ def test_chunked_prefill_equals_one_shot():
     tokens = np.random.default_rng(3).integers(0, 64, size=23)
     one_shot = model.forward(tokens)
     cache = model.new_cache(23)
-    chunks = [model.forward(tokens[a:b], cache=cache) for a, b in [(0, 7), (7, 8), (8, 20), (20, 23)]]
-    assert_close(np.concatenate(chunks), one_shot, name="chunked prefill logits", rtol=1e-10, atol=1e-10)
+    chunks = [
+        model.forward(tokens[a:b], cache=cache) for a, b in [(0, 7), (7, 8), (8, 20), (20, 23)]
+    ]
+    assert_close(
+        np.concatenate(chunks), one_shot, name="chunked prefill logits", rtol=1e-10, atol=1e-10
+    )
 
 
 def test_op_counts_match_closed_forms():
@@ -121,11 +138,17 @@ def test_op_counts_match_closed_forms():
     prompt_len, n, layers = 6, 9, 3
     naive = A.generate_naive(model, np.arange(prompt_len), n)
     cached = A.generate_cached(model, np.arange(prompt_len), n)
-    assert [c.score_entries for c in naive.step_counts] == [layers * m * m for m in range(prompt_len, prompt_len + n)]
-    assert [c.projected_rows for c in naive.step_counts] == [layers * m for m in range(prompt_len, prompt_len + n)]
+    assert [c.score_entries for c in naive.step_counts] == [
+        layers * m * m for m in range(prompt_len, prompt_len + n)
+    ]
+    assert [c.projected_rows for c in naive.step_counts] == [
+        layers * m for m in range(prompt_len, prompt_len + n)
+    ]
     expected_cached = [layers * prompt_len**2] + [layers * (prompt_len + i) for i in range(1, n)]
     assert [c.score_entries for c in cached.step_counts] == expected_cached
-    assert [c.projected_rows for c in cached.step_counts] == [layers * prompt_len] + [layers] * (n - 1)
+    assert [c.projected_rows for c in cached.step_counts] == [layers * prompt_len] + [layers] * (
+        n - 1
+    )
 
 
 def test_kv_cache_layout_bytes_and_errors():
@@ -135,8 +158,12 @@ def test_kv_cache_layout_bytes_and_errors():
     assert np.shares_memory(keys, cache.buffer) and keys.shape == (4, 3) and np.all(values == 2)
     cache.update(1, k, v)
     cache.advance(4)
-    assert cache.used_bytes == cache.buffer[:, :, :4].nbytes == A.dense_kv_cache_bytes(2, 1, 3, 8, 4)
-    with pytest.raises(A.CacheOverflowError, match="holds at most 5 tokens; writing 2 after 4 needs 6"):
+    assert (
+        cache.used_bytes == cache.buffer[:, :, :4].nbytes == A.dense_kv_cache_bytes(2, 1, 3, 8, 4)
+    )
+    with pytest.raises(
+        A.CacheOverflowError, match="holds at most 5 tokens; writing 2 after 4 needs 6"
+    ):
         cache.update(0, np.ones((2, 3)), np.ones((2, 3)))
     with pytest.raises(ValueError, match=r"layer: expected an int in \[0, 2\), got 2"):
         cache.update(2, k, v)
@@ -145,7 +172,9 @@ def test_kv_cache_layout_bytes_and_errors():
 
 
 def test_dense_kv_cache_bytes_known_values_and_validation():
-    assert A.dense_kv_cache_bytes(32, 32, 128, 2, 1) == 512 * 1024  # Llama 2 7B, fp16: 512 KiB/token
+    assert (
+        A.dense_kv_cache_bytes(32, 32, 128, 2, 1) == 512 * 1024
+    )  # Llama 2 7B, fp16: 512 KiB/token
     assert A.dense_kv_cache_bytes(80, 8, 128, 2, 1) == 320 * 1024  # Llama 2 70B (GQA, 8 KV heads)
     assert A.dense_kv_cache_bytes(2, 2, 2, 2, 0) == 0
     with pytest.raises(ValueError, match="num_layers: expected an int >= 1, got 0"):
@@ -174,9 +203,15 @@ def test_bench_helpers():
     with pytest.raises(ValueError, match="positive"):
         loglog_slope([1, 2], [0, 1])
     calls = []
-    assert median_time_ms(lambda: calls.append(1), repeats=3, warmup=2) >= 0 and len(calls) == 5
-    with pytest.raises(TypeError, match="fn: expected a callable"):
-        median_time_ms(42)
+    times = interleaved_times_ms(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1
+    )
+    assert calls == ["a", "b"] * 4  # one warm-up round, then three timed rounds, interleaved
+    assert [len(t) for t in times.values()] == [3, 3] and min(times["a"] + times["b"]) >= 0
+    with pytest.raises(TypeError, match=r"fns\['x'\]: expected a callable"):
+        interleaved_times_ms({"x": 42})
+    with pytest.raises(ValueError, match="fns: expected at least one callable"):
+        interleaved_times_ms({})
 
 
 def test_decode_animation_has_one_frame_per_step():
@@ -184,7 +219,9 @@ def test_decode_animation_has_one_frame_per_step():
 
     animation = decode_animation(A.ToyModel(), np.array([1, 2, 3]), num_steps=4)
     assert list(animation.new_frame_seq()) == [1, 2, 3, 4]
-    html = animation.to_jshtml()  # what the book embeds: one PNG per frame, playable without a kernel
+    html = (
+        animation.to_jshtml()
+    )  # what the book embeds: one PNG per frame, playable without a kernel
     assert html.count("data:image/png;base64") == 4
 
 

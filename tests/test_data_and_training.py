@@ -16,7 +16,9 @@ from kvlib.train import COURSE_MODEL_DIR, evaluate, main
 def test_documents_store_and_query_facts(seed):
     document = data.make_document(np.random.default_rng(seed))
     tokens = document.tokens
-    assert tokens.shape == (data.DOC_LEN,) and tokens[0] == data.BOS and tokens.max() < data.VOCAB_SIZE
+    assert (
+        tokens.shape == (data.DOC_LEN,) and tokens[0] == data.BOS and tokens.max() < data.VOCAB_SIZE
+    )
     assert len(document.answer_positions) == len(document.distances) > 8
     for answer, distance in zip(document.answer_positions, document.distances):
         assert tokens[answer - 2] == data.GET and tokens[answer - distance - 2] == data.SET
@@ -24,7 +26,9 @@ def test_documents_store_and_query_facts(seed):
         assert tokens[answer] == tokens[answer - distance]  # the stored value is the answer
     first = document.copy_positions[0] - 8
     span = tokens[first : first + 16]
-    assert any(np.array_equal(tokens[s : s + 16], span) for s in range(1, first - 15))  # the span occurred earlier
+    assert any(
+        np.array_equal(tokens[s : s + 16], span) for s in range(1, first - 15)
+    )  # the span occurred earlier
 
 
 def test_controlled_distances_and_drills():
@@ -33,21 +37,36 @@ def test_controlled_distances_and_drills():
             assert document.distances and set(document.distances) == {distance}
     drill = data.make_drill(np.random.default_rng(0))
     for answer, distance in zip(drill.answer_positions, drill.distances):
-        assert drill.tokens[answer] == drill.tokens[answer - distance] and drill.tokens[answer - 2] == data.GET
+        assert (
+            drill.tokens[answer] == drill.tokens[answer - distance]
+            and drill.tokens[answer - 2] == data.GET
+        )
 
 
 def test_generation_is_deterministic():
     first, second = (next(data.batches(3, 4)) for _ in range(2))
     assert np.array_equal(first, second)
     assert not np.array_equal(first, next(data.batches(4, 4)))
-    assert [data.token_name(t) for t in (0, 1, 2, 3, 8, 40, 72)] == ["PAD", "BOS", "SET", "GET", "k0", "v0", "w0"]
+    assert [data.token_name(t) for t in (0, 1, 2, 3, 8, 40, 72)] == [
+        "PAD",
+        "BOS",
+        "SET",
+        "GET",
+        "k0",
+        "v0",
+        "w0",
+    ]
 
 
 def test_training_runs_and_saves_a_loadable_checkpoint(tmp_path):
     assert main(["--scale", "0.002", "--out", str(tmp_path)]) == 0
     model = load_hf_checkpoint(tmp_path)
     log = [json.loads(line) for line in (tmp_path / "training_log.jsonl").read_text().splitlines()]
-    assert log[-1]["step"] == 12 and "recall_accuracy" in log[-1] and (tmp_path / "loss_curve.png").stat().st_size > 0
+    assert (
+        log[-1]["step"] == 12
+        and "recall_accuracy" in log[-1]
+        and (tmp_path / "loss_curve.png").stat().st_size > 0
+    )
     assert model(torch.tensor([[1, 2, 3]])).shape == (1, 3, data.VOCAB_SIZE)
 
 

@@ -20,7 +20,9 @@ TIMEOUT_S = 30
 def test_every_exercise_has_a_solution_and_questions():
     assert [p.name for p in EXERCISES] == [p.name for p in SOLUTIONS] and EXERCISES
     for path in EXERCISES:
-        assert len(chapter_questions(chapter_of(path))) >= 3, f"{path.name}: fewer than 3 graded questions"
+        assert len(chapter_questions(chapter_of(path))) >= 3, (
+            f"{path.name}: fewer than 3 graded questions"
+        )
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.name)
@@ -36,10 +38,15 @@ def test_untouched_exercises_get_zero(path):
     assert all("NotImplementedError" in q.message for q in report.questions), report.table()
 
 
-def with_cell_replaced(solution: Path, function: str, new_source: str | None, tmp_path: Path) -> Path:
-    """A copy of `solution` whose cell defining `function` is replaced by `new_source` (None: deleted)."""
+def with_cell_replaced(
+    solution: Path, function: str, new_source: str | None, tmp_path: Path
+) -> Path:
+    """A copy of `solution` whose cell defining `function` is replaced by `new_source` (None:
+    deleted)."""
     notebook = nbformat.read(solution, as_version=4)
-    matches = [c for c in notebook.cells if c.cell_type == "code" and f"def {function}(" in c.source]
+    matches = [
+        c for c in notebook.cells if c.cell_type == "code" and f"def {function}(" in c.source
+    ]
     assert len(matches) == 1, f"expected one cell defining {function} in {solution.name}"
     if new_source is None:
         notebook.cells.remove(matches[0])
@@ -52,46 +59,90 @@ def with_cell_replaced(solution: Path, function: str, new_source: str | None, tm
 
 # (chapter notebook, question, plausible wrong answer, a phrase the feedback must contain)
 WRONG_ANSWERS = [
-    ("01_naive_vs_cached.ipynb", "stable_softmax", """
+    (
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        """
 def stable_softmax(x):  # forgets the max-subtraction
     e = np.exp(x)
     return e / np.sum(e, axis=-1, keepdims=True)
-""", "Subtract each row's maximum"),
-    ("01_naive_vs_cached.ipynb", "stable_softmax", """
+""",
+        "Subtract each row's maximum",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        """
 def stable_softmax(x):  # normalises over the wrong axis
     e = np.exp(x - np.max(x, axis=0, keepdims=True))
     return e / np.sum(e, axis=0, keepdims=True)
-""", "max abs difference"),
-    ("01_naive_vs_cached.ipynb", "cached_attention_step", """
-def cached_attention_step(q, k_new, v_new, k_cache, v_cache):  # attends before appending: off by one
+""",
+        "max abs difference",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "cached_attention_step",
+        """
+def cached_attention_step(q, k_new, v_new, k_cache, v_cache):  # attends before appending: off by
+one
     if len(k_cache) == 0:
         out = v_new
     else:
         out = stable_softmax(k_cache @ q / np.sqrt(len(q))) @ v_cache
     return out, np.vstack([k_cache, k_new]), np.vstack([v_cache, v_new])
-""", "output of step 1"),
-    ("01_naive_vs_cached.ipynb", "cached_attention_step", """
+""",
+        "output of step 1",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "cached_attention_step",
+        """
 def cached_attention_step(q, k_new, v_new, k_cache, v_cache):  # forgets to keep the new row
     k_all, v_all = np.vstack([k_cache, k_new]), np.vstack([v_cache, v_new])
     return stable_softmax(k_all @ q / np.sqrt(len(q))) @ v_all, k_cache, v_cache
-""", "the caches should hold 1 rows"),
-    ("01_naive_vs_cached.ipynb", "predict_score_entries", """
-def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):  # counts only unmasked entries
+""",
+        "the caches should hold 1 rows",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "predict_score_entries",
+        """
+def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):  # counts only unmasked
+entries
     if cached:
-        return num_layers * (prompt_len * (prompt_len + 1) // 2 + sum(prompt_len + i for i in range(1, max_new_tokens)))
-    return num_layers * sum(n * (n + 1) // 2 for n in range(prompt_len, prompt_len + max_new_tokens))
-""", "you predicted"),
-    ("01_naive_vs_cached.ipynb", "predict_score_entries", """
-def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):  # off by one in the cache length
+        return num_layers * (prompt_len * (prompt_len + 1) // 2 + sum(prompt_len + i for i in
+        range(1, max_new_tokens)))
+    return num_layers * sum(n * (n + 1) // 2 for n in range(prompt_len, prompt_len +
+    max_new_tokens))
+""",
+        "you predicted",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "predict_score_entries",
+        """
+def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):  # off by one in the
+cache length
     if cached:
-        return num_layers * (prompt_len ** 2 + sum(prompt_len + i - 1 for i in range(1, max_new_tokens)))
+        return num_layers * (prompt_len ** 2 + sum(prompt_len + i - 1 for i in range(1,
+        max_new_tokens)))
     return num_layers * sum(n * n for n in range(prompt_len, prompt_len + max_new_tokens))
-""", "cached generation"),
-    ("01_naive_vs_cached.ipynb", "kv_cache_bytes", """
+""",
+        "cached generation",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "kv_cache_bytes",
+        """
 def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):  # forgets V
     return num_layers * num_heads * head_dim * bytes_per_element * seq_len
-""", "should be 524288"),
-    ("02_cache_in_a_transformer.ipynb", "rope_at_offset", """
+""",
+        "should be 524288",
+    ),
+    (
+        "02_cache_in_a_transformer.ipynb",
+        "rope_at_offset",
+        """
 def rope_at_offset(x, offset, theta):  # ignores the offset: every decode step at position 0
     t, d = x.shape
     inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
@@ -99,8 +150,13 @@ def rope_at_offset(x, offset, theta):  # ignores the offset: every decode step a
     angles = torch.cat([angles, angles], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * angles.cos() + torch.cat([-x2, x1], dim=-1) * angles.sin()
-""", "offset=37"),
-    ("02_cache_in_a_transformer.ipynb", "rope_at_offset", """
+""",
+        "offset=37",
+    ),
+    (
+        "02_cache_in_a_transformer.ipynb",
+        "rope_at_offset",
+        """
 def rope_at_offset(x, offset, theta):  # the interleaved (GPT-J) pairing instead of rotate_half
     t, d = x.shape
     inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
@@ -110,85 +166,171 @@ def rope_at_offset(x, offset, theta):  # the interleaved (GPT-J) pairing instead
     out[:, 0::2] = even * angles.cos() - odd * angles.sin()
     out[:, 1::2] = even * angles.sin() + odd * angles.cos()
     return out
-""", "offset=37"),
-    ("02_cache_in_a_transformer.ipynb", "static_cache_insert", """
+""",
+        "offset=37",
+    ),
+    (
+        "02_cache_in_a_transformer.ipynb",
+        "static_cache_insert",
+        """
 def static_cache_insert(buffer, length, k_new):  # concatenates instead of writing in place
     return torch.cat([buffer[:, :, :length], k_new], dim=2)
-""", "the buffer should hold the new rows"),
-    ("02_cache_in_a_transformer.ipynb", "static_cache_insert", """
+""",
+        "the buffer should hold the new rows",
+    ),
+    (
+        "02_cache_in_a_transformer.ipynb",
+        "static_cache_insert",
+        """
 def static_cache_insert(buffer, length, k_new):  # no overflow check
     buffer[:, :, length:length + k_new.shape[2]] = k_new
     return buffer[:, :, :length + k_new.shape[2]]
-""", "RuntimeError"),
-    ("02_cache_in_a_transformer.ipynb", "reorder_for_beams", """
+""",
+        "RuntimeError",
+    ),
+    (
+        "02_cache_in_a_transformer.ipynb",
+        "reorder_for_beams",
+        """
 def reorder_for_beams(layer_caches, beam_indices):  # reorders the keys but forgets the values
     return [(keys[beam_indices], values) for keys, values in layer_caches]
-""", "layer 0 values"),
-    ("02_cache_in_a_transformer.ipynb", "reorder_for_beams", """
-def reorder_for_beams(layer_caches, beam_indices):  # inverts the permutation instead of following it
+""",
+        "layer 0 values",
+    ),
+    (
+        "02_cache_in_a_transformer.ipynb",
+        "reorder_for_beams",
+        """
+def reorder_for_beams(layer_caches, beam_indices):  # inverts the permutation instead of following
+it
     order = torch.argsort(beam_indices)
     return [(keys[order], values[order]) for keys, values in layer_caches]
-""", "layer 0 keys"),
-    ("03_counting_bytes.ipynb", "gqa_bytes_per_token", """
+""",
+        "layer 0 keys",
+    ),
+    (
+        "03_counting_bytes.ipynb",
+        "gqa_bytes_per_token",
+        """
 def gqa_bytes_per_token(config):  # ignores num_key_value_heads: every head gets K and V
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_attention_heads"] * head_dim * BYTES_PER_ELEMENT[config["torch_dtype"]]
-""", "expected 131,072 bytes per token"),
-    ("03_counting_bytes.ipynb", "gqa_bytes_per_token", """
+    return 2 * config["num_hidden_layers"] * config["num_attention_heads"] * head_dim *
+    BYTES_PER_ELEMENT[config["torch_dtype"]]
+""",
+        "expected 131,072 bytes per token",
+    ),
+    (
+        "03_counting_bytes.ipynb",
+        "gqa_bytes_per_token",
+        """
 def gqa_bytes_per_token(config):  # assumes head_dim = hidden_size / num_attention_heads
     head_dim = config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * BYTES_PER_ELEMENT[config["torch_dtype"]]
-""", "head_dim=128"),
-    ("03_counting_bytes.ipynb", "mla_cache_bytes", """
-def mla_cache_bytes(num_layers, kv_lora_rank, qk_rope_head_dim, seq_len, bytes_per_element):  # drops the layer factor
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim *
+    BYTES_PER_ELEMENT[config["torch_dtype"]]
+""",
+        "head_dim=128",
+    ),
+    (
+        "03_counting_bytes.ipynb",
+        "mla_cache_bytes",
+        """
+def mla_cache_bytes(num_layers, kv_lora_rank, qk_rope_head_dim, seq_len, bytes_per_element):  #
+drops the layer factor
     return (kv_lora_rank + qk_rope_head_dim) * seq_len * bytes_per_element
-""", "expected 70,272 bytes"),
-    ("03_counting_bytes.ipynb", "mla_cache_bytes", """
-def mla_cache_bytes(num_layers, kv_lora_rank, qk_rope_head_dim, seq_len, bytes_per_element):  # caches the latent twice, as if K and V
+""",
+        "expected 70,272 bytes",
+    ),
+    (
+        "03_counting_bytes.ipynb",
+        "mla_cache_bytes",
+        """
+def mla_cache_bytes(num_layers, kv_lora_rank, qk_rope_head_dim, seq_len, bytes_per_element):  #
+caches the latent twice, as if K and V
     return 2 * num_layers * (kv_lora_rank + qk_rope_head_dim) * seq_len * bytes_per_element
-""", "expected 70,272 bytes"),
-    ("03_counting_bytes.ipynb", "max_batch", """
-def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):  # a fraction of a sequence
+""",
+        "expected 70,272 bytes",
+    ),
+    (
+        "03_counting_bytes.ipynb",
+        "max_batch",
+        """
+def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):  # a
+fraction of a sequence
     return (gpu_memory_bytes - weight_bytes - overhead_bytes) / (kv_bytes_per_token * seq_len)
-""", "should return an int"),
-    ("03_counting_bytes.ipynb", "max_batch", """
-def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):  # forgets the weights
+""",
+        "should return an int",
+    ),
+    (
+        "03_counting_bytes.ipynb",
+        "max_batch",
+        """
+def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):  #
+forgets the weights
     return (gpu_memory_bytes - overhead_bytes) // (kv_bytes_per_token * seq_len)
-""", "expected 55 sequences, got 70"),
-    ("11_triton_decode.ipynb", "physical_slots", """
+""",
+        "expected 55 sequences, got 70",
+    ),
+    (
+        "11_triton_decode.ipynb",
+        "physical_slots",
+        """
 def physical_slots(block_table, seq_len, block_size):  # ignores the block table: logical = physical
     return torch.arange(seq_len)
-""", "token 0 lives in slot 48"),
-    ("11_triton_decode.ipynb", "reduce_kernel", """
+""",
+        "token 0 lives in slot 48",
+    ),
+    (
+        "11_triton_decode.ipynb",
+        "reduce_kernel",
+        """
 @triton.jit
-def reduce_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+def reduce_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
+BLOCK_S: tl.constexpr):
     row = tl.program_id(0)  # weights exp(lse) without subtracting the max
     splits, dims = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
     mask = splits < num_splits
-    weights = tl.exp(tl.load(partial_lse_ptr + row * num_splits + splits, mask=mask, other=float("-inf")))
-    partial = tl.load(partial_out_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None, :], mask=mask[:, None], other=0.0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, tl.sum(weights[:, None] * partial, axis=0) / tl.sum(weights, axis=0))
-""", "non-finite values"),
-    ("11_triton_decode.ipynb", "reduce_kernel", """
+    weights = tl.exp(tl.load(partial_lse_ptr + row * num_splits + splits, mask=mask,
+    other=float("-inf")))
+    partial = tl.load(partial_out_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None,
+    :], mask=mask[:, None], other=0.0)
+    tl.store(out_ptr + row * HEAD_DIM + dims, tl.sum(weights[:, None] * partial, axis=0) /
+    tl.sum(weights, axis=0))
+""",
+        "non-finite values",
+    ),
+    (
+        "11_triton_decode.ipynb",
+        "reduce_kernel",
+        """
 @triton.jit
-def reduce_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+def reduce_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
+BLOCK_S: tl.constexpr):
     row = tl.program_id(0)  # averages the partials
     splits, dims = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
     mask = splits < num_splits
-    partial = tl.load(partial_out_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None, :], mask=mask[:, None], other=0.0)
+    partial = tl.load(partial_out_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None,
+    :], mask=mask[:, None], other=0.0)
     tl.store(out_ptr + row * HEAD_DIM + dims, tl.sum(partial, axis=0) / num_splits)
-""", "reduce of 4 splits"),
-    ("11_triton_decode.ipynb", "masked_decode_kernel", """
+""",
+        "reduce of 4 splits",
+    ),
+    (
+        "11_triton_decode.ipynb",
+        "masked_decode_kernel",
+        """
 @triton.jit
-def masked_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_len, scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+def masked_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_len, scale, HEAD_DIM: tl.constexpr,
+BLOCK_N: tl.constexpr):
     dims = tl.arange(0, HEAD_DIM)  # masks the loads but not the scores: zero keys still take weight
     q = tl.load(q_ptr + dims)
     m, l, acc = float("-inf"), 0.0, tl.zeros([HEAD_DIM], dtype=tl.float32)
     for start in range(0, seq_len, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
         valid = tokens < seq_len
-        k = tl.load(k_ptr + tokens[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + tokens[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(k_ptr + tokens[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None],
+        other=0.0)
+        v = tl.load(v_ptr + tokens[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None],
+        other=0.0)
         scores = tl.sum(q[None, :] * k, axis=1) * scale
         m_new = tl.maximum(m, tl.max(scores, axis=0))
         p = tl.exp(scores - m_new)
@@ -196,26 +338,51 @@ def masked_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_len, scale, HEAD_DIM:
         acc = acc * tl.exp(m - m_new) + tl.sum(p[:, None] * v, axis=0)
         m = m_new
     tl.store(out_ptr + dims, acc / l)
-""", "attention over the first 1 of 32"),
-    ("04_online_softmax.ipynb", "online_softmax_update", """
+""",
+        "attention over the first 1 of 32",
+    ),
+    (
+        "04_online_softmax.ipynb",
+        "online_softmax_update",
+        """
 def online_softmax_update(m, l, block):  # forgets to rescale l when the maximum rises
     m_new = max(m, float(np.max(block)))
     return m_new, l + float(np.sum(np.exp(block - m_new)))
-""", "(m, l) after the block"),
-    ("04_online_softmax.ipynb", "online_softmax_update", """
+""",
+        "(m, l) after the block",
+    ),
+    (
+        "04_online_softmax.ipynb",
+        "online_softmax_update",
+        """
 def online_softmax_update(m, l, block):  # forgets the maximum altogether
     return max(m, float(np.max(block))), l + float(np.sum(np.exp(block)))
-""", "(m, l) after the block"),
-    ("04_online_softmax.ipynb", "merge_two", """
+""",
+        "(m, l) after the block",
+    ),
+    (
+        "04_online_softmax.ipynb",
+        "merge_two",
+        """
 def merge_two(out_a, lse_a, out_b, lse_b):  # averages the partials
     return (out_a + out_b) / 2, np.logaddexp(lse_a, lse_b)
-""", "merged output"),
-    ("04_online_softmax.ipynb", "merge_two", """
+""",
+        "merged output",
+    ),
+    (
+        "04_online_softmax.ipynb",
+        "merge_two",
+        """
 def merge_two(out_a, lse_a, out_b, lse_b):  # weights by exp(lse) without subtracting the max
     w_a, w_b = np.exp(lse_a), np.exp(lse_b)
     return (w_a[:, None] * out_a + w_b[:, None] * out_b) / (w_a + w_b)[:, None], np.log(w_a + w_b)
-""", "non-finite values"),
-    ("04_online_softmax.ipynb", "tiled_attention", """
+""",
+        "non-finite values",
+    ),
+    (
+        "04_online_softmax.ipynb",
+        "tiled_attention",
+        """
 def tiled_attention(q, k, v, tile_size):  # no rescaling of the accumulator
     m, l, acc = np.full(len(q), -np.inf), np.zeros(len(q)), np.zeros((len(q), v.shape[1]))
     for start in range(0, k.shape[0], tile_size):
@@ -226,17 +393,28 @@ def tiled_attention(q, k, v, tile_size):  # no rescaling of the accumulator
         acc = acc + p @ v[start:start + tile_size]
         m = m_new
     return acc / l[:, None]
-""", "tiled_attention with T="),
-    ("04_online_softmax.ipynb", "tiled_attention", """
+""",
+        "tiled_attention with T=",
+    ),
+    (
+        "04_online_softmax.ipynb",
+        "tiled_attention",
+        """
 def tiled_attention(q, k, v, tile_size):  # materialises all the scores: not a tiled pass
     scores = q @ k[0:k.shape[0]].T / math.sqrt(q.shape[1])
     p = np.exp(scores - scores.max(axis=1, keepdims=True))
     return p @ v[0:v.shape[0]] / p.sum(axis=1, keepdims=True)
-""", "at most 4 (one tile) are allowed"),
+""",
+        "at most 4 (one tile) are allowed",
+    ),
 ]
 
 
-@pytest.mark.parametrize("notebook,question,source,phrase", WRONG_ANSWERS, ids=lambda v: v if isinstance(v, str) and "\n" not in v else "")
+@pytest.mark.parametrize(
+    "notebook,question,source,phrase",
+    WRONG_ANSWERS,
+    ids=lambda v: v if isinstance(v, str) and "\n" not in v else "",
+)
 def test_plausible_wrong_answers_are_rejected(notebook, question, source, phrase, tmp_path):
     path = with_cell_replaced(ROOT / "solutions" / notebook, question, source, tmp_path)
     report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
@@ -252,30 +430,72 @@ BROKEN_CODE = [
     ("stable_softmax", "def stable_softmax(x):\n    while True:\n        pass\n", "timed out"),
     ("stable_softmax", "import sys\nsys.exit(0)\n", "`stable_softmax` is not defined"),
     ("stable_softmax", "def stable_softmax(x):\n    import sys\n    sys.exit(3)\n", "SystemExit"),
-    ("stable_softmax", "def stable_softmax(x):\n    import os\n    os._exit(0)\n", "ended (exit status 0) before the test finished"),
-    ("stable_softmax", "def stable_softmax(x):\n    print('x' * 10_000_000)\n    return x\n", "max abs difference"),
-    ("stable_softmax", "def stable_softmax(x):\n    return x.tolist()\n", "should return a numpy array"),
-    ("stable_softmax", "from kvlib.attention import softmax\n\ndef stable_softmax(x):\n    return softmax(x)\n", "unavailable while question 'stable_softmax' is graded"),
-    ("kv_cache_bytes", "def kv_cache_bytes(*args):\n    raise ValueError('oops')\n", "ValueError: oops"),
+    (
+        "stable_softmax",
+        "def stable_softmax(x):\n    import os\n    os._exit(0)\n",
+        "ended (exit status 0) before the test finished",
+    ),
+    (
+        "stable_softmax",
+        "def stable_softmax(x):\n    print('x' * 10_000_000)\n    return x\n",
+        "max abs difference",
+    ),
+    (
+        "stable_softmax",
+        "def stable_softmax(x):\n    return x.tolist()\n",
+        "should return a numpy array",
+    ),
+    (
+        "stable_softmax",
+        "from kvlib.attention import softmax\n\ndef stable_softmax(x):\n    return softmax(x)\n",
+        "unavailable while question 'stable_softmax' is graded",
+    ),
+    (
+        "kv_cache_bytes",
+        "def kv_cache_bytes(*args):\n    raise ValueError('oops')\n",
+        "ValueError: oops",
+    ),
     ("kv_cache_bytes", None, "`kv_cache_bytes` is not defined"),
     ("kv_cache_bytes", "while True:\n    pass\n", "`kv_cache_bytes` is not defined"),
-    ("cached_attention_step", "import kvlib.attention as A\ncached_attention_step = A.cached_attention_step\n", "unavailable"),
+    (
+        "cached_attention_step",
+        "import kvlib.attention as A\ncached_attention_step = A.cached_attention_step\n",
+        "unavailable",
+    ),
 ]
 
 
-@pytest.mark.parametrize("question,source,phrase", BROKEN_CODE, ids=[f"{q}-{i}" for i, (q, _, _) in enumerate(BROKEN_CODE)])
+@pytest.mark.parametrize(
+    "question,source,phrase",
+    BROKEN_CODE,
+    ids=[f"{q}-{i}" for i, (q, _, _) in enumerate(BROKEN_CODE)],
+)
 def test_broken_code_loses_only_its_question(question, source, phrase, tmp_path):
     path = with_cell_replaced(SOLUTION_01, question, source, tmp_path)
     other = "stable_softmax" if question == "kv_cache_bytes" else "kv_cache_bytes"
     report = grade_notebook(path, timeout_s=8, only=[question, other])
     results = {q.id: q for q in report.questions}
     assert not results[question].passed and phrase in results[question].message, report.table()
-    assert results[other].passed, f"a broken {question} cell must not cost {other} its points:\n{report.table()}"
+    assert results[other].passed, (
+        f"a broken {question} cell must not cost {other} its points:\n{report.table()}"
+    )
 
 
 def test_cli_json_is_one_object_and_exit_zero():
-    completed = subprocess.run([sys.executable, "-m", "kvlib.grade", str(EXERCISES[0]), "--json", "--question", "kv_cache_bytes"],
-                               capture_output=True, text=True, timeout=120)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvlib.grade",
+            str(EXERCISES[0]),
+            "--json",
+            "--question",
+            "kv_cache_bytes",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert completed.returncode == 0, completed.stderr
     result = json.loads(completed.stdout)  # exactly one JSON document, nothing else on stdout
     assert set(result) == {"notebook", "score", "max_score", "questions"}
@@ -284,8 +504,16 @@ def test_cli_json_is_one_object_and_exit_zero():
 
 
 def test_cli_usage_errors_exit_2(tmp_path):
-    missing = subprocess.run([sys.executable, "-m", "kvlib.grade", str(tmp_path / "01_nope.ipynb")], capture_output=True, text=True)
+    missing = subprocess.run(
+        [sys.executable, "-m", "kvlib.grade", str(tmp_path / "01_nope.ipynb")],
+        capture_output=True,
+        text=True,
+    )
     assert missing.returncode == 2 and "no such file" in missing.stderr
     (tmp_path / "99_unknown.ipynb").write_text(nbformat.writes(nbformat.v4.new_notebook()))
-    unknown = subprocess.run([sys.executable, "-m", "kvlib.grade", str(tmp_path / "99_unknown.ipynb")], capture_output=True, text=True)
+    unknown = subprocess.run(
+        [sys.executable, "-m", "kvlib.grade", str(tmp_path / "99_unknown.ipynb")],
+        capture_output=True,
+        text=True,
+    )
     assert unknown.returncode == 2 and "no graded questions for chapter '99'" in unknown.stderr

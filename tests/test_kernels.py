@@ -9,21 +9,47 @@ import torch
 from kvlib.kernels import paged_decode_attention, paged_decode_attention_ref, shuffled_block_tables
 from kvlib.testing import assert_close
 
-TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
 
 
-def make_paged_cache(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device="cpu", seed=0, spare_blocks=3):
-    """Random q and a paged K/V cache whose block tables are shuffled, so logical order != physical."""
+def make_paged_cache(
+    seq_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype,
+    device="cpu",
+    seed=0,
+    spare_blocks=3,
+):
+    """Random q and a paged K/V cache with shuffled block tables (logical order != physical)."""
     generator = torch.Generator().manual_seed(seed)
-    block_tables, num_blocks = shuffled_block_tables(seq_lens, block_size, spare_blocks=spare_blocks, generator=generator)
+    block_tables, num_blocks = shuffled_block_tables(
+        seq_lens, block_size, spare_blocks=spare_blocks, generator=generator
+    )
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).to(dtype)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(
+        dtype
+    )
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(
+        dtype
+    )
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     return [t.to(device) for t in (q, k_cache, v_cache, block_tables, seq_lens)]
 
 
-CPU_LENGTHS = [1, 16, 17, 45, 100]  # a single token, exactly one block, one past a block, mid-block endings
+CPU_LENGTHS = [
+    1,
+    16,
+    17,
+    45,
+    100,
+]  # a single token, exactly one block, one past a block, mid-block endings
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -31,27 +57,56 @@ CPU_LENGTHS = [1, 16, 17, 45, 100]  # a single token, exactly one block, one pas
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernel_matches_reference_on_cpu(block_size, num_heads, num_kv_heads, num_splits, dtype):
-    inputs = make_paged_cache(CPU_LENGTHS, num_heads, num_kv_heads, 32, block_size, dtype, seed=block_size + num_splits)
+    inputs = make_paged_cache(
+        CPU_LENGTHS, num_heads, num_kv_heads, 32, block_size, dtype, seed=block_size + num_splits
+    )
     out = paged_decode_attention(*inputs, num_splits=num_splits)
     expected = paged_decode_attention_ref(*inputs)
     rtol, atol = TOLERANCES[dtype]
     assert out.dtype == dtype and out.shape == expected.shape
-    assert_close(out, expected, name=f"kernel (block {block_size}, {num_heads}/{num_kv_heads} heads, {num_splits} splits, {dtype})", rtol=rtol, atol=atol)
+    assert_close(
+        out,
+        expected,
+        name=f"kernel (block {block_size}, {num_heads}/{num_kv_heads} heads, "
+        f"{num_splits} splits, {dtype})",
+        rtol=rtol,
+        atol=atol,
+    )
 
 
 def test_more_splits_than_tiles_and_odd_head_dim():
     inputs = make_paged_cache([3, 70], 6, 2, 24, 16, torch.float32)  # D = 24 is not a power of two
-    assert_close(paged_decode_attention(*inputs, num_splits=16), paged_decode_attention_ref(*inputs), name="16 splits of a 3-token sequence", rtol=1e-5, atol=1e-5)
+    assert_close(
+        paged_decode_attention(*inputs, num_splits=16),
+        paged_decode_attention_ref(*inputs),
+        name="16 splits of a 3-token sequence",
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_scale_and_block_n():
     inputs = make_paged_cache([50, 9], 4, 2, 16, 16, torch.float32)
-    assert_close(paged_decode_attention(*inputs, scale=0.3, block_n=32), paged_decode_attention_ref(*inputs, scale=0.3), name="scale 0.3", rtol=1e-5, atol=1e-5)
+    assert_close(
+        paged_decode_attention(*inputs, scale=0.3, block_n=32),
+        paged_decode_attention_ref(*inputs, scale=0.3),
+        name="scale 0.3",
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_head_dim_below_16_is_padded_for_tl_dot():
-    inputs = make_paged_cache([5, 40], 4, 1, 8, 16, torch.float32)  # D = 8: BLOCK_D is padded to 16 and masked
-    assert_close(paged_decode_attention(*inputs, num_splits=2), paged_decode_attention_ref(*inputs), name="D = 8", rtol=1e-5, atol=1e-5)
+    inputs = make_paged_cache(
+        [5, 40], 4, 1, 8, 16, torch.float32
+    )  # D = 8: BLOCK_D is padded to 16 and masked
+    assert_close(
+        paged_decode_attention(*inputs, num_splits=2),
+        paged_decode_attention_ref(*inputs),
+        name="D = 8",
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("block_n", [8, 48, 24, "64"])
@@ -62,16 +117,28 @@ def test_block_n_must_be_a_power_of_two_of_at_least_16(block_n):
 
 
 def test_reference_matches_dense_attention():
-    q, k_cache, v_cache, block_tables, seq_lens = make_paged_cache([20], 4, 2, 8, 16, torch.float32, spare_blocks=0)
+    q, k_cache, v_cache, block_tables, seq_lens = make_paged_cache(
+        [20], 4, 2, 8, 16, torch.float32, spare_blocks=0
+    )
     order = block_tables[0, :2].long()
     k = k_cache[order].reshape(-1, 2, 8)[:20].transpose(0, 1)  # (H_kv, S, D)
     v = v_cache[order].reshape(-1, 2, 8)[:20].transpose(0, 1)
-    dense = torch.nn.functional.scaled_dot_product_attention(q[0][:, None, :], k.repeat_interleave(2, 0), v.repeat_interleave(2, 0))[:, 0]
-    assert_close(paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens)[0], dense, name="reference vs SDPA", rtol=1e-5, atol=1e-6)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q[0][:, None, :], k.repeat_interleave(2, 0), v.repeat_interleave(2, 0)
+    )[:, 0]
+    assert_close(
+        paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens)[0],
+        dense,
+        name="reference vs SDPA",
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_validation_messages():
-    q, k_cache, v_cache, block_tables, seq_lens = make_paged_cache([5, 20], 4, 2, 16, 16, torch.float32)
+    q, k_cache, v_cache, block_tables, seq_lens = make_paged_cache(
+        [5, 20], 4, 2, 16, 16, torch.float32
+    )
     with pytest.raises(ValueError, match="H_q = 3 query heads must be a multiple of H_kv = 2"):
         paged_decode_attention(q[:, :3], k_cache, v_cache, block_tables, seq_lens)
     with pytest.raises(TypeError, match="expected one dtype"):
@@ -79,17 +146,27 @@ def test_validation_messages():
     with pytest.raises(TypeError, match="block_tables, seq_lens: expected int32"):
         paged_decode_attention(q, k_cache, v_cache, block_tables.long(), seq_lens)
     with pytest.raises(ValueError, match=r"seq_lens: expected every length in \[1, 32\]"):
-        paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor([5, 33], dtype=torch.int32))
+        paged_decode_attention(
+            q, k_cache, v_cache, block_tables, torch.tensor([5, 33], dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match=r"seq_lens: expected every length in \[1, 32\]"):
-        paged_decode_attention(q, k_cache, v_cache, block_tables, torch.tensor([0, 3], dtype=torch.int32))
+        paged_decode_attention(
+            q, k_cache, v_cache, block_tables, torch.tensor([0, 3], dtype=torch.int32)
+        )
     bad_tables = block_tables.clone()
     bad_tables[1, 1] = k_cache.shape[0]
-    with pytest.raises(ValueError, match=r"block_tables: expected block ids in \[0, 6\), got min 0, max 6"):
+    with pytest.raises(
+        ValueError, match=r"block_tables: expected block ids in \[0, 6\), got min 0, max 6"
+    ):
         paged_decode_attention(q, k_cache, v_cache, bad_tables, seq_lens)
     with pytest.raises(ValueError, match="k_cache: expected head dim D = 16"):
-        paged_decode_attention(q, k_cache[..., :8].contiguous(), v_cache[..., :8].contiguous(), block_tables, seq_lens)
+        paged_decode_attention(
+            q, k_cache[..., :8].contiguous(), v_cache[..., :8].contiguous(), block_tables, seq_lens
+        )
     with pytest.raises(ValueError, match="contiguous last dimension"):
-        paged_decode_attention(q, k_cache.transpose(2, 3).contiguous().transpose(2, 3), v_cache, block_tables, seq_lens)
+        paged_decode_attention(
+            q, k_cache.transpose(2, 3).contiguous().transpose(2, 3), v_cache, block_tables, seq_lens
+        )
     with pytest.raises(ValueError, match="num_splits: expected an int >= 1, got 0"):
         paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=0)
 
@@ -105,10 +182,18 @@ def test_kernel_on_gpu(dtype, num_heads, num_kv_heads):
     lengths = [1, 17, 1000, 4096, 16384 + 5]
     inputs = make_paged_cache(lengths, num_heads, num_kv_heads, 128, 16, dtype, device="cuda")
     expected = paged_decode_attention_ref(*inputs)
-    rtol, atol = TOLERANCES[dtype] if dtype != torch.float32 else (5e-3, 5e-3)  # fp32 dots run as tf32 on tensor cores
+    rtol, atol = (
+        TOLERANCES[dtype] if dtype != torch.float32 else (5e-3, 5e-3)
+    )  # fp32 dots run as tf32 on tensor cores
     for num_splits in (None, 1, 7, 32):
         out = paged_decode_attention(*inputs, num_splits=num_splits)
-        assert_close(out, expected, name=f"GPU kernel ({dtype}, {num_heads}/{num_kv_heads}, splits {num_splits})", rtol=rtol, atol=atol)
+        assert_close(
+            out,
+            expected,
+            name=f"GPU kernel ({dtype}, {num_heads}/{num_kv_heads}, splits {num_splits})",
+            rtol=rtol,
+            atol=atol,
+        )
 
 
 @pytest.mark.gpu
@@ -119,19 +204,34 @@ def test_kernel_on_gpu_large_cache_offsets():
     k_cache = torch.randn(num_blocks, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
-    block_tables = torch.tensor([[num_blocks - 1, 0], [5, num_blocks - 2]], dtype=torch.int32, device="cuda")
+    block_tables = torch.tensor(
+        [[num_blocks - 1, 0], [5, num_blocks - 2]], dtype=torch.int32, device="cuda"
+    )
     seq_lens = torch.tensor([20, 32], dtype=torch.int32, device="cuda")
-    assert_close(paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens),
-                 paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens), name="large cache", rtol=2e-2, atol=2e-2)
+    assert_close(
+        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens),
+        paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens),
+        name="large cache",
+        rtol=2e-2,
+        atol=2e-2,
+    )
 
 
 def test_shuffled_block_tables_give_each_sequence_distinct_blocks_of_the_pool():
     lengths, block_size = [1, 16, 17, 45], 16
-    tables, num_blocks = shuffled_block_tables(lengths, block_size, spare_blocks=2, generator=torch.Generator().manual_seed(0))
+    tables, num_blocks = shuffled_block_tables(
+        lengths, block_size, spare_blocks=2, generator=torch.Generator().manual_seed(0)
+    )
     needed = [math.ceil(n / block_size) for n in lengths]
-    assert tables.shape == (4, max(needed)) and tables.dtype == torch.int32 and num_blocks == sum(needed) + 2
+    assert (
+        tables.shape == (4, max(needed))
+        and tables.dtype == torch.int32
+        and num_blocks == sum(needed) + 2
+    )
     used = torch.cat([tables[b, :count] for b, count in enumerate(needed)])
-    assert len(set(used.tolist())) == sum(needed) and int(used.max()) < num_blocks  # no block shared, all in the pool
+    assert (
+        len(set(used.tolist())) == sum(needed) and int(used.max()) < num_blocks
+    )  # no block shared, all in the pool
     assert used.tolist() != sorted(used.tolist())  # shuffled: logical order is not physical order
     with pytest.raises(ValueError, match="seq_lens"):
         shuffled_block_tables([4, 0], block_size)

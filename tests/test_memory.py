@@ -19,33 +19,50 @@ def test_ships_at_least_twelve_configs_spanning_the_families():
     assert len(CONFIGS) >= 12
     kinds = {spec.kind for config in CONFIGS.values() for spec in M.layer_specs(config)}
     assert {"full", "sliding", "mla", "mamba"} <= kinds
-    families = {M.layer_specs(c)[0].description.split(":")[0] for c in CONFIGS.values() if M.layer_specs(c)[0].elements_per_token}
+    families = {
+        M.layer_specs(c)[0].description.split(":")[0]
+        for c in CONFIGS.values()
+        if M.layer_specs(c)[0].elements_per_token
+    }
     assert {"MHA", "GQA", "MQA", "MLA latent"} <= families
 
 
 # Published numbers (quoted in the chapter, with citations).
 def test_opt_13b_is_800_kib_per_token_as_in_the_pagedattention_paper():
     assert M.kv_bytes_per_token(CONFIGS["opt-13b"]) == 800 * KiB  # Kwon et al. 2023: "800 KB"
-    assert M.kv_cache_bytes(CONFIGS["opt-13b"], 2048) == 1600 * 2**20  # "as much as 1.6 GB" at 2048 tokens
+    assert (
+        M.kv_cache_bytes(CONFIGS["opt-13b"], 2048) == 1600 * 2**20
+    )  # "as much as 1.6 GB" at 2048 tokens
 
 
 def test_jamba_paper_table_1_kv_cache_at_256k():
-    # Lieber et al. 2024, Table 1 (256K tokens, 16-bit): Llama-2 7B 128GB, Mistral 7B 32GB, Jamba 4GB.
+    # Lieber et al. 2024, Table 1 (256K tokens, 16-bit): Llama-2 7B 128GB, Mistral 7B 32GB, Jamba
+    # 4GB.
     assert M.kv_cache_bytes(CONFIGS["llama-2-7b"], 262144) == 128 * GiB
-    assert M.kv_bytes_per_token(CONFIGS["mistral-7b-v0.1"]) * 262144 == 32 * GiB  # the table ignores the window
+    assert (
+        M.kv_bytes_per_token(CONFIGS["mistral-7b-v0.1"]) * 262144 == 32 * GiB
+    )  # the table ignores the window
     jamba = M.kv_cache_bytes(CONFIGS["jamba-v0.1"], 262144)
     assert 4 * GiB < jamba < 4.01 * GiB  # 4 GiB of KV plus 8.75 MiB of Mamba state
 
 
 def test_mistral_window_saves_8x_at_32k_as_in_the_mistral_paper():
     config = CONFIGS["mistral-7b-v0.1"]
-    assert M.kv_bytes_per_token(config) * 32768 == 8 * M.kv_cache_bytes(config, 32768)  # Jiang et al. 2023: "8x"
+    assert M.kv_bytes_per_token(config) * 32768 == 8 * M.kv_cache_bytes(
+        config, 32768
+    )  # Jiang et al. 2023: "8x"
 
 
 def test_deepseek_v3_mla_is_576_elements_per_layer():
     config = CONFIGS["deepseek-v3"]
     assert M.kv_bytes_per_token(config) == 61 * (512 + 64) * 2 == 70272
-    naive = 2 * 61 * config["num_key_value_heads"] * (config["qk_nope_head_dim"] + config["qk_rope_head_dim"]) * 2
+    naive = (
+        2
+        * 61
+        * config["num_key_value_heads"]
+        * (config["qk_nope_head_dim"] + config["qk_rope_head_dim"])
+        * 2
+    )
     assert naive / M.kv_bytes_per_token(config) > 50  # what an estimator ignoring MLA would claim
 
 
@@ -55,47 +72,65 @@ MiB = 2**20
 
 def test_llama_3_8b_matches_llama_cpp_and_vllm_allocations():
     config = CONFIGS["llama-3-8b"]
-    assert M.kv_cache_bytes(config, 2048, cache_dtype="float16") == 256 * MiB  # llama.cpp at n_ctx 2048
+    assert (
+        M.kv_cache_bytes(config, 2048, cache_dtype="float16") == 256 * MiB
+    )  # llama.cpp at n_ctx 2048
     # vLLM (vllm#12330): 11.12 GiB reserved, 5691 blocks of 16 tokens; the GiB figure is rounded.
     assert M.kv_cache_bytes(config, 5691 * 16) / GiB == pytest.approx(11.12, abs=0.005)
 
 
 def test_qwen2_5_7b_matches_vllm_cpu_block_count():
-    # vllm#13882 (Qwen2.5-7B-Instruct, bnb-4bit weights, bfloat16 cache): "# CPU blocks: 4681". vLLM V0
+    # vllm#13882 (Qwen2.5-7B-Instruct, bnb-4bit weights, bfloat16 cache): "# CPU blocks: 4681". vLLM
+    # V0
     # sizes that pool as swap_space (default 4 GiB) // block bytes, a block holding 16 tokens.
     def cpu_blocks(config):
         return 4 * GiB // (16 * M.kv_bytes_per_token(config, "bfloat16"))
 
     config = CONFIGS["qwen2.5-7b"]
     assert cpu_blocks(config) == 4681
-    assert cpu_blocks(dict(config, num_key_value_heads=config["num_attention_heads"])) == 668  # what MHA (7x the cache) would have logged
+    assert (
+        cpu_blocks(dict(config, num_key_value_heads=config["num_attention_heads"])) == 668
+    )  # what MHA (7x the cache) would have logged
 
 
 def f16_bytes_per_cell(config, kind):
-    """Bytes one f16 cache cell (one token) takes across every layer of one kind, with no window cap."""
+    """Bytes one f16 cache cell (one token) takes across every layer of one kind, with no window
+    cap."""
     return 2 * sum(s.elements_per_token for s in M.layer_specs(config) if s.kind == kind)
 
 
 def test_gemma_3_27b_matches_llama_cpp_with_and_without_windowed_local_layers():
     config = CONFIGS["gemma-3-27b"]
-    assert M.kv_bytes_per_token(config, "float16") * 4096 == 1984 * MiB  # every layer full, 4k tokens
+    assert (
+        M.kv_bytes_per_token(config, "float16") * 4096 == 1984 * MiB
+    )  # every layer full, 4k tokens
     layers = M.cache_report(config, 131072, cache_dtype="float16").layers
-    assert sum(u.bytes for u in layers if u.spec.kind == "full") == 10240 * MiB  # 10 global layers at 128k
-    assert f16_bytes_per_cell(config, "sliding") * 1536 == 624 * MiB  # llama.cpp keeps window + 512 batch = 1536 cells
+    assert (
+        sum(u.bytes for u in layers if u.spec.kind == "full") == 10240 * MiB
+    )  # 10 global layers at 128k
+    assert (
+        f16_bytes_per_cell(config, "sliding") * 1536 == 624 * MiB
+    )  # llama.cpp keeps window + 512 batch = 1536 cells
 
 
 def test_gpt_oss_20b_matches_llama_cpp_full_and_sliding_caches():
-    # ik_llama.cpp#822, a llama-server log at -c 131072 (f16): 12 full layers x 131,072 cells = 3072 MiB,
+    # ik_llama.cpp#822, a llama-server log at -c 131072 (f16): 12 full layers x 131,072 cells = 3072
+    # MiB,
     # 12 sliding layers x 768 cells (128-token window + 512 micro-batch, padded to 256) = 18 MiB.
     config = CONFIGS["gpt-oss-20b"]
     assert f16_bytes_per_cell(config, "full") * 131072 == 3072 * MiB
     assert f16_bytes_per_cell(config, "sliding") * 768 == 18 * MiB
-    # kvlib sizes what the model attends to: the sliding layers keep 128 tokens, not llama.cpp's 768 cells.
-    assert M.kv_cache_bytes(config, 131072, cache_dtype="float16") == 3072 * MiB + 18 * MiB * 128 // 768
+    # kvlib sizes what the model attends to: the sliding layers keep 128 tokens, not llama.cpp's 768
+    # cells.
+    assert (
+        M.kv_cache_bytes(config, 131072, cache_dtype="float16")
+        == 3072 * MiB + 18 * MiB * 128 // 768
+    )
 
 
 def test_deepseek_v3_matches_llama_cpp_mla_cache():
-    # llama.cpp#11446, 61 layers at 32,768 tokens: "KV self size = 2196.00 MiB, K^R (f16): 244.00 MiB, c^KV (f16): 1952.00 MiB".
+    # llama.cpp#11446, 61 layers at 32,768 tokens: "KV self size = 2196.00 MiB, K^R (f16): 244.00
+    # MiB, c^KV (f16): 1952.00 MiB".
     config = CONFIGS["deepseek-v3"]
     assert M.kv_cache_bytes(config, 32768, cache_dtype="float16") == 2196 * MiB
     layers = config["num_hidden_layers"]
@@ -104,17 +139,30 @@ def test_deepseek_v3_matches_llama_cpp_mla_cache():
 
 
 def test_gpt2_matches_the_ggml_gpt2_example_readme():
-    # "memory size = 72.00 MB, n_mem = 12288": K and V in f32 for 12 layers x 1,024 positions, MB = 1024**2 bytes.
+    # "memory size = 72.00 MB, n_mem = 12288": K and V in f32 for 12 layers x 1,024 positions, MB =
+    # 1024**2 bytes.
     assert M.kv_cache_bytes(CONFIGS["gpt2"], 1024, cache_dtype="float32") == 72 * MiB
 
 
 def test_falcon_launch_blog_table_confirms_multiquery_to_its_rounding():
-    # huggingface.co/blog/falcon, "K,V-cache size for a 2.048 context": Falcon-7B 20MB, Falcon-40B 240MB.
+    # huggingface.co/blog/falcon, "K,V-cache size for a 2.048 context": Falcon-7B 20MB, Falcon-40B
+    # 240MB.
     falcon_7b = CONFIGS["falcon-7b"]
-    assert M.kv_cache_bytes(falcon_7b, 2048) == 16 * MiB  # 16.8 MB: "20MB" to one significant figure
-    assert M.kv_cache_bytes(dict(falcon_7b, multi_query=False), 2048) == 71 * 16 * MiB  # MHA would be ~1,191 MB
-    falcon_40b = {"model_type": "falcon", "num_hidden_layers": 60, "num_attention_heads": 128, "num_kv_heads": 8,
-                  "hidden_size": 8192, "new_decoder_architecture": True, "torch_dtype": "bfloat16"}
+    assert (
+        M.kv_cache_bytes(falcon_7b, 2048) == 16 * MiB
+    )  # 16.8 MB: "20MB" to one significant figure
+    assert (
+        M.kv_cache_bytes(dict(falcon_7b, multi_query=False), 2048) == 71 * 16 * MiB
+    )  # MHA would be ~1,191 MB
+    falcon_40b = {
+        "model_type": "falcon",
+        "num_hidden_layers": 60,
+        "num_attention_heads": 128,
+        "num_kv_heads": 8,
+        "hidden_size": 8192,
+        "new_decoder_architecture": True,
+        "torch_dtype": "bfloat16",
+    }
     assert M.kv_cache_bytes(falcon_40b, 2048) == 240 * MiB
 
 
@@ -127,26 +175,36 @@ def test_mamba_state_matches_llama_cpp_after_its_conv_convention():
 def test_gpt_oss_alternating_layers_halve_the_cache_at_long_context():
     config = CONFIGS["gpt-oss-20b"]
     ratio = M.kv_cache_bytes(config, 131072) / (M.kv_bytes_per_token(config) * 131072)
-    assert ratio == pytest.approx(0.5, abs=0.001)  # "halved" (Hugging Face transformers blog on gpt-oss)
+    assert ratio == pytest.approx(
+        0.5, abs=0.001
+    )  # "halved" (Hugging Face transformers blog on gpt-oss)
 
 
 def test_ssm_state_is_constant_and_per_token_growth_is_zero():
     config = CONFIGS["mamba-2.8b"]
     assert M.kv_bytes_per_token(config, "bfloat16") == 0
     state = 64 * 5120 * (4 + 16) * 2
-    assert M.kv_cache_bytes(config, 1, cache_dtype="bfloat16") == M.kv_cache_bytes(config, 10**6, cache_dtype="bfloat16") == state
+    assert (
+        M.kv_cache_bytes(config, 1, cache_dtype="bfloat16")
+        == M.kv_cache_bytes(config, 10**6, cache_dtype="bfloat16")
+        == state
+    )
 
 
 def test_gemma3_text_config_and_pattern():
     specs = M.layer_specs(CONFIGS["gemma-3-27b"])  # read from text_config
     assert [s.index for s in specs if s.kind == "full"] == list(range(5, 62, 6))
     assert all(s.token_cap == 1024 for s in specs if s.kind == "sliding")
-    assert M.kv_bytes_per_token(CONFIGS["gemma-3-27b"]) == 62 * 2 * 16 * 128 * 2  # explicit head_dim, not 5376 / 32
+    assert (
+        M.kv_bytes_per_token(CONFIGS["gemma-3-27b"]) == 62 * 2 * 16 * 128 * 2
+    )  # explicit head_dim, not 5376 / 32
 
 
 def test_qwen_sliding_window_disabled_and_gpt_oss_layer_types():
     assert all(s.kind == "full" for s in M.layer_specs(CONFIGS["qwen2.5-7b"]))
-    enabled = dict(CONFIGS["qwen2.5-7b"], use_sliding_window=True, sliding_window=4096, max_window_layers=20)
+    enabled = dict(
+        CONFIGS["qwen2.5-7b"], use_sliding_window=True, sliding_window=4096, max_window_layers=20
+    )
     assert [s.kind for s in M.layer_specs(enabled)] == ["full"] * 20 + ["sliding"] * 8
     kinds = [s.kind for s in M.layer_specs(CONFIGS["gpt-oss-20b"])]
     assert kinds == ["sliding", "full"] * 12
@@ -155,9 +213,15 @@ def test_qwen_sliding_window_disabled_and_gpt_oss_layer_types():
 def test_dtypes_and_aliases():
     config = CONFIGS["llama-3-8b"]
     bf16 = M.kv_cache_bytes(config, 1000)
-    assert M.kv_cache_bytes(config, 1000, cache_dtype="fp8") * 2 == bf16 == M.kv_cache_bytes(config, 1000, cache_dtype="int4") * 4
+    assert (
+        M.kv_cache_bytes(config, 1000, cache_dtype="fp8") * 2
+        == bf16
+        == M.kv_cache_bytes(config, 1000, cache_dtype="int4") * 4
+    )
     assert M.kv_cache_bytes(config, 1000, cache_dtype="torch.float32") == 2 * bf16
-    assert M.kv_cache_bytes(dict(config, torch_dtype=None, dtype="bfloat16"), 1000) == bf16  # transformers 5.x field
+    assert (
+        M.kv_cache_bytes(dict(config, torch_dtype=None, dtype="bfloat16"), 1000) == bf16
+    )  # transformers 5.x field
     assert M.kv_cache_bytes(config, 1000, batch_size=3) == 3 * bf16
 
 
@@ -170,22 +234,68 @@ def test_streaming_llm_sinks_cap_every_attention_layer():
 
 
 # Bytes of caches really allocated equal the formula exactly.
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
 
 SMALL_CONFIGS = {
-    "gqa": {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32, "torch_dtype": "float16"},
-    "gemma2": {"model_type": "gemma2", "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
-               "hidden_size": 24, "sliding_window": 5, "torch_dtype": "bfloat16"},
-    "mla": {"model_type": "deepseek_v3", "num_hidden_layers": 2, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "torch_dtype": "bfloat16"},
-    "mamba": {"model_type": "mamba", "num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 16, "state_size": 4, "conv_kernel": 3, "expand": 2,
-              "torch_dtype": "float32"},
-    "jamba": {"model_type": "jamba", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16,
-              "attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 4, "mamba_d_conv": 2, "mamba_expand": 2, "torch_dtype": "float16"},
+    "gqa": {
+        "model_type": "llama",
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 32,
+        "torch_dtype": "float16",
+    },
+    "gemma2": {
+        "model_type": "gemma2",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "hidden_size": 24,
+        "sliding_window": 5,
+        "torch_dtype": "bfloat16",
+    },
+    "mla": {
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 2,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 4,
+        "torch_dtype": "bfloat16",
+    },
+    "mamba": {
+        "model_type": "mamba",
+        "num_hidden_layers": 2,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "state_size": 4,
+        "conv_kernel": 3,
+        "expand": 2,
+        "torch_dtype": "float32",
+    },
+    "jamba": {
+        "model_type": "jamba",
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 16,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "mamba_d_state": 4,
+        "mamba_d_conv": 2,
+        "mamba_expand": 2,
+        "torch_dtype": "float16",
+    },
 }
 
 
 def allocate_cache(config, batch_size, seq_len, dtype):
-    """Allocate the tensors a cache for this config holds, shaped as the models' caches shape them."""
+    """Allocate the tensors a cache for this config holds, shaped as the models' caches are."""
     config = M.load_config(config)
     tensors = []
     for spec in M.layer_specs(config):
@@ -193,13 +303,23 @@ def allocate_cache(config, batch_size, seq_len, dtype):
         if spec.kind == "mla":  # one latent per token: (B, S, kv_lora_rank + qk_rope_head_dim)
             tensors.append(torch.empty(batch_size, held, spec.elements_per_token, dtype=dtype))
         elif spec.kind in ("mamba",):  # conv (B, intermediate, K) and ssm (B, intermediate, N)
-            inner = config.get("intermediate_size") or config["mamba_expand"] * config["hidden_size"]
-            kernel, state = config.get("conv_kernel", config.get("mamba_d_conv")), config.get("state_size", config.get("mamba_d_state"))
-            tensors += [torch.empty(batch_size, inner, kernel, dtype=dtype), torch.empty(batch_size, inner, state, dtype=dtype)]
+            inner = (
+                config.get("intermediate_size") or config["mamba_expand"] * config["hidden_size"]
+            )
+            kernel, state = (
+                config.get("conv_kernel", config.get("mamba_d_conv")),
+                config.get("state_size", config.get("mamba_d_state")),
+            )
+            tensors += [
+                torch.empty(batch_size, inner, kernel, dtype=dtype),
+                torch.empty(batch_size, inner, state, dtype=dtype),
+            ]
         else:  # K and V: (B, H_kv, S, D) each
             kv_heads = config.get("num_key_value_heads", config.get("num_attention_heads"))
             head_dim = spec.elements_per_token // (2 * kv_heads)
-            tensors += [torch.empty(batch_size, kv_heads, held, head_dim, dtype=dtype) for _ in range(2)]
+            tensors += [
+                torch.empty(batch_size, kv_heads, held, head_dim, dtype=dtype) for _ in range(2)
+            ]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -216,29 +336,60 @@ def test_formula_equals_chapter_1_cache():
     model = ToyModel(ToyConfig(num_layers=3, head_dim=8, d_model=16))
     cache = model.new_cache(40)
     generate_cached(model, np.arange(7), 20, cache=cache)
-    config = {"model_type": "llama", "num_hidden_layers": 3, "num_attention_heads": 1, "head_dim": 8, "hidden_size": 16, "torch_dtype": "float64"}
+    config = {
+        "model_type": "llama",
+        "num_hidden_layers": 3,
+        "num_attention_heads": 1,
+        "head_dim": 8,
+        "hidden_size": 16,
+        "torch_dtype": "float64",
+    }
     assert M.kv_cache_bytes(config, cache.length) == cache.buffer[:, :, : cache.length].nbytes
 
 
 def test_int4_packs_two_per_byte():
     config = dict(SMALL_CONFIGS["gqa"], torch_dtype="int4")
-    packed = allocate_cache(dict(config, head_dim=4), 2, 6, torch.uint8)  # D=8 int4 values packed into 4 bytes
+    packed = allocate_cache(
+        dict(config, head_dim=4), 2, 6, torch.uint8
+    )  # D=8 int4 values packed into 4 bytes
     assert M.kv_cache_bytes(config, 6, batch_size=2) == packed
 
 
 # Bad input.
 def test_errors_name_the_field_and_model_type():
-    with pytest.raises(M.UnsupportedConfigError, match="missing field 'hidden_size' / 'n_embd' / 'd_model' for model_type 'llama'"):
-        M.kv_cache_bytes({"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "torch_dtype": "float16"}, 10)
-    with pytest.raises(M.UnsupportedConfigError, match="model_type 'rwkv' is not supported; kvlib.memory sizes: deepseek_v2"):
+    with pytest.raises(
+        M.UnsupportedConfigError,
+        match="missing field 'hidden_size' / 'n_embd' / 'd_model' for model_type 'llama'",
+    ):
+        M.kv_cache_bytes(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "torch_dtype": "float16",
+            },
+            10,
+        )
+    with pytest.raises(
+        M.UnsupportedConfigError,
+        match="model_type 'rwkv' is not supported; kvlib.memory sizes: deepseek_v2",
+    ):
         M.layer_specs({"model_type": "rwkv"})
     with pytest.raises(M.UnsupportedConfigError, match="missing field 'model_type'"):
         M.layer_specs({"num_hidden_layers": 2})
-    with pytest.raises(M.UnsupportedConfigError, match="no 'torch_dtype' or 'dtype' field for model_type 'gpt2'; pass cache_dtype"):
+    with pytest.raises(
+        M.UnsupportedConfigError,
+        match="no 'torch_dtype' or 'dtype' field for model_type 'gpt2'; pass cache_dtype",
+    ):
         M.kv_cache_bytes(CONFIGS["gpt2"], 10)
-    with pytest.raises(M.UnsupportedConfigError, match="sliding_window=4096 but kvlib does not know which layers of a 'llama' model slide"):
+    with pytest.raises(
+        M.UnsupportedConfigError,
+        match="sliding_window=4096 but kvlib does not know which layers of a 'llama' model slide",
+    ):
         M.layer_specs(dict(CONFIGS["llama-3-8b"], sliding_window=4096))
-    with pytest.raises(M.UnsupportedConfigError, match="missing field 'num_kv_heads' for model_type 'falcon'"):
+    with pytest.raises(
+        M.UnsupportedConfigError, match="missing field 'num_kv_heads' for model_type 'falcon'"
+    ):
         M.layer_specs(dict(CONFIGS["falcon-7b"], new_decoder_architecture=True))
     with pytest.raises(M.UnsupportedConfigError, match="layer_types must list 24"):
         M.layer_specs(dict(CONFIGS["gpt-oss-20b"], layer_types=["full_attention"] * 3))
@@ -246,7 +397,11 @@ def test_errors_name_the_field_and_model_type():
         M.kv_cache_bytes(CONFIGS["llama-3-8b"], 0)
     with pytest.raises(ValueError, match="batch_size: expected an int >= 1, got -2"):
         M.kv_cache_bytes(CONFIGS["llama-3-8b"], 5, batch_size=-2)
-    with pytest.raises(ValueError, match="cache_dtype: expected one of float64, float32, bfloat16, float16, fp8, int8, int4, got 'int3'"):
+    with pytest.raises(
+        ValueError,
+        match="cache_dtype: expected one of float64, float32, bfloat16, float16, fp8, int8, int4, "
+        "got 'int3'",
+    ):
         M.kv_cache_bytes(CONFIGS["llama-3-8b"], 5, cache_dtype="int3")
     with pytest.raises(FileNotFoundError, match="no such file"):
         M.load_config("/nonexistent/config.json")
@@ -256,20 +411,54 @@ def test_max_concurrent_sequences_equation():
     config = CONFIGS["llama-3-8b"]
     weights = int(8.03e9 * 2)
     budget = M.memory_budget(config, 80 * 10**9, 8192, weight_bytes=weights)
-    assert budget.kv_budget_bytes == budget.usable_bytes - weights - budget.runtime_overhead_bytes - budget.activation_bytes
+    assert (
+        budget.kv_budget_bytes
+        == budget.usable_bytes - weights - budget.runtime_overhead_bytes - budget.activation_bytes
+    )
     assert budget.max_sequences == budget.kv_budget_bytes // M.kv_cache_bytes(config, 8192)
-    assert M.max_concurrent_sequences(config, 80 * 10**9, 8192, weight_bytes=weights) == budget.max_sequences
-    assert M.max_concurrent_sequences(config, 80 * 10**9, 8192, weight_bytes=weights, cache_dtype="fp8") >= 2 * budget.max_sequences
+    assert (
+        M.max_concurrent_sequences(config, 80 * 10**9, 8192, weight_bytes=weights)
+        == budget.max_sequences
+    )
+    assert (
+        M.max_concurrent_sequences(
+            config, 80 * 10**9, 8192, weight_bytes=weights, cache_dtype="fp8"
+        )
+        >= 2 * budget.max_sequences
+    )
     with pytest.raises(ValueError, match="cannot hold weights"):
-        M.max_concurrent_sequences(CONFIGS["deepseek-v3"], 80 * 10**9, 4096, weight_bytes=671 * 10**9)
+        M.max_concurrent_sequences(
+            CONFIGS["deepseek-v3"], 80 * 10**9, 4096, weight_bytes=671 * 10**9
+        )
 
 
 def test_cli_prints_a_table_and_rejects_bad_input(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "kvlib.memory", "llama-3-8b", "--seq-len", "4096", "--batch", "2"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvlib.memory", "llama-3-8b", "--seq-len", "4096", "--batch", "2"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0 and "total: 1.00 GiB (1,073,741,824 bytes)" in done.stdout
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIGS["gpt2"]))
-    done = subprocess.run([sys.executable, "-m", "kvlib.memory", str(path), "--seq-len", "10", "--cache-dtype", "float16"], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvlib.memory",
+            str(path),
+            "--seq-len",
+            "10",
+            "--cache-dtype",
+            "float16",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0 and "MHA: 2 x 12 KV heads" in done.stdout
-    done = subprocess.run([sys.executable, "-m", "kvlib.memory", str(path), "--seq-len", "10"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvlib.memory", str(path), "--seq-len", "10"],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and "pass cache_dtype" in done.stderr

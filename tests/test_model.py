@@ -1,4 +1,5 @@
-"""kvlib.model, kvlib.cache and kvlib.generation against oracles: cached == uncached for every cache,
+"""kvlib.model, kvlib.cache and kvlib.generation against oracles: cached == uncached for every
+cache,
 padded batch == each prompt alone, chunked == one-shot prefill, beam search == brute force, RoPE ==
 its complex-number form, and checkpoints that round-trip or are refused clearly."""
 
@@ -11,10 +12,25 @@ import torch
 from kvlib import attention
 from kvlib.cache import CacheOverflowError, DynamicCache, StaticCache
 from kvlib.generation import generate
-from kvlib.model import LlamaModel, ModelConfig, UnsupportedCheckpointError, apply_rope, load_hf_checkpoint, rope_cos_sin, save_hf_checkpoint
+from kvlib.model import (
+    LlamaModel,
+    ModelConfig,
+    UnsupportedCheckpointError,
+    apply_rope,
+    load_hf_checkpoint,
+    rope_cos_sin,
+    save_hf_checkpoint,
+)
 from kvlib.testing import assert_close
 
-TINY = ModelConfig(vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+TINY = ModelConfig(
+    vocab_size=48,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def tiny_model(config: ModelConfig = TINY, seed: int = 0) -> LlamaModel:
@@ -38,17 +54,40 @@ def test_cached_logits_equal_uncached(kv_heads, cache):
     tokens = prompts(length=20)
     full = model(tokens)
     kv = DynamicCache(3) if cache == "dynamic" else StaticCache.for_model(model, 2, 20)
-    pieces = [model(tokens[:, :12], cache=kv)] + [model(tokens[:, i : i + 1], cache=kv) for i in range(12, 20)]
-    assert_close(torch.cat(pieces, dim=1), full, name=f"cached ({cache}) vs uncached logits", rtol=1e-5, atol=1e-5)
+    pieces = [model(tokens[:, :12], cache=kv)] + [
+        model(tokens[:, i : i + 1], cache=kv) for i in range(12, 20)
+    ]
+    assert_close(
+        torch.cat(pieces, dim=1),
+        full,
+        name=f"cached ({cache}) vs uncached logits",
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
-@pytest.mark.parametrize("options", [{}, {"cache": "static"}, {"prefill_chunk_size": 4}, {"temperature": 0.8, "top_k": 5}])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"cache": "static"}, {"prefill_chunk_size": 4}, {"temperature": 0.8, "top_k": 5}],
+)
 def test_generate_cached_equals_naive(options):
     model = tiny_model()
     sampled = "temperature" in options
-    out = generate(model, prompts(), 12, generator=torch.Generator().manual_seed(3) if sampled else None, **options)
-    naive = generate(model, prompts(), 12, use_cache=False, generator=torch.Generator().manual_seed(3) if sampled else None,
-                     **{k: v for k, v in options.items() if k != "cache"})
+    out = generate(
+        model,
+        prompts(),
+        12,
+        generator=torch.Generator().manual_seed(3) if sampled else None,
+        **options,
+    )
+    naive = generate(
+        model,
+        prompts(),
+        12,
+        use_cache=False,
+        generator=torch.Generator().manual_seed(3) if sampled else None,
+        **{k: v for k, v in options.items() if k != "cache"},
+    )
     assert out.shape == (2, 21) and torch.equal(out[:, :9], prompts())
     assert torch.equal(out, naive), f"cached {out.tolist()} != naive {naive.tolist()}"
 
@@ -65,7 +104,9 @@ def test_padded_batch_equals_each_prompt_alone():
         together = generate(model, batch, 8, attention_mask=mask, **options)
         for i, row in enumerate(rows):
             alone = generate(model, row[None], 8)[0]
-            assert torch.equal(together[i, 9 - len(row) :], alone), f"prompt {i} ({options}): {together[i].tolist()} vs {alone.tolist()}"
+            assert torch.equal(together[i, 9 - len(row) :], alone), (
+                f"prompt {i} ({options}): {together[i].tolist()} vs {alone.tolist()}"
+            )
 
 
 def test_chunked_prefill_equals_one_shot():
@@ -75,11 +116,20 @@ def test_chunked_prefill_equals_one_shot():
     for chunk in (1, 5, 8, 23):
         cache = DynamicCache(3)
         chunks = [model(tokens[:, a : a + chunk], cache=cache) for a in range(0, 23, chunk)]
-        assert_close(torch.cat(chunks, 1), one_shot, name=f"chunked prefill ({chunk})", rtol=1e-5, atol=1e-5)
+        assert_close(
+            torch.cat(chunks, 1), one_shot, name=f"chunked prefill ({chunk})", rtol=1e-5, atol=1e-5
+        )
 
 
 def test_beam_search_equals_brute_force():
-    config = ModelConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    config = ModelConfig(
+        vocab_size=5,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     model = tiny_model(config, seed=4)
     prompt = torch.tensor([[1, 3, 2], [4, 0, 0]])
     steps = 3
@@ -88,12 +138,22 @@ def test_beam_search_equals_brute_force():
         candidates = torch.tensor([list(c) for c in itertools.product(range(5), repeat=steps)])
         sequences = torch.cat([row.expand(len(candidates), -1), candidates], dim=1)
         logprobs = model(sequences).log_softmax(-1)
-        scores = sum(logprobs[:, len(row) - 1 + i].gather(1, candidates[:, i : i + 1])[:, 0] for i in range(steps))
+        scores = sum(
+            logprobs[:, len(row) - 1 + i].gather(1, candidates[:, i : i + 1])[:, 0]
+            for i in range(steps)
+        )
         best.append(sequences[scores.argmax()])
     for options in ({}, {"cache": "static"}, {"use_cache": False}):
-        beams = generate(model, prompt, steps, num_beams=25, **options)  # 25 = 5**2 beams: exhaustive
-        assert torch.equal(beams, torch.stack(best)), f"{options}: {beams.tolist()} vs brute force {torch.stack(best).tolist()}"
-    assert torch.equal(generate(model, prompt, 4, num_beams=3), generate(model, prompt, 4, num_beams=3, use_cache=False))
+        beams = generate(
+            model, prompt, steps, num_beams=25, **options
+        )  # 25 = 5**2 beams: exhaustive
+        assert torch.equal(beams, torch.stack(best)), (
+            f"{options}: {beams.tolist()} vs brute force {torch.stack(best).tolist()}"
+        )
+    assert torch.equal(
+        generate(model, prompt, 4, num_beams=3),
+        generate(model, prompt, 4, num_beams=3, use_cache=False),
+    )
 
 
 def test_rope_matches_complex_rotation():
@@ -104,16 +164,26 @@ def test_rope_matches_complex_rotation():
     pairs = torch.complex(x[..., :4], x[..., 4:])  # HF convention: dimension i pairs with i + D/2
     angles = positions[0, :, None].float() * 100.0 ** (-torch.arange(0, 8, 2).float() / 8)
     expected = pairs * torch.polar(torch.ones_like(angles), angles)
-    assert_close(rotated, torch.cat([expected.real, expected.imag], -1), name="rotate_half RoPE", rtol=1e-5, atol=1e-6)
+    assert_close(
+        rotated,
+        torch.cat([expected.real, expected.imag], -1),
+        name="rotate_half RoPE",
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_caches_validate_and_overflow():
     model = tiny_model()
     cache = StaticCache.for_model(model, 2, 10)
     model(prompts(length=8), cache=cache)
-    with pytest.raises(CacheOverflowError, match="holds 10 tokens per sequence; writing 3 after 8 needs 11"):
+    with pytest.raises(
+        CacheOverflowError, match="holds 10 tokens per sequence; writing 3 after 8 needs 11"
+    ):
         model(prompts(length=3), cache=cache)
-    assert CacheOverflowError is attention.CacheOverflowError  # one class for chapter 1's and chapter 2's caches
+    assert (
+        CacheOverflowError is attention.CacheOverflowError
+    )  # one class for chapter 1's and chapter 2's caches
     k = torch.zeros(2, 2, 1, 16)
     with pytest.raises(ValueError, match=r"layer_idx: expected an int in \[0, 3\), got 3"):
         cache.update(3, k, k)
@@ -123,7 +193,9 @@ def test_caches_validate_and_overflow():
         cache.update(0, torch.zeros(3, 2, 1, 16), torch.zeros(3, 2, 1, 16))
     dynamic = DynamicCache(3)
     model(prompts(length=4), cache=dynamic)
-    with pytest.raises(ValueError, match=r"expected \(B, H_kv, T, D\) with \(B, H_kv, D\) = \(2, 2, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"expected \(B, H_kv, T, D\) with \(B, H_kv, D\) = \(2, 2, 16\)"
+    ):
         dynamic.update(0, torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))
 
 
@@ -137,7 +209,13 @@ def test_cache_repeat_and_reorder():
         assert_close(logits[0], logits[2], name="clones decode alike") and None
         alone = DynamicCache(3)
         model(prompts(length=5)[1:], cache=alone)
-        assert_close(logits[3], model(torch.tensor([[9]]), cache=alone)[0], name="clone of prompt 1", rtol=1e-5, atol=1e-5)
+        assert_close(
+            logits[3],
+            model(torch.tensor([[9]]), cache=alone)[0],
+            name="clone of prompt 1",
+            rtol=1e-5,
+            atol=1e-5,
+        )
 
 
 def test_repeat_keeps_the_cache_class():
@@ -149,7 +227,13 @@ def test_repeat_keeps_the_cache_class():
             super().reorder(indices)
 
     model = tiny_model()
-    generate(model, prompts(), 4, num_beams=3, cache=lambda m, b, s: Recording(m.config.num_hidden_layers))
+    generate(
+        model,
+        prompts(),
+        4,
+        num_beams=3,
+        cache=lambda m, b, s: Recording(m.config.num_hidden_layers),
+    )
     assert Recording.calls == 3  # one reorder per decode step after the first token
     model(prompts(length=4), cache=(static := StaticCache.for_model(model, 2, 8)))
     assert type(static.repeat(2)) is StaticCache and static.repeat(2).buffer.shape[2] == 4
@@ -170,7 +254,13 @@ def test_checkpoint_round_trip_tied_and_untied(tmp_path):
         model = tiny_model(ModelConfig(**{**TINY.__dict__, "tie_word_embeddings": tied}))
         save_hf_checkpoint(model, tmp_path / str(tied))
         loaded = load_hf_checkpoint(tmp_path / str(tied))
-        assert_close(loaded(prompts()), model(prompts()), name=f"reloaded logits (tied={tied})", rtol=0, atol=0)
+        assert_close(
+            loaded(prompts()),
+            model(prompts()),
+            name=f"reloaded logits (tied={tied})",
+            rtol=0,
+            atol=0,
+        )
         assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
 
 
@@ -182,16 +272,21 @@ def test_config_field_names_of_transformers_4_and_5(tmp_path):
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}  # transformers 5.x
     config["dtype"] = config.pop("torch_dtype")
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert_close(load_hf_checkpoint(tmp_path)(prompts()), model(prompts()), name="5.x config", rtol=0, atol=0)
+    assert_close(
+        load_hf_checkpoint(tmp_path)(prompts()), model(prompts()), name="5.x config", rtol=0, atol=0
+    )
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"attention_bias": True}, "attention_bias=true"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling"),
-    ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' is not supported"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"mlp_bias": True}, "mlp_bias=true"),
+        ({"attention_bias": True}, "attention_bias=true"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling"),
+        ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ],
+)
 def test_unsupported_checkpoints_are_refused(tmp_path, change, message):
     save_hf_checkpoint(tiny_model(), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -204,7 +299,11 @@ def test_checkpoint_shape_and_file_errors(tmp_path):
     save_hf_checkpoint(tiny_model(), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 100}))
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.weight has shape \(64, 96\), the config implies \(64, 100\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.0.mlp.down_proj.weight has shape \(64, 96\), "
+        r"the config implies \(64, 100\)",
+    ):
         load_hf_checkpoint(tmp_path)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_hf_checkpoint(tmp_path / "missing")

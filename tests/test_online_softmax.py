@@ -45,13 +45,26 @@ def test_tiled_attention_equals_reference(tile_size, causal):
     mask = causal_mask(13, 29) if causal else None
     expected = attention(q, k, v, mask)
     for query_tile in (None, 4, 13):
-        got = O.tiled_attention(q, k, v, tile_size=tile_size, query_tile_size=query_tile, causal=causal)
-        assert_close(got, expected, name=f"tiled attention (tile {tile_size}, query tile {query_tile}, causal={causal})", rtol=1e-12, atol=1e-13)
+        got = O.tiled_attention(
+            q, k, v, tile_size=tile_size, query_tile_size=query_tile, causal=causal
+        )
+        assert_close(
+            got,
+            expected,
+            name=f"tiled attention (tile {tile_size}, query tile {query_tile}, causal={causal})",
+            rtol=1e-12,
+            atol=1e-13,
+        )
 
 
 def test_tiled_attention_survives_huge_scores_and_validates():
     q, k, v = qkv(4, 10)
-    assert_close(O.tiled_attention(q * 300, k * 300, v, tile_size=3), attention(q * 300, k * 300, v), name="large scores", rtol=1e-9)
+    assert_close(
+        O.tiled_attention(q * 300, k * 300, v, tile_size=3),
+        attention(q * 300, k * 300, v),
+        name="large scores",
+        rtol=1e-9,
+    )
     with pytest.raises(ValueError, match="tile_size: expected an int >= 1, got 0"):
         O.tiled_attention(q, k, v, tile_size=0)
     with pytest.raises(ValueError, match="causal attention needs T <= S"):
@@ -64,7 +77,11 @@ def test_tiled_attention_reads_kv_once_and_three_pass_thrice():
     q, k, v = qkv(6, 40)
     for algorithm, k_passes in ((O.three_pass_attention, 3), (O.two_pass_attention, 2)):
         k_counter, v_counter = O.RowReadCounter(k), O.RowReadCounter(v)
-        assert_close(algorithm(q, k_counter, v_counter, tile_size=7), attention(q, k, v), name=algorithm.__name__)
+        assert_close(
+            algorithm(q, k_counter, v_counter, tile_size=7),
+            attention(q, k, v),
+            name=algorithm.__name__,
+        )
         assert (k_counter.passes, v_counter.passes) == (k_passes, 1)
     k_counter, v_counter = O.RowReadCounter(k), O.RowReadCounter(v)
     O.tiled_attention(q, k_counter, v_counter, tile_size=7, query_tile_size=6)
@@ -80,13 +97,21 @@ def test_tiled_attention_memory_is_linear_in_length():
         tiled.append(peak_memory_bytes(lambda: O.tiled_attention(q, k, v, tile_size=64)))
     assert loglog_slope(sizes, materialised) == pytest.approx(2, abs=0.1)
     assert loglog_slope(sizes, tiled) < 1.2
-    assert materialised[-1] > 8 * 1024 * 1024 > 10 * tiled[-1]  # the 1024 x 1024 float64 score matrix alone is 8 MiB
+    assert (
+        materialised[-1] > 8 * 1024 * 1024 > 10 * tiled[-1]
+    )  # the 1024 x 1024 float64 score matrix alone is 8 MiB
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 29, 40])
 def test_split_k_equals_reference(num_splits):
     q, k, v = qkv(3, 29, seed=num_splits)
-    assert_close(O.split_k_attention(q, k, v, num_splits=num_splits), attention(q, k, v), name=f"split-K ({num_splits} splits)", rtol=1e-12, atol=1e-13)
+    assert_close(
+        O.split_k_attention(q, k, v, num_splits=num_splits),
+        attention(q, k, v),
+        name=f"split-K ({num_splits} splits)",
+        rtol=1e-12,
+        atol=1e-13,
+    )
 
 
 def test_partial_attention_empty_and_masked_chunks_give_zero_weight():
@@ -121,11 +146,20 @@ def test_merge_is_exact_for_any_partition(sizes, seed, magnitude):
     out, lse = O.merge_partials([p[0] for p in partials], [p[1] for p in partials])
     assert_close(out, attention(q, k, v), name="merged output", rtol=1e-9, atol=1e-12)
     scores = q @ k.T / np.sqrt(8)
-    assert_close(lse, scores.max(1) + np.log(np.exp(scores - scores.max(1, keepdims=True)).sum(1)), name="merged lse", rtol=1e-12)
+    assert_close(
+        lse,
+        scores.max(1) + np.log(np.exp(scores - scores.max(1, keepdims=True)).sum(1)),
+        name="merged lse",
+        rtol=1e-12,
+    )
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(min_value=0, max_value=5), min_size=3, max_size=6), seed=st.integers(0, 2**16), data=st.data())
+@given(
+    sizes=st.lists(st.integers(min_value=0, max_value=5), min_size=3, max_size=6),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
 def test_merge_is_associative_and_order_independent(sizes, seed, data):
     s = sum(sizes)
     q, k, v = qkv(2, s, seed=seed)
@@ -153,11 +187,17 @@ def test_merge_validates():
 
 def test_choose_num_splits():
     assert O.choose_num_splits(64, 8, 4096, num_sms=132) == 1  # 512 programs already fill 132 SMs
-    assert O.choose_num_splits(1, 8, 131072, num_sms=132) > 8  # one long sequence: split to fill the GPU
-    assert O.choose_num_splits(1, 8, 300, num_sms=132) == 1  # too short to split into 256-token chunks
+    assert (
+        O.choose_num_splits(1, 8, 131072, num_sms=132) > 8
+    )  # one long sequence: split to fill the GPU
+    assert (
+        O.choose_num_splits(1, 8, 300, num_sms=132) == 1
+    )  # too short to split into 256-token chunks
     for batch in (1, 2, 4, 8, 16):
         n = O.choose_num_splits(batch, 8, 65536, num_sms=132)
         waves = batch * 8 * n / 132
-        assert waves / math.ceil(waves) >= 0.85 * max(batch * 8 * m / 132 / math.ceil(batch * 8 * m / 132) for m in range(1, 65))
+        assert waves / math.ceil(waves) >= 0.85 * max(
+            batch * 8 * m / 132 / math.ceil(batch * 8 * m / 132) for m in range(1, 65)
+        )
     with pytest.raises(ValueError, match="num_sms: expected an int >= 1, got 0"):
         O.choose_num_splits(1, 1, 1, num_sms=0)

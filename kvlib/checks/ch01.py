@@ -12,7 +12,6 @@ from kvlib.attention import (
     ToyConfig,
     ToyModel,
     attention,
-    cached_attention_step,
     causal_mask,
     dense_kv_cache_bytes,
     generate_cached,
@@ -29,7 +28,9 @@ def test_stable_softmax(submission: Submission) -> None:
     rng = np.random.default_rng(1)
     x = rng.normal(size=(4, 7))
     got = stable_softmax(x.copy())
-    assert isinstance(got, np.ndarray), f"stable_softmax should return a numpy array, got {type(got).__name__}"
+    assert isinstance(got, np.ndarray), (
+        f"stable_softmax should return a numpy array, got {type(got).__name__}"
+    )
     assert_close(got, softmax(x), name="stable_softmax(x) for a (4, 7) input")
     large = np.array([[1000.0, 1001.0, 1002.0], [-1000.0, -1001.0, -1002.0]])
     got = np.asarray(stable_softmax(large.copy()))
@@ -39,7 +40,11 @@ def test_stable_softmax(submission: Submission) -> None:
     )
     assert_close(got, softmax(large), name="stable_softmax of large scores")
     batched = rng.normal(size=(2, 3, 5)) * 50
-    assert_close(stable_softmax(batched.copy()), softmax(batched), name="stable_softmax over the last axis of a (2, 3, 5) input")
+    assert_close(
+        stable_softmax(batched.copy()),
+        softmax(batched),
+        name="stable_softmax over the last axis of a (2, 3, 5) input",
+    )
 
 
 @question(function="cached_attention_step", blocked=("kvlib.attention.cached_attention_step",))
@@ -53,18 +58,29 @@ def test_cached_attention_step(submission: Submission) -> None:
     for t in range(num_steps):
         result = step(qs[t], ks[t], vs[t], k_cache, v_cache)
         assert isinstance(result, tuple) and len(result) == 3, (
-            f"cached_attention_step should return a tuple (out, k_cache, v_cache), got {type(result).__name__}"
+            "cached_attention_step should return a tuple (out, k_cache, v_cache), got "
+            f"{type(result).__name__}"
         )
         out, k_cache, v_cache = (np.asarray(r) for r in result)
         assert k_cache.shape == (t + 1, head_dim) and v_cache.shape == (t + 1, value_dim), (
-            f"after step {t} the caches should hold {t + 1} rows: expected shapes {(t + 1, head_dim)} and "
+            f"after step {t} the caches should hold {t + 1} rows: expected shapes "
+            f"{(t + 1, head_dim)} and "
             f"{(t + 1, value_dim)}, got {k_cache.shape} and {v_cache.shape}"
         )
-        expected = attention(qs[: t + 1], ks[: t + 1], vs[: t + 1], causal_mask(t + 1, t + 1))[-1]  # full recompute
-        assert_close(out, expected, name=f"output of step {t} (cache of {t + 1} tokens, the new one included)")
+        expected = attention(qs[: t + 1], ks[: t + 1], vs[: t + 1], causal_mask(t + 1, t + 1))[
+            -1
+        ]  # full recompute
+        assert_close(
+            out,
+            expected,
+            name=f"output of step {t} (cache of {t + 1} tokens, the new one included)",
+        )
 
 
-@question(function="predict_score_entries", blocked=("kvlib.attention.generate_naive", "kvlib.attention.generate_cached"))
+@question(
+    function="predict_score_entries",
+    blocked=("kvlib.attention.generate_naive", "kvlib.attention.generate_cached"),
+)
 def test_predict_score_entries(submission: Submission) -> None:
     predict = submission.function("predict_score_entries")
     for prompt_len, max_new_tokens, num_layers in [(1, 1, 1), (5, 7, 2), (12, 4, 3), (3, 20, 1)]:
@@ -78,8 +94,10 @@ def test_predict_score_entries(submission: Submission) -> None:
                 f"predict_score_entries should return an int, got {type(got).__name__} {got!r}"
             )
             assert got == measured, (
-                f"{label} generation with prompt_len={prompt_len}, max_new_tokens={max_new_tokens}, "
-                f"num_layers={num_layers}: the instrumented loop computed {measured} score entries, you predicted {got}"
+                f"{label} generation with prompt_len={prompt_len}, "
+                f"max_new_tokens={max_new_tokens}, "
+                f"num_layers={num_layers}: the instrumented loop computed {measured} score "
+                f"entries, you predicted {got}"
             )
 
 
@@ -91,7 +109,8 @@ def test_kv_cache_bytes(submission: Submission) -> None:
         got = kv_cache_bytes(*args)
         expected = dense_kv_cache_bytes(*args)
         assert got == expected, (
-            f"kv_cache_bytes(num_layers={args[0]}, num_heads={args[1]}, head_dim={args[2]}, bytes_per_element={args[3]}, "
+            f"kv_cache_bytes(num_layers={args[0]}, num_heads={args[1]}, head_dim={args[2]}, "
+            f"bytes_per_element={args[3]}, "
             f"seq_len={args[4]}) should be {expected}, got {got}"
         )
     model = ToyModel(ToyConfig(num_layers=3, head_dim=8))
@@ -99,4 +118,6 @@ def test_kv_cache_bytes(submission: Submission) -> None:
     generate_cached(model, np.arange(10), 5, cache=cache)
     allocated = cache.buffer[:, :, : cache.length].nbytes  # what the filled rows really occupy
     got = kv_cache_bytes(3, 1, 8, cache.buffer.itemsize, cache.length)
-    assert got == allocated, f"the toy model's filled cache occupies {allocated} bytes; your formula gives {got}"
+    assert got == allocated, (
+        f"the toy model's filled cache occupies {allocated} bytes; your formula gives {got}"
+    )

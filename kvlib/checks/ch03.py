@@ -6,15 +6,50 @@ from __future__ import annotations
 from kvlib.grading import Submission, question
 from kvlib.memory import kv_bytes_per_token, kv_cache_bytes
 
-_MEMORY_API = ("kvlib.memory.kv_bytes_per_token", "kvlib.memory.kv_cache_bytes", "kvlib.memory.cache_report",
-               "kvlib.memory.layer_specs", "kvlib.memory.memory_budget", "kvlib.memory.max_concurrent_sequences")
+_MEMORY_API = (
+    "kvlib.memory.kv_bytes_per_token",
+    "kvlib.memory.kv_cache_bytes",
+    "kvlib.memory.cache_report",
+    "kvlib.memory.layer_specs",
+    "kvlib.memory.memory_budget",
+    "kvlib.memory.max_concurrent_sequences",
+)
 
 GQA_CONFIGS = [
-    {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "torch_dtype": "bfloat16"},
-    {"model_type": "gemma3_text", "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
-     "hidden_size": 5376, "torch_dtype": "bfloat16"},
-    {"model_type": "qwen2", "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584, "torch_dtype": "float32"},
-    {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 48, "hidden_size": 64, "torch_dtype": "float16"},
+    {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "hidden_size": 4096,
+        "torch_dtype": "bfloat16",
+    },
+    {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 62,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "hidden_size": 5376,
+        "torch_dtype": "bfloat16",
+    },
+    {
+        "model_type": "qwen2",
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "hidden_size": 3584,
+        "torch_dtype": "float32",
+    },
+    {
+        "model_type": "llama",
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 48,
+        "hidden_size": 64,
+        "torch_dtype": "float16",
+    },
 ]
 
 
@@ -32,13 +67,24 @@ def test_gqa_bytes_per_token(submission: Submission) -> None:
 @question(function="mla_cache_bytes", blocked=_MEMORY_API)
 def test_mla_cache_bytes(submission: Submission) -> None:
     mla_cache_bytes = submission.function("mla_cache_bytes")
-    for layers, rank, rope, seq_len, bytes_per_element in [(61, 512, 64, 1, 2), (61, 512, 64, 4096, 2), (27, 512, 64, 1000, 1), (2, 16, 4, 7, 4)]:
-        config = {"model_type": "deepseek_v3", "num_hidden_layers": layers, "kv_lora_rank": rank, "qk_rope_head_dim": rope}
+    for layers, rank, rope, seq_len, bytes_per_element in [
+        (61, 512, 64, 1, 2),
+        (61, 512, 64, 4096, 2),
+        (27, 512, 64, 1000, 1),
+        (2, 16, 4, 7, 4),
+    ]:
+        config = {
+            "model_type": "deepseek_v3",
+            "num_hidden_layers": layers,
+            "kv_lora_rank": rank,
+            "qk_rope_head_dim": rope,
+        }
         dtype = {1: "int8", 2: "bfloat16", 4: "float32"}[bytes_per_element]
         expected = kv_cache_bytes(config, seq_len, cache_dtype=dtype)
         got = mla_cache_bytes(layers, rank, rope, seq_len, bytes_per_element)
         assert got == expected, (
-            f"num_layers={layers}, kv_lora_rank={rank}, qk_rope_head_dim={rope}, seq_len={seq_len}, "
+            f"num_layers={layers}, kv_lora_rank={rank}, qk_rope_head_dim={rope}, "
+            f"seq_len={seq_len}, "
             f"bytes_per_element={bytes_per_element}: expected {expected:,} bytes, got {got!r}"
         )
 
@@ -55,8 +101,12 @@ def test_max_batch(submission: Submission) -> None:
     for gpu, weights, overhead, per_token, seq_len in cases:
         expected = max(0, (gpu - weights - overhead) // (per_token * seq_len))
         got = max_batch(gpu, weights, overhead, per_token, seq_len)
-        assert isinstance(got, int) and not isinstance(got, bool), f"max_batch should return an int (whole sequences), got {type(got).__name__} {got!r}"
+        assert isinstance(got, int) and not isinstance(got, bool), (
+            f"max_batch should return an int (whole sequences), got {type(got).__name__} {got!r}"
+        )
         assert got == expected, (
-            f"a {gpu / 1e9:g} GB GPU, {weights / 1e9:g} GB of weights, {overhead / 1e9:g} GB overhead, "
-            f"{per_token:,} B/token, {seq_len} tokens per sequence: expected {expected} sequences, got {got}"
+            f"a {gpu / 1e9:g} GB GPU, {weights / 1e9:g} GB of weights, {overhead / 1e9:g} GB "
+            "overhead, "
+            f"{per_token:,} B/token, {seq_len} tokens per sequence: expected {expected} sequences, "
+            f"got {got}"
         )

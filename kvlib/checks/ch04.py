@@ -12,7 +12,12 @@ import numpy as np
 
 from kvlib.attention import attention, softmax
 from kvlib.grading import Submission, question
-from kvlib.online_softmax import RowReadCounter, merge_partials, online_softmax_update, partial_attention
+from kvlib.online_softmax import (
+    RowReadCounter,
+    merge_partials,
+    online_softmax_update,
+    partial_attention,
+)
 from kvlib.testing import assert_close
 
 
@@ -22,18 +27,27 @@ def test_online_softmax_update(submission: Submission) -> None:
     rng = np.random.default_rng(4)
     for magnitude, block in ((1.0, 5), (50.0, 4), (400.0, 7)):
         x = rng.normal(size=30) * magnitude
-        x[::7] += np.linspace(0, 3 * magnitude, len(x[::7]))  # the maximum keeps rising: rescales needed
+        x[::7] += np.linspace(
+            0, 3 * magnitude, len(x[::7])
+        )  # the maximum keeps rising: rescales needed
         m, l = -math.inf, 0.0
         expected = (-math.inf, 0.0)
         for start in range(0, x.size, block):
             result = update(m, l, x[start : start + block].copy())
-            assert isinstance(result, tuple) and len(result) == 2, f"online_softmax_update should return (m_new, l_new), got {result!r}"
+            assert isinstance(result, tuple) and len(result) == 2, (
+                f"online_softmax_update should return (m_new, l_new), got {result!r}"
+            )
             m, l = (float(r) for r in result)
             expected = online_softmax_update(*expected, x[start : start + block])
             assert math.isfinite(l), (
-                f"with scores up to {x[: start + block].max():.0f} your l became {l}: measure exp against the running max"
+                f"with scores up to {x[: start + block].max():.0f} your l became {l}: measure exp "
+                "against the running max"
             )
-            assert_close(np.array([m, l]), np.array(expected), name=f"(m, l) after the block starting at {start} (scores ~{magnitude:g})")
+            assert_close(
+                np.array([m, l]),
+                np.array(expected),
+                name=f"(m, l) after the block starting at {start} (scores ~{magnitude:g})",
+            )
         assert_close(np.exp(x - m) / l, softmax(x), name="softmax from your final (m, l)")
 
 
@@ -42,10 +56,16 @@ def test_merge_two(submission: Submission) -> None:
     merge_two = submission.function("merge_two")
     rng = np.random.default_rng(5)
     for magnitude in (1.0, 40.0):
-        q, k, v = rng.normal(size=(3, 8)) * magnitude, rng.normal(size=(20, 8)), rng.normal(size=(20, 4))
+        q, k, v = (
+            rng.normal(size=(3, 8)) * magnitude,
+            rng.normal(size=(20, 8)),
+            rng.normal(size=(20, 4)),
+        )
         a, b = partial_attention(q, k[:6], v[:6]), partial_attention(q, k[6:], v[6:])
         result = merge_two(a[0], a[1], b[0], b[1])
-        assert isinstance(result, tuple) and len(result) == 2, f"merge_two should return (out, lse), got {type(result).__name__}"
+        assert isinstance(result, tuple) and len(result) == 2, (
+            f"merge_two should return (out, lse), got {type(result).__name__}"
+        )
         out, lse = result
         expected_out, expected_lse = merge_partials([a[0], b[0]], [a[1], b[1]])
         assert_close(out, attention(q, k, v), name=f"merged output (scores ~{magnitude:g})")
@@ -55,7 +75,8 @@ def test_merge_two(submission: Submission) -> None:
     out, lse = merge_two(out_a, lse_a, out_b, lse_b)
     expected_out, expected_lse = merge_partials([out_a, out_b], [lse_a, lse_b])
     assert np.all(np.isfinite(np.asarray(out))), (
-        f"with lse = 1000 and 999 (or an empty chunk, lse = -inf) your output has non-finite values {np.asarray(out).tolist()}: "
+        "with lse = 1000 and 999 (or an empty chunk, lse = -inf) your output has non-finite "
+        f"values {np.asarray(out).tolist()}: "
         "weight by exp(lse - max lse), and give an lse of -inf the weight 0"
     )
     assert_close(out, expected_out, name="merged output for lse = [1000, 999] and an empty chunk")
@@ -64,17 +85,38 @@ def test_merge_two(submission: Submission) -> None:
 
 @question(
     function="tiled_attention",
-    blocked=("kvlib.online_softmax.tiled_attention", "kvlib.online_softmax.two_pass_attention", "kvlib.online_softmax.three_pass_attention"),
+    blocked=(
+        "kvlib.online_softmax.tiled_attention",
+        "kvlib.online_softmax.two_pass_attention",
+        "kvlib.online_softmax.three_pass_attention",
+    ),
 )
 def test_tiled_attention(submission: Submission) -> None:
     tiled = submission.function("tiled_attention")
     rng = np.random.default_rng(6)
-    for t, s, tile_size, magnitude in ((1, 10, 4, 1.0), (5, 37, 8, 1.0), (3, 64, 16, 30.0), (4, 7, 32, 1.0)):
-        q, k, v = rng.normal(size=(t, 8)) * magnitude, rng.normal(size=(s, 8)), rng.normal(size=(s, 3))
-        k_reads, v_reads = RowReadCounter(k, max_rows_per_read=tile_size), RowReadCounter(v, max_rows_per_read=tile_size)
+    for t, s, tile_size, magnitude in (
+        (1, 10, 4, 1.0),
+        (5, 37, 8, 1.0),
+        (3, 64, 16, 30.0),
+        (4, 7, 32, 1.0),
+    ):
+        q, k, v = (
+            rng.normal(size=(t, 8)) * magnitude,
+            rng.normal(size=(s, 8)),
+            rng.normal(size=(s, 3)),
+        )
+        k_reads, v_reads = (
+            RowReadCounter(k, max_rows_per_read=tile_size),
+            RowReadCounter(v, max_rows_per_read=tile_size),
+        )
         out = tiled(q, k_reads, v_reads, tile_size)
-        assert_close(out, attention(q, k, v), name=f"tiled_attention with T={t}, S={s}, tile_size={tile_size}")
+        assert_close(
+            out,
+            attention(q, k, v),
+            name=f"tiled_attention with T={t}, S={s}, tile_size={tile_size}",
+        )
         assert k_reads.passes == 1 and v_reads.passes == 1, (
-            f"with S={s}, tile_size={tile_size} you read K {k_reads.passes:g} times and V {v_reads.passes:g} times; "
+            f"with S={s}, tile_size={tile_size} you read K {k_reads.passes:g} times and V "
+            f"{v_reads.passes:g} times; "
             "a tiled pass reads each exactly once"
         )

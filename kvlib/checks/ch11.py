@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-import kvlib.kernels  # noqa: F401 - sets TRITON_INTERPRET=1 without a GPU, before the learner's kernels are decorated
 import triton
+
+# kvlib.kernels sets TRITON_INTERPRET=1 without a GPU, before the learner's kernels are decorated.
+import kvlib.kernels  # noqa: F401
 from kvlib.attention import attention
 from kvlib.grading import Submission, question
 from kvlib.online_softmax import merge_partials
@@ -17,22 +18,42 @@ from kvlib.testing import assert_close
 @question(function="physical_slots")
 def test_physical_slots(submission: Submission) -> None:
     physical_slots = submission.function("physical_slots")
-    for table, seq_len, block_size in [([3, 0, 7], 40, 16), ([5], 1, 16), ([2, 9, 4, 1], 128, 32), ([6, 2], 17, 16)]:
+    for table, seq_len, block_size in [
+        ([3, 0, 7], 40, 16),
+        ([5], 1, 16),
+        ([2, 9, 4, 1], 128, 32),
+        ([6, 2], 17, 16),
+    ]:
         block_table = torch.tensor(table, dtype=torch.int32)
         expected = [table[t // block_size] * block_size + t % block_size for t in range(seq_len)]
         got = physical_slots(block_table.clone(), seq_len, block_size)
-        assert isinstance(got, torch.Tensor), f"physical_slots should return a torch.Tensor, got {type(got).__name__}"
-        assert got.shape == (seq_len,), f"expected {seq_len} slots (one per token), got shape {tuple(got.shape)}"
+        assert isinstance(got, torch.Tensor), (
+            f"physical_slots should return a torch.Tensor, got {type(got).__name__}"
+        )
+        assert got.shape == (seq_len,), (
+            f"expected {seq_len} slots (one per token), got shape {tuple(got.shape)}"
+        )
         wrong = [t for t in range(seq_len) if int(got[t]) != expected[t]]
-        assert not wrong, (f"block_table={table}, block_size={block_size}: token {wrong[0]} lives in slot {expected[wrong[0]]}, "
-                           f"you gave {int(got[wrong[0]])}")
+        assert not wrong, (
+            f"block_table={table}, block_size={block_size}: token {wrong[0]} lives in slot "
+            f"{expected[wrong[0]]}, "
+            f"you gave {int(got[wrong[0]])}"
+        )
 
 
 def launch_reduce(kernel, partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
-    """Launch a learner's reduce kernel: partial_out (R, splits, D), partial_lse (R, splits) -> out (R, D)."""
+    """Launch a learner's reduce kernel: partial_out (R, splits, D), partial_lse (R, splits) -> out
+    (R, D)."""
     rows, num_splits, head_dim = partial_out.shape
     out = torch.full((rows, head_dim), float("nan"))
-    kernel[(rows,)](partial_out, partial_lse, out, num_splits, HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits))
+    kernel[(rows,)](
+        partial_out,
+        partial_lse,
+        out,
+        num_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+    )
     return out
 
 
@@ -49,16 +70,33 @@ def test_reduce_kernel(submission: Submission) -> None:
         expected, _ = merge_partials(list(partial_out.transpose(1, 0, 2)), list(partial_lse.T))
         got = launch_reduce(kernel, torch.from_numpy(partial_out), torch.from_numpy(partial_lse))
         assert torch.isfinite(got).all(), (
-            f"with {num_splits} splits and lse around {shift:g} (one split empty, lse = -inf) your output has non-finite values: "
+            f"with {num_splits} splits and lse around {shift:g} (one split empty, lse = -inf) your "
+            "output has non-finite values: "
             "weight each split by exp(lse - max lse)"
         )
-        assert_close(got, expected, name=f"reduce of {num_splits} splits (lse around {shift:g})", rtol=1e-4, atol=1e-5)
+        assert_close(
+            got,
+            expected,
+            name=f"reduce of {num_splits} splits (lse around {shift:g})",
+            rtol=1e-4,
+            atol=1e-5,
+        )
 
 
 def launch_masked_decode(kernel, q, k_buffer, v_buffer, seq_len, block_n=16):
-    """Launch a learner's masked decode kernel: q (D,), buffers (S_buf, D), the first seq_len rows valid -> out (D,)."""
+    """Launch a learner's masked decode kernel: q (D,), buffers (S_buf, D), the first seq_len rows
+    valid -> out (D,)."""
     out = torch.full((q.shape[0],), float("nan"))
-    kernel[(1,)](q, k_buffer, v_buffer, out, seq_len, q.shape[0] ** -0.5, HEAD_DIM=q.shape[0], BLOCK_N=block_n)
+    kernel[(1,)](
+        q,
+        k_buffer,
+        v_buffer,
+        out,
+        seq_len,
+        q.shape[0] ** -0.5,
+        HEAD_DIM=q.shape[0],
+        BLOCK_N=block_n,
+    )
     return out
 
 
@@ -67,11 +105,23 @@ def test_masked_decode_kernel(submission: Submission) -> None:
     kernel = submission.function("masked_decode_kernel")
     rng = np.random.default_rng(12)
     for seq_len in (1, 5, 16, 37):
-        q, keys, values = rng.normal(size=32), rng.normal(size=(seq_len, 32)), rng.normal(size=(seq_len, 32))
-        padded = 16 * (seq_len // 16 + 2)  # the buffers run on past seq_len, holding garbage (another sequence's tokens)
+        q, keys, values = (
+            rng.normal(size=32),
+            rng.normal(size=(seq_len, 32)),
+            rng.normal(size=(seq_len, 32)),
+        )
+        padded = 16 * (
+            seq_len // 16 + 2
+        )  # the buffers run on past seq_len, holding garbage (another sequence's tokens)
         k_buffer, v_buffer = np.full((padded, 32), 30.0), np.full((padded, 32), -50.0)
         k_buffer[:seq_len], v_buffer[:seq_len] = keys, values
         expected = attention(q[None, :], keys, values)[0]
         as_torch = [torch.tensor(a, dtype=torch.float32) for a in (q, k_buffer, v_buffer)]
         got = launch_masked_decode(kernel, *as_torch, seq_len)
-        assert_close(got, expected, name=f"attention over the first {seq_len} of {padded} buffered tokens (tiles of 16)", rtol=1e-4, atol=1e-4)
+        assert_close(
+            got,
+            expected,
+            name=f"attention over the first {seq_len} of {padded} buffered tokens (tiles of 16)",
+            rtol=1e-4,
+            atol=1e-4,
+        )
