@@ -13,6 +13,8 @@ What it does:
 - `three_pass_attention`, `two_pass_attention`: the textbook safe softmax (max, sum, output
   passes) and the online-normaliser version, kept to count passes over K and V (`RowReadCounter`).
 - `choose_num_splits`: how many splits fill a GPU's streaming multiprocessors.
+- `accumulated_attention`: per-token probabilities recovered after a fused pass from the saved
+  log-sum-exp, with one more pass over K (what score-based eviction needs).
 
 What it does not do: run fast. These are references for chapter 11's Triton kernel, written for
 reading; they follow `kvlib.attention.attention`'s layout: q (T, D), k (S, D), v (S, D_v).
@@ -286,6 +288,47 @@ def choose_num_splits(
 
     best = max(efficiency(n) for n in range(1, limit + 1))
     return next(n for n in range(1, limit + 1) if efficiency(n) >= 0.85 * best)
+
+
+# --- per-token probabilities after a fused pass ---------------------------------------------------
+
+
+def accumulated_attention(
+    q: np.ndarray, k, lse: np.ndarray, *, tile_size: int, scale: float | None = None
+) -> np.ndarray:
+    """Each key's attention probability summed over the queries, recovered from the saved LSE.
+
+    A fused kernel ends with `(out, lse)` per query and nothing per token. With the keys still
+    cached, one more pass over K recovers every probability exactly,
+    `p_ti = exp(q_t · k_i · scale - lse_t)`, one tile at a time with nothing `T × S` held: what
+    FlashAttention's backward pass does (Dao et al., 2022), and what a score-based eviction
+    policy such as H2O needs (Zhang et al., 2023). The price is reading K once more.
+
+    Args:
+        q: (T, D) float queries.
+        k: (S, D) keys (a numpy array or a `RowReadCounter`).
+        lse: (T,) each query's log-sum-exp over all S keys (`partial_attention`, or a kernel).
+        tile_size: keys per tile (>= 1).
+        scale: defaults to D ** -0.5.
+    Returns:
+        (S,) float64: `Σ_t softmax(q_t Kᵀ · scale)_i`; for one decode query, its probabilities.
+    Raises:
+        TypeError, ValueError: non-float q, shapes that disagree, tile_size < 1.
+    """
+    check_array("q", q, ndim=2, floating=True)
+    check_array("lse", lse, ndim=1, floating=True)
+    if len(k.shape) != 2 or k.shape[1] != q.shape[1]:
+        raise ValueError(f"k: expected (S, {q.shape[1]}) (D from q), got shape {k.shape}")
+    if lse.shape[0] != q.shape[0]:
+        raise ValueError(f"lse: expected ({q.shape[0]},) (one per query), got {lse.shape}")
+    tile_size = check_positive_int("tile_size", tile_size)
+    scale = q.shape[1] ** -0.5 if scale is None else float(scale)
+    totals = np.zeros(k.shape[0])
+    for start in range(0, k.shape[0], tile_size):
+        k_tile = k[start : start + tile_size]  # [tile, D]: the extra read
+        scores = q @ k_tile.T * scale  # (T, tile)
+        totals[start : start + k_tile.shape[0]] = np.exp(scores - lse[:, None]).sum(axis=0)
+    return totals
 
 
 # --- counting passes over K and V -----------------------------------------------------------------

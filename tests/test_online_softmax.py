@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib import online_softmax as O
-from kvlib.attention import attention, causal_mask, softmax
+from kvlib.attention import attention, attention_weights, causal_mask, softmax
 from kvlib.bench import loglog_slope, peak_memory_bytes
 from kvlib.testing import assert_close
 
@@ -201,3 +201,17 @@ def test_choose_num_splits():
         )
     with pytest.raises(ValueError, match="num_sms: expected an int >= 1, got 0"):
         O.choose_num_splits(1, 1, 1, num_sms=0)
+
+
+def test_accumulated_attention_recovers_probabilities_with_one_more_pass_over_k():
+    rng = np.random.default_rng(11)
+    q, k, v = rng.normal(size=(3, 8)) * 3, rng.normal(size=(50, 8)), rng.normal(size=(50, 4))
+    _, lse = O.partial_attention(q, k, v)  # what a fused kernel keeps
+    k_reads = O.RowReadCounter(k, max_rows_per_read=16)
+    totals = O.accumulated_attention(q, k_reads, lse, tile_size=16)
+    assert_close(totals, attention_weights(q, k).sum(axis=0), name="column sums", rtol=1e-12)
+    assert k_reads.passes == 1  # the extra pass: K once more, one tile at a time
+    with pytest.raises(ValueError, match=r"lse: expected \(3,\)"):
+        O.accumulated_attention(q, k, lse[:2], tile_size=16)
+    with pytest.raises(ValueError, match=r"k: expected \(S, 8\)"):
+        O.accumulated_attention(q, k[:, :4], lse, tile_size=16)
