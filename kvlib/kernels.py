@@ -71,6 +71,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,  # D padded to a power of two >= 16
     BLOCK_N: tl.constexpr,  # tokens per tile: a power of two >= 16, a multiple of BLOCK_SIZE
     COMPUTE_FP32: tl.constexpr,  # cast K/V to fp32 before the dots (fp32 inputs, the interpreter)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots (not TF32's 10-bit mantissa), else "tf32"
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -135,7 +136,7 @@ def _decode_split_kernel(
             v = v.to(tl.float32)
 
         # --- scores in the log2 domain, masked past the end: [BLOCK_G, BLOCK_N] ---
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
 
         # --- online softmax update (chapter 4), with exp2 ---
@@ -143,7 +144,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m - m_new)  # rescales what was accumulated against the old max
         p = tl.exp2(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
     # --- this split's partial result; an empty split writes lse = -inf (weight 0 in the reduce) ---
@@ -367,6 +368,7 @@ def paged_decode_attention(
     block_d = max(
         16, triton.next_power_of_2(head_dim)
     )  # tl.dot's K dimension on a GPU is >= 16; masks cover the padding
+    compute_fp32 = INTERPRETED or q.dtype == torch.float32
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -397,7 +399,10 @@ def paged_decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(group_size)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
-        COMPUTE_FP32=INTERPRETED or q.dtype == torch.float32,
+        COMPUTE_FP32=compute_fp32,
+        # fp32 dots in IEEE fp32: a GPU's default TF32 keeps 10 mantissa bits and misses rtol 1e-5.
+        # (For bf16/fp16 inputs "tf32" is the default and changes nothing.)
+        DOT_PRECISION="ieee" if compute_fp32 else "tf32",
     )
     _reduce_splits_kernel[(batch, num_heads)](
         partial_out,

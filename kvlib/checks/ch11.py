@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+# kvlib.kernels sets TRITON_INTERPRET=1 without a GPU: import it before triton.
+import kvlib.kernels  # noqa: F401
+
+# isort: split
 import triton
 
-# kvlib.kernels sets TRITON_INTERPRET=1 without a GPU, before the learner's kernels are decorated.
-import kvlib.kernels  # noqa: F401
 from kvlib.attention import attention
 from kvlib.grading import Submission, question
 from kvlib.online_softmax import merge_partials
