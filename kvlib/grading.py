@@ -149,14 +149,17 @@ class Submission:
 
 
 @contextlib.contextmanager
-def blocked(names: tuple[str, ...], question_id: str) -> Iterator[None]:
+def blocked(
+    names: tuple[str, ...], question_id: str, namespaces: tuple[dict, ...] = ()
+) -> Iterator[None]:
     """Make the kvlib functions `names` raise GradingError when called from outside kvlib's library
-    code, everywhere kvlib exposes them; restored on exit.
+    code, everywhere kvlib exposes them and in `namespaces`; restored on exit.
 
     kvlib's own internal calls (one calculator calling another) still reach the originals. The
     checks (`kvlib.checks`) are not patched: they imported the originals as their oracles. But a
     call *from* the checks goes through the stub, so a learner function that is just an alias of
-    the blocked function fails.
+    the blocked function fails. `namespaces` are extra global dicts to patch: `check()` passes the
+    learner function's own globals (the notebook's), which imported the originals before grading.
     """
     patches = []
     for dotted in names:
@@ -178,13 +181,17 @@ def blocked(names: tuple[str, ...], question_id: str) -> Iterator[None]:
                 continue  # the checks keep the originals as their oracles
             for key, value in list(vars(module).items()):
                 if value is original:
-                    patches.append((module, key, value))
-                    setattr(module, key, unavailable)
+                    patches.append((vars(module), key, value))
+        for namespace in namespaces:
+            patches.extend((namespace, key, v) for key, v in namespace.items() if v is original)
+        for namespace, key, _ in patches:
+            if namespace[key] is original:
+                namespace[key] = unavailable
     try:
         yield
     finally:
-        for module, key, value in reversed(patches):
-            setattr(module, key, value)
+        for namespace, key, value in reversed(patches):
+            namespace[key] = value
 
 
 # --- in the notebook ------------------------------------------------------------------------------
@@ -192,6 +199,9 @@ def blocked(names: tuple[str, ...], question_id: str) -> Iterator[None]:
 
 def check(question_id: str, function: Callable) -> bool | None:
     """Run question `question_id`'s test on `function` now and print the verdict.
+
+    The same rules as the grader: the kvlib functions the question replaces are unavailable,
+    also through the names the notebook imported them under, so a ✅ here is a pass there.
 
     Returns True/False (passed or not), or None while the grader executes the notebook (it grades
     every question itself, in isolation).
@@ -207,8 +217,9 @@ def check(question_id: str, function: Callable) -> bool | None:
             f"question_id: unknown question {question_id!r}; known: {sorted(_QUESTIONS)}"
         )
     q = _QUESTIONS[question_id]
+    learner_globals = getattr(function, "__globals__", None)  # the notebook's namespace
     try:
-        with blocked(q.blocked, q.id):
+        with blocked(q.blocked, q.id, () if learner_globals is None else (learner_globals,)):
             q.test(Submission({q.function: function}))
     except Exception as exc:  # the learner's code may raise anything
         print(f"❌ {q.id}: {_describe(exc)}")

@@ -407,6 +407,34 @@ def tiled_attention(q, k, v, tile_size):  # materialises all the scores: not a t
 """,
         "at most 4 (one tile) are allowed",
     ),
+    (
+        "04_online_softmax.ipynb",
+        "tiled_attention",
+        """
+from kvlib.attention import attention
+
+def tiled_attention(q, k, v, tile_size):  # reads in tiles, then hands the whole cache to kvlib
+    tiles = range(0, k.shape[0], tile_size)
+    k_all = np.concatenate([k[a:a + tile_size] for a in tiles])
+    v_all = np.concatenate([v[a:a + tile_size] for a in tiles])
+    return attention(q, k_all, v_all)
+""",
+        "kvlib.attention.attention is unavailable",
+    ),
+    (
+        "04_online_softmax.ipynb",
+        "tiled_attention",
+        """
+def tiled_attention(q, k, v, tile_size):  # reads in tiles, then attends over a gathered copy
+    tiles = range(0, k.shape[0], tile_size)
+    k_all = np.concatenate([k[a:a + tile_size] for a in tiles])
+    v_all = np.concatenate([v[a:a + tile_size] for a in tiles])
+    scores = q @ k_all.T / math.sqrt(q.shape[1])
+    p = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return p @ v_all / p.sum(axis=1, keepdims=True)
+""",
+        "a tiled pass needs far less",
+    ),
 ]
 
 
@@ -517,3 +545,15 @@ def test_cli_usage_errors_exit_2(tmp_path):
         text=True,
     )
     assert unknown.returncode == 2 and "no graded questions for chapter '99'" in unknown.stderr
+
+
+def test_check_in_the_notebook_blocks_what_the_grader_blocks(capsys):
+    """A function that returns kvlib's own softmax gets ❌ from check(), as from the grader."""
+    from kvlib.attention import softmax
+    from kvlib.grading import check
+
+    namespace = {"softmax": softmax}
+    exec("def stable_softmax(x):\n    return softmax(x)\n", namespace)
+    assert check("stable_softmax", namespace["stable_softmax"]) is False
+    assert "kvlib.attention.softmax is unavailable" in capsys.readouterr().out
+    assert namespace["softmax"] is softmax  # restored afterwards

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from kvlib.attention import attention, softmax
+from kvlib.bench import peak_memory_bytes
 from kvlib.grading import Submission, question
 from kvlib.online_softmax import (
     RowReadCounter,
@@ -19,6 +20,8 @@ from kvlib.online_softmax import (
     partial_attention,
 )
 from kvlib.testing import assert_close
+
+MAX_TILED_BYTES = 512 * 2**10  # kvlib's tiled_attention peaks near 80 KiB at the shape below
 
 
 @question(function="online_softmax_update", blocked=("kvlib.online_softmax.online_softmax_update",))
@@ -89,6 +92,12 @@ def test_merge_two(submission: Submission) -> None:
         "kvlib.online_softmax.tiled_attention",
         "kvlib.online_softmax.two_pass_attention",
         "kvlib.online_softmax.three_pass_attention",
+        # the whole-cache routes a learner could feed concatenated tiles to:
+        "kvlib.attention.attention",
+        "kvlib.attention.attention_weights",
+        "kvlib.attention.softmax",
+        "kvlib.online_softmax.partial_attention",
+        "kvlib.online_softmax.split_k_attention",
     ),
 )
 def test_tiled_attention(submission: Submission) -> None:
@@ -120,3 +129,15 @@ def test_tiled_attention(submission: Submission) -> None:
             f"{v_reads.passes:g} times; "
             "a tiled pass reads each exactly once"
         )
+    # A tiled pass holds one tile of scores, never the T x S matrix or a gathered copy of K/V.
+    t, s, tile_size = 32, 8192, 64
+    q, k, v = rng.normal(size=(t, 32)), rng.normal(size=(s, 32)), rng.normal(size=(s, 16))
+    k_reads = RowReadCounter(k, max_rows_per_read=tile_size)
+    v_reads = RowReadCounter(v, max_rows_per_read=tile_size)
+    peak = peak_memory_bytes(lambda: tiled(q, k_reads, v_reads, tile_size))
+    assert peak <= MAX_TILED_BYTES, (
+        f"with T={t}, S={s}, tile_size={tile_size} your function held {peak / 2**10:,.0f} KiB at "
+        f"its peak; a tiled pass needs far less than the {t * s * 8 / 2**20:.0f} MiB of a T x S "
+        f"score matrix or of a gathered copy of K (at most {MAX_TILED_BYTES // 2**10} KiB here): "
+        "keep only the running max, denominator and accumulator between tiles"
+    )
