@@ -379,20 +379,23 @@ def _with_sinks(
 # --- the equation ---------------------------------------------------------------------------------
 
 
-def _dtypes(config: dict, cache_dtype: str | None) -> tuple[str, str | None]:
-    """(cache dtype, SSM state dtype): the cache in `cache_dtype` or the config's dtype; SSM states
-    in
-    the model's dtype (the config's; else `cache_dtype`)."""
+# A config without a dtype field (the original GPT-2's, for one) loads in float32 in transformers,
+# whose `from_pretrained` uses torch's default dtype unless the config or caller names another.
+DEFAULT_DTYPE = "float32"
+
+
+def _dtypes(config: dict, cache_dtype: str | None) -> tuple[str, str, str | None]:
+    """(cache dtype, SSM state dtype, assumption): the cache in `cache_dtype`, else the config's
+    dtype, else float32 as transformers loads such a checkpoint (then `assumption` says so); SSM
+    states in the model's dtype (the config's; else `cache_dtype`)."""
     model_dtype = config_dtype(config)
-    if cache_dtype is None:
-        if model_dtype is None:
-            raise UnsupportedConfigError(
-                "config: no 'torch_dtype' or 'dtype' field for model_type "
-                f"{config.get('model_type')!r}; pass cache_dtype"
-            )
-        return model_dtype, model_dtype
-    cache_dtype = normalize_dtype(cache_dtype)
-    return cache_dtype, model_dtype or cache_dtype
+    if cache_dtype is not None:
+        cache_dtype = normalize_dtype(cache_dtype)
+        return cache_dtype, model_dtype or cache_dtype, None
+    if model_dtype is None:
+        assumption = f"the config names no dtype: {DEFAULT_DTYPE} assumed, as transformers loads it"
+        return DEFAULT_DTYPE, DEFAULT_DTYPE, assumption
+    return model_dtype, model_dtype, None
 
 
 @dataclasses.dataclass
@@ -413,6 +416,7 @@ class CacheReport:
     cache_dtype: str
     state_dtype: str | None
     layers: list[LayerUsage]
+    dtype_assumption: str | None = None  # set when the config named no dtype
 
     @property
     def total_bytes(self) -> int:
@@ -445,7 +449,9 @@ class CacheReport:
         states = any(u.spec.state_elements for u in self.layers)
         lines = [
             f"{self.model_type}: {self.batch_size} x {self.seq_len} tokens, cache "
-            f"{self.cache_dtype}" + (f", SSM state {self.state_dtype}" if states else ""),
+            f"{self.cache_dtype}"
+            + (f", SSM state {self.state_dtype}" if states else "")
+            + (f" ({self.dtype_assumption})" if self.dtype_assumption else ""),
             "  ".join(t.ljust(w) for t, w in zip(titles, widths)) + "  derivation",
         ]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows]
@@ -477,7 +483,7 @@ def cache_report(
     config = load_config(config)
     seq_len = check_positive_int("seq_len", seq_len)
     batch_size = check_positive_int("batch_size", batch_size)
-    cache_dtype, state_dtype = _dtypes(config, cache_dtype)
+    cache_dtype, state_dtype, dtype_assumption = _dtypes(config, cache_dtype)
     specs = _with_sinks(layer_specs(config), sink_tokens, sink_window)
     usage = []
     for spec in specs:
@@ -486,7 +492,9 @@ def cache_report(
         if spec.state_elements:
             bits += spec.state_elements * DTYPE_BITS[state_dtype]
         usage.append(LayerUsage(spec, held, batch_size * math.ceil(bits / 8)))
-    return CacheReport(config["model_type"], seq_len, batch_size, cache_dtype, state_dtype, usage)
+    return CacheReport(
+        config["model_type"], seq_len, batch_size, cache_dtype, state_dtype, usage, dtype_assumption
+    )
 
 
 def kv_cache_bytes(
@@ -527,7 +535,7 @@ def kv_bytes_per_token(config, cache_dtype: str | None = None) -> int:
     `Σ_layers elements_per_token · bits / 8` (0 for a pure SSM). Independent of context length.
     """
     config = load_config(config)
-    cache_dtype, _ = _dtypes(config, cache_dtype)
+    cache_dtype, _, _ = _dtypes(config, cache_dtype)
     return math.ceil(
         sum(s.elements_per_token for s in layer_specs(config)) * DTYPE_BITS[cache_dtype] / 8
     )
