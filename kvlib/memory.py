@@ -607,7 +607,7 @@ def memory_budget(
     """The whole-VRAM equation behind `max_concurrent_sequences`, every term kept.
 
     Args:
-        gpu_memory_bytes: the GPU's memory (e.g. 80 * 10**9 for an "80 GB" H100).
+        gpu_memory_bytes: the GPU's memory in bytes (H100 80GB: nvidia-smi reports 81,559 MiB).
         seq_len: tokens each sequence may reach.
         weight_bytes: the model's weights as loaded (parameters x bytes per parameter; quoted from
             the model card: configs do not state parameter counts).
