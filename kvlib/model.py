@@ -8,8 +8,12 @@ biases of Qwen2, MHA/GQA/MQA from one code path (`num_key_value_heads`), an opti
 checkpoint's state dict loads as is. `model(input_ids, cache=...)` processes only the new tokens,
 at the right positions, reading and extending the cache (`kvlib.cache`).
 
-What it deliberately does not do: rope scaling (Llama 3.1's, YaRN), MoE, quantized weights,
-training tricks. Configs that need them are refused with an error rather than loaded wrongly.
+RoPE scaling: Llama 3.1's "llama3" frequency scaling (Meta's reference `apply_scaling`) is
+implemented, so Llama 3.1 and 3.2 checkpoints load; other schemes (YaRN, dynamic NTK, LongRoPE)
+are refused.
+
+What it deliberately does not do: other rope scalings, MoE, quantized weights, training tricks.
+Configs that need them are refused with an error rather than loaded wrongly.
 Layouts: activations (B, T, d_model); q (B, H, T, D); k, v (B, H_kv, S, D).
 """
 
@@ -28,6 +32,12 @@ from torch import nn
 from kvlib._validate import check_positive_int
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+LLAMA3_SCALING_FIELDS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -54,6 +64,9 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` positions only
     torch_dtype: str = "float32"
     model_type: str = "llama"
+    # Llama 3.1's rope_scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"}; None for plain RoPE.
+    rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -113,10 +126,18 @@ class ModelConfig:
         scaling = config.get("rope_scaling") or (
             {k: v for k, v in rope.items() if k != "rope_theta"} if rope else None
         )
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else None
+        if rope_type not in (None, "default", "llama3"):
             raise UnsupportedCheckpointError(
-                f"config: rope scaling {scaling!r} is not implemented (only the default RoPE)"
+                f"config: rope scaling {scaling!r} is not implemented (default RoPE and Llama "
+                "3.1's 'llama3' scaling are)"
             )
+        if rope_type == "llama3":
+            missing = sorted(set(LLAMA3_SCALING_FIELDS) - set(scaling))
+            if missing:
+                raise UnsupportedCheckpointError(
+                    f"config: rope_scaling of type 'llama3' lacks {missing}, got {scaling!r}"
+                )
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
         sliding = (
             config.get("sliding_window")
@@ -143,6 +164,11 @@ class ModelConfig:
             sliding_window=sliding,
             torch_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
             model_type=model_type,
+            rope_scaling=(
+                {"rope_type": "llama3", **{k: scaling[k] for k in LLAMA3_SCALING_FIELDS}}
+                if rope_type == "llama3"
+                else None
+            ),
         )
 
     def to_hf(self) -> dict:
@@ -174,17 +200,39 @@ class RMSNorm(nn.Module):
         ) * self.weight
 
 
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict | None = None, device=None
+) -> torch.Tensor:
+    """RoPE's angular frequencies theta^(-2i/D), i < D/2: (D/2,) float32, radians per position.
+
+    With Llama 3.1's scaling (`scaling["rope_type"] == "llama3"`; Meta's reference
+    `apply_scaling`, Grattafiori et al., 2024), frequencies whose wavelength `2π/f` is shorter than
+    `original_max_position_embeddings / high_freq_factor` are kept, those longer than
+    `original_max_position_embeddings / low_freq_factor` are divided by `factor`, and those in
+    between are interpolated linearly in `original_max_position_embeddings / wavelength`.
+    """
+    inv_freq = theta ** (
+        -torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    )  # (D/2,)
+    if scaling is None:
+        return inv_freq
+    factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelength = 2 * math.pi / inv_freq  # (D/2,) positions per turn
+    smooth = ((old_context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long, 1: short
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
+    positions: torch.Tensor, head_dim: int, theta: float, scaling: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for rotary embeddings at integer `positions` (B, T): each (B, T, D).
 
-    Frequencies theta^(-2i/D) for i < D/2, each used twice ([f, f] concatenated): the Hugging Face
-    convention that pairs dimension i with i + D/2 (see `rotate_half`).
+    Frequencies from `rope_inverse_frequencies` (theta^(-2i/D), optionally Llama 3.1-scaled), each
+    used twice ([f, f] concatenated): the Hugging Face convention that pairs dimension i with
+    i + D/2 (see `rotate_half`).
     """
-    inv_freq = theta ** (
-        -torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
-    )  # (D/2,)
+    inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, positions.device)  # (D/2,)
     angles = positions.float()[..., None] * inv_freq  # (B, T, D/2)
     angles = torch.cat([angles, angles], dim=-1)  # (B, T, D)
     return angles.cos(), angles.sin()
@@ -366,7 +414,8 @@ class LlamaModel(nn.Module):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[
                     :, past:
                 ]  # real tokens before each one
-        cos, sin = rope_cos_sin(position_ids, self.config.dim, self.config.rope_theta)
+        c = self.config
+        cos, sin = rope_cos_sin(position_ids, c.dim, c.rope_theta, c.rope_scaling)
         mask = attention_mask_4d(
             t, past + t, attention_mask, self.config.sliding_window, input_ids.device
         )

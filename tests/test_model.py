@@ -5,7 +5,9 @@ its complex-number form, and checkpoints that round-trip or are refused clearly.
 
 import itertools
 import json
+import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from kvlib.model import (
     apply_rope,
     load_hf_checkpoint,
     rope_cos_sin,
+    rope_inverse_frequencies,
     save_hf_checkpoint,
 )
 from kvlib.testing import assert_close
@@ -282,7 +285,8 @@ def test_config_field_names_of_transformers_4_and_5(tmp_path):
     [
         ({"mlp_bias": True}, "mlp_bias=true"),
         ({"attention_bias": True}, "attention_bias=true"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling"),
         ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ],
@@ -321,3 +325,60 @@ def test_forward_and_generate_validate():
         generate(model, prompts(), 3, cache="paged")
     with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 1, got 0"):
         generate(model, prompts(), 0)
+
+
+# Llama 3.1's rope_scaling, as its config.json gives it.
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def published_llama3_scaling(freqs, factor, low_freq_factor, high_freq_factor, old_context_len):
+    """Meta's reference `apply_scaling` for Llama 3.1 as published: one frequency at a time."""
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    new_freqs = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            new_freqs.append(freq)
+        elif wavelen > low_freq_wavelen:
+            new_freqs.append(freq / factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
+            new_freqs.append((1 - smooth) * freq / factor + smooth * freq)
+    return new_freqs
+
+
+def test_llama3_rope_scaling_matches_the_published_formula():
+    plain = rope_inverse_frequencies(128, 500000.0)
+    scaled = rope_inverse_frequencies(128, 500000.0, LLAMA31_SCALING)
+    expected = published_llama3_scaling(plain.tolist(), 8.0, 1.0, 4.0, 8192)
+    assert_close(scaled, np.array(expected), name="llama3-scaled frequencies", rtol=1e-6, atol=0)
+    wavelength = 2 * math.pi / plain
+    kept, divided = wavelength < 8192 / 4, wavelength > 8192 / 1
+    assert kept.any() and divided.any() and (~kept & ~divided).any()  # all three regimes occur
+    assert torch.equal(scaled[kept], plain[kept])
+    assert_close(scaled[divided], plain[divided] / 8, name="long wavelengths", rtol=1e-6, atol=0)
+
+
+def test_a_llama31_config_loads_with_its_rope_scaling(tmp_path):
+    model = tiny_model()
+    save_hf_checkpoint(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_scaling"] = dict(LLAMA31_SCALING, original_max_position_embeddings=16)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_hf_checkpoint(tmp_path)
+    assert loaded.config.rope_scaling["factor"] == 8.0
+    ids = prompts()
+    plain_logits, scaled_logits = model(ids), loaded(ids)
+    assert (plain_logits - scaled_logits).abs().max() > 1e-4  # scaling changes the angles
+    cached = generate(loaded, ids[:1, :8], 8)
+    assert torch.equal(cached, generate(loaded, ids[:1, :8], 8, use_cache=False))
+    assert ModelConfig.from_hf(loaded.config.to_hf()).rope_scaling == loaded.config.rope_scaling
