@@ -365,9 +365,8 @@ class ToyModel:
             )
             for _ in range(c.num_layers)
         ]
-        self.unembedding = rng.normal(size=(c.d_model, c.vocab_size)) / np.sqrt(
-            c.d_model
-        )  # (d_model, V)
+        # (d_model, V)
+        self.unembedding = rng.normal(size=(c.d_model, c.vocab_size)) / np.sqrt(c.d_model)
 
     def new_cache(self, max_seq_len: int) -> KVCache:
         """An empty cache sized for this model."""

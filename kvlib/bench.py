@@ -274,9 +274,8 @@ def decode_benchmark(
         )
         seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
         num_splits = default_num_splits(len(lengths), case["num_kv_heads"], max(lengths), q.device)
-        paged_decode_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, num_splits=num_splits
-        )  # validates once
+        # validates once
+        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=num_splits)
         paged = functools.partial(
             paged_decode_attention,
             q,

@@ -152,9 +152,8 @@ def _beam_search(
     """Beam search by total log-probability; returns the best beam of each prompt (B, T + N)."""
     b, t = input_ids.shape
     kv = _new_cache(model, cache_kind, b, t + max_new_tokens) if use_cache else None
-    logits = _prefill(
-        model, input_ids, attention_mask, kv, chunk_size
-    )  # (B, V): one prefill per prompt
+    # (B, V): one prefill per prompt
+    logits = _prefill(model, input_ids, attention_mask, kv, chunk_size)
     if kv is not None:
         kv = kv.repeat(num_beams)  # (B * beams) sequences share each prompt's prefill
     logprobs = logits.log_softmax(dim=-1).repeat_interleave(num_beams, dim=0)  # (B * beams, V)
@@ -167,9 +166,8 @@ def _beam_search(
         total = scores[:, :, None] + logprobs.view(b, num_beams, vocab)  # (B, beams, V)
         scores, flat = total.view(b, -1).topk(num_beams, dim=-1)  # (B, beams)
         origin = flat // vocab  # which beam each survivor extends
-        chosen = (torch.arange(b, device=flat.device)[:, None] * num_beams + origin).view(
-            -1
-        )  # rows of the batch
+        # rows of the batch
+        chosen = (torch.arange(b, device=flat.device)[:, None] * num_beams + origin).view(-1)
         next_tokens = (flat % vocab).view(-1)
         tokens = torch.cat([tokens[chosen], next_tokens[:, None]], dim=1)
         mask = torch.cat([mask[chosen], torch.ones_like(next_tokens)[:, None]], dim=1)

@@ -365,9 +365,8 @@ def paged_decode_attention(
     )
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    block_d = max(
-        16, triton.next_power_of_2(head_dim)
-    )  # tl.dot's K dimension on a GPU is >= 16; masks cover the padding
+    # tl.dot's K dimension on a GPU is >= 16; masks cover the padding
+    block_d = max(16, triton.next_power_of_2(head_dim))
     compute_fp32 = INTERPRETED or q.dtype == torch.float32
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,

@@ -269,9 +269,8 @@ def _attention_kinds(config: dict, model_type: str, num_layers: int) -> list[str
 def _mamba_state(config: dict, model_type: str) -> tuple[int, str]:
     """Constant state elements per sequence of one SSM layer, as Hugging Face's caches allocate
     them."""
-    if (
-        model_type == "mamba2"
-    ):  # Mamba2Cache: conv (intermediate + 2 * groups * N, K), ssm (heads, head_dim, N)
+    # Mamba2Cache: conv (intermediate + 2 * groups * N, K), ssm (heads, head_dim, N)
+    if model_type == "mamba2":
         hidden, expand = _field(config, "hidden_size"), _field(config, "expand")
         state, conv, groups = (
             _field(config, "state_size"),

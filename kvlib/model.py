@@ -211,9 +211,8 @@ def rope_inverse_frequencies(
     `original_max_position_embeddings / low_freq_factor` are divided by `factor`, and those in
     between are interpolated linearly in `original_max_position_embeddings / wavelength`.
     """
-    inv_freq = theta ** (
-        -torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    )  # (D/2,)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    inv_freq = theta**-exponents  # (D/2,)
     if scaling is None:
         return inv_freq
     factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
@@ -263,17 +262,14 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         c = self.config
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.dim).transpose(1, 2)  # (B, H, T, D)
-        k = (
-            self.k_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)
-        )  # (B, H_kv, T, D)
-        v = (
-            self.v_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)
-        )  # (B, H_kv, T, D)
+        # (B, H_kv, T, D)
+        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)
+        # (B, H_kv, T, D)
+        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # keys are cached already rotated
         if cache is not None:
-            k, v = cache.update(
-                self.layer_idx, k, v
-            )  # (B, H_kv, S, D): the cached prefix and the new tokens
+            # (B, H_kv, S, D): the cached prefix and the new tokens
+            k, v = cache.update(self.layer_idx, k, v)
         group = c.num_attention_heads // c.num_key_value_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, D)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(c.dim)  # (B, H, T, S)
@@ -281,9 +277,8 @@ class Attention(nn.Module):
         weights = scores.softmax(dim=-1).to(q.dtype)  # (B, H, T, S)
         if attention_weights is not None:
             attention_weights.append(weights.detach())
-        out = (
-            (weights @ v).transpose(1, 2).reshape(b, t, c.num_attention_heads * c.dim)
-        )  # (B, T, H·D)
+        # (B, T, H·D)
+        out = (weights @ v).transpose(1, 2).reshape(b, t, c.num_attention_heads * c.dim)
         return self.o_proj(out)
 
 

@@ -119,9 +119,8 @@ def tiled_attention(
         m = np.full(rows, -np.inf)  # running max per query
         l = np.zeros(rows)  # running denominator per query
         acc = np.zeros((rows, v.shape[1]))  # unnormalised output, [query_tile, D_v]
-        last_visible = (
-            s - t + q_start + rows - 1 if causal else s - 1
-        )  # the tile's last query sees keys <= this
+        # the tile's last query sees keys <= this
+        last_visible = s - t + q_start + rows - 1 if causal else s - 1
         for k_start in range(0, last_visible + 1, tile_size):
             k_tile, v_tile = (
                 np.asarray(k[k_start : k_start + tile_size]),
@@ -131,9 +130,8 @@ def tiled_attention(
             # query i sits at position s - t + i; key 0 is visible to all, so m is finite after tile
             # 0
             if causal:
-                query_positions = (
-                    s - t + np.arange(q_start, q_start + rows)[:, None]
-                )  # [query_tile, 1]
+                # [query_tile, 1]
+                query_positions = s - t + np.arange(q_start, q_start + rows)[:, None]
                 key_positions = np.arange(k_start, k_start + k_tile.shape[0])[None, :]  # [1, tile]
                 scores = np.where(key_positions <= query_positions, scores, -np.inf)
             # --- the online update: rescale what we have, add this tile ---
@@ -381,12 +379,10 @@ def three_pass_attention(q: np.ndarray, k, v, *, tile_size: int) -> np.ndarray:
     _check_qkv(q, k, v)
     s, scale = k.shape[0], q.shape[1] ** -0.5
     tiles = range(0, s, tile_size)
-    m = np.max(
-        [(q @ k[a : a + tile_size].T * scale).max(axis=1) for a in tiles], axis=0
-    )  # pass 1 over K
-    l = sum(
-        np.exp(q @ k[a : a + tile_size].T * scale - m[:, None]).sum(axis=1) for a in tiles
-    )  # pass 2 over K
+    # pass 1 over K
+    m = np.max([(q @ k[a : a + tile_size].T * scale).max(axis=1) for a in tiles], axis=0)
+    # pass 2 over K
+    l = sum(np.exp(q @ k[a : a + tile_size].T * scale - m[:, None]).sum(axis=1) for a in tiles)
     return (
         sum(
             np.exp(q @ k[a : a + tile_size].T * scale - m[:, None]) @ v[a : a + tile_size]

@@ -172,9 +172,8 @@ def test_kv_cache_layout_bytes_and_errors():
 
 
 def test_dense_kv_cache_bytes_known_values_and_validation():
-    assert (
-        A.dense_kv_cache_bytes(32, 32, 128, 2, 1) == 512 * 1024
-    )  # Llama 2 7B, fp16: 512 KiB/token
+    # Llama 2 7B, fp16: 512 KiB/token
+    assert A.dense_kv_cache_bytes(32, 32, 128, 2, 1) == 512 * 1024
     assert A.dense_kv_cache_bytes(80, 8, 128, 2, 1) == 320 * 1024  # Llama 2 70B (GQA, 8 KV heads)
     assert A.dense_kv_cache_bytes(2, 2, 2, 2, 0) == 0
     with pytest.raises(ValueError, match="num_layers: expected an int >= 1, got 0"):
@@ -215,13 +214,21 @@ def test_bench_helpers():
 
 
 def test_decode_animation_has_one_frame_per_step():
-    from kvlib.viz import decode_animation
+    from kvlib.viz import decode_animation, decode_frames
 
-    animation = decode_animation(A.ToyModel(), np.array([1, 2, 3]), num_steps=4)
-    assert list(animation.new_frame_seq()) == [1, 2, 3, 4]
-    html = (
-        animation.to_jshtml()
-    )  # what the book embeds: one PNG per frame, playable without a kernel
+    model, prompt = A.ToyModel(), np.array([1, 2, 3])
+    frames = decode_frames(model, prompt, num_steps=4)
+    assert [f.keys.shape[0] for f in frames] == [4, 5, 6, 7]  # one row per decode step
+    final = model.new_cache(7)
+    A.generate_cached(model, prompt, 5, cache=final)  # the same decoding, all at once
+    assert np.array_equal(frames[-1].keys, final.buffer[0, 0, :7])
+    assert all(np.isclose(f.weights.sum(), 1.0) for f in frames)
+    with pytest.raises(ValueError, match="num_steps: expected an int >= 1"):
+        decode_frames(model, prompt, num_steps=0)
+    animation = decode_animation(model, prompt, num_steps=4)
+    assert list(animation.new_frame_seq()) == [0, 1, 2, 3]
+    # what the book embeds: one PNG per frame, playable without a kernel
+    html = animation.to_jshtml()
     assert html.count("data:image/png;base64") == 4
 
 

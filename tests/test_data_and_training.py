@@ -26,9 +26,8 @@ def test_documents_store_and_query_facts(seed):
         assert tokens[answer] == tokens[answer - distance]  # the stored value is the answer
     first = document.copy_positions[0] - 8
     span = tokens[first : first + 16]
-    assert any(
-        np.array_equal(tokens[s : s + 16], span) for s in range(1, first - 15)
-    )  # the span occurred earlier
+    # the span occurred earlier
+    assert any(np.array_equal(tokens[s : s + 16], span) for s in range(1, first - 15))
 
 
 def test_controlled_distances_and_drills():

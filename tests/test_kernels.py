@@ -97,9 +97,8 @@ def test_scale_and_block_n():
 
 
 def test_head_dim_below_16_is_padded_for_tl_dot():
-    inputs = make_paged_cache(
-        [5, 40], 4, 1, 8, 16, torch.float32
-    )  # D = 8: BLOCK_D is padded to 16 and masked
+    # D = 8: BLOCK_D is padded to 16 and masked
+    inputs = make_paged_cache([5, 40], 4, 1, 8, 16, torch.float32)
     assert_close(
         paged_decode_attention(*inputs, num_splits=2),
         paged_decode_attention_ref(*inputs),
@@ -182,9 +181,8 @@ def test_kernel_on_gpu(dtype, num_heads, num_kv_heads):
     lengths = [1, 17, 1000, 4096, 16384 + 5]
     inputs = make_paged_cache(lengths, num_heads, num_kv_heads, 128, 16, dtype, device="cuda")
     expected = paged_decode_attention_ref(*inputs)
-    rtol, atol = (
-        TOLERANCES[dtype] if dtype != torch.float32 else (5e-3, 5e-3)
-    )  # fp32 dots run as tf32 on tensor cores
+    # fp32 dots run as tf32 on tensor cores
+    rtol, atol = TOLERANCES[dtype] if dtype != torch.float32 else (5e-3, 5e-3)
     for num_splits in (None, 1, 7, 32):
         out = paged_decode_attention(*inputs, num_splits=num_splits)
         assert_close(
@@ -229,9 +227,8 @@ def test_shuffled_block_tables_give_each_sequence_distinct_blocks_of_the_pool():
         and num_blocks == sum(needed) + 2
     )
     used = torch.cat([tables[b, :count] for b, count in enumerate(needed)])
-    assert (
-        len(set(used.tolist())) == sum(needed) and int(used.max()) < num_blocks
-    )  # no block shared, all in the pool
+    # no block shared, all in the pool
+    assert len(set(used.tolist())) == sum(needed) and int(used.max()) < num_blocks
     assert used.tolist() != sorted(used.tolist())  # shuffled: logical order is not physical order
     with pytest.raises(ValueError, match="seq_lens"):
         shuffled_block_tables([4, 0], block_size)

@@ -30,27 +30,24 @@ def test_ships_at_least_twelve_configs_spanning_the_families():
 # Published numbers (quoted in the chapter, with citations).
 def test_opt_13b_is_800_kib_per_token_as_in_the_pagedattention_paper():
     assert M.kv_bytes_per_token(CONFIGS["opt-13b"]) == 800 * KiB  # Kwon et al. 2023: "800 KB"
-    assert (
-        M.kv_cache_bytes(CONFIGS["opt-13b"], 2048) == 1600 * 2**20
-    )  # "as much as 1.6 GB" at 2048 tokens
+    # "as much as 1.6 GB" at 2048 tokens
+    assert M.kv_cache_bytes(CONFIGS["opt-13b"], 2048) == 1600 * 2**20
 
 
 def test_jamba_paper_table_1_kv_cache_at_256k():
     # Lieber et al. 2024, Table 1 (256K tokens, 16-bit): Llama-2 7B 128GB, Mistral 7B 32GB, Jamba
     # 4GB.
     assert M.kv_cache_bytes(CONFIGS["llama-2-7b"], 262144) == 128 * GiB
-    assert (
-        M.kv_bytes_per_token(CONFIGS["mistral-7b-v0.1"]) * 262144 == 32 * GiB
-    )  # the table ignores the window
+    # the table ignores the window
+    assert M.kv_bytes_per_token(CONFIGS["mistral-7b-v0.1"]) * 262144 == 32 * GiB
     jamba = M.kv_cache_bytes(CONFIGS["jamba-v0.1"], 262144)
     assert 4 * GiB < jamba < 4.01 * GiB  # 4 GiB of KV plus 8.75 MiB of Mamba state
 
 
 def test_mistral_window_saves_8x_at_32k_as_in_the_mistral_paper():
     config = CONFIGS["mistral-7b-v0.1"]
-    assert M.kv_bytes_per_token(config) * 32768 == 8 * M.kv_cache_bytes(
-        config, 32768
-    )  # Jiang et al. 2023: "8x"
+    # Jiang et al. 2023: "8x"
+    assert M.kv_bytes_per_token(config) * 32768 == 8 * M.kv_cache_bytes(config, 32768)
 
 
 def test_deepseek_v3_mla_is_576_elements_per_layer():
@@ -72,9 +69,8 @@ MiB = 2**20
 
 def test_llama_3_8b_matches_llama_cpp_and_vllm_allocations():
     config = CONFIGS["llama-3-8b"]
-    assert (
-        M.kv_cache_bytes(config, 2048, cache_dtype="float16") == 256 * MiB
-    )  # llama.cpp at n_ctx 2048
+    # llama.cpp at n_ctx 2048
+    assert M.kv_cache_bytes(config, 2048, cache_dtype="float16") == 256 * MiB
     # vLLM (vllm#12330): 11.12 GiB reserved, 5691 blocks of 16 tokens; the GiB figure is rounded.
     assert M.kv_cache_bytes(config, 5691 * 16) / GiB == pytest.approx(11.12, abs=0.005)
 
@@ -88,9 +84,8 @@ def test_qwen2_5_7b_matches_vllm_cpu_block_count():
 
     config = CONFIGS["qwen2.5-7b"]
     assert cpu_blocks(config) == 4681
-    assert (
-        cpu_blocks(dict(config, num_key_value_heads=config["num_attention_heads"])) == 668
-    )  # what MHA (7x the cache) would have logged
+    # what MHA (7x the cache) would have logged
+    assert cpu_blocks(dict(config, num_key_value_heads=config["num_attention_heads"])) == 668
 
 
 def f16_bytes_per_cell(config, kind):
@@ -134,12 +129,10 @@ def test_falcon_launch_blog_table_confirms_multiquery_to_its_rounding():
     # huggingface.co/blog/falcon, "K,V-cache size for a 2.048 context": Falcon-7B 20MB, Falcon-40B
     # 240MB.
     falcon_7b = CONFIGS["falcon-7b"]
-    assert (
-        M.kv_cache_bytes(falcon_7b, 2048) == 16 * MiB
-    )  # 16.8 MB: "20MB" to one significant figure
-    assert (
-        M.kv_cache_bytes(dict(falcon_7b, multi_query=False), 2048) == 71 * 16 * MiB
-    )  # MHA would be ~1,191 MB
+    # 16.8 MB: "20MB" to one significant figure
+    assert M.kv_cache_bytes(falcon_7b, 2048) == 16 * MiB
+    # MHA would be ~1,191 MB
+    assert M.kv_cache_bytes(dict(falcon_7b, multi_query=False), 2048) == 71 * 16 * MiB
     falcon_40b = {
         "model_type": "falcon",
         "num_hidden_layers": 60,
@@ -161,9 +154,8 @@ def test_mamba_state_matches_llama_cpp_after_its_conv_convention():
 def test_gpt_oss_alternating_layers_halve_the_cache_at_long_context():
     config = CONFIGS["gpt-oss-20b"]
     ratio = M.kv_cache_bytes(config, 131072) / (M.kv_bytes_per_token(config) * 131072)
-    assert ratio == pytest.approx(
-        0.5, abs=0.001
-    )  # "halved" (Hugging Face transformers blog on gpt-oss)
+    # "halved" (Hugging Face transformers blog on gpt-oss)
+    assert ratio == pytest.approx(0.5, abs=0.001)
 
 
 def test_ssm_state_is_constant_and_per_token_growth_is_zero():
@@ -181,9 +173,8 @@ def test_gemma3_text_config_and_pattern():
     specs = M.layer_specs(CONFIGS["gemma-3-27b"])  # read from text_config
     assert [s.index for s in specs if s.kind == "full"] == list(range(5, 62, 6))
     assert all(s.token_cap == 1024 for s in specs if s.kind == "sliding")
-    assert (
-        M.kv_bytes_per_token(CONFIGS["gemma-3-27b"]) == 62 * 2 * 16 * 128 * 2
-    )  # explicit head_dim, not 5376 / 32
+    # explicit head_dim, not 5376 / 32
+    assert M.kv_bytes_per_token(CONFIGS["gemma-3-27b"]) == 62 * 2 * 16 * 128 * 2
 
 
 def test_qwen_sliding_window_disabled_and_gpt_oss_layer_types():
@@ -205,9 +196,8 @@ def test_dtypes_and_aliases():
         == M.kv_cache_bytes(config, 1000, cache_dtype="int4") * 4
     )
     assert M.kv_cache_bytes(config, 1000, cache_dtype="torch.float32") == 2 * bf16
-    assert (
-        M.kv_cache_bytes(dict(config, torch_dtype=None, dtype="bfloat16"), 1000) == bf16
-    )  # transformers 5.x field
+    # transformers 5.x field
+    assert M.kv_cache_bytes(dict(config, torch_dtype=None, dtype="bfloat16"), 1000) == bf16
     assert M.kv_cache_bytes(config, 1000, batch_size=3) == 3 * bf16
 
 
@@ -335,9 +325,8 @@ def test_formula_equals_chapter_1_cache():
 
 def test_int4_packs_two_per_byte():
     config = dict(SMALL_CONFIGS["gqa"], torch_dtype="int4")
-    packed = allocate_cache(
-        dict(config, head_dim=4), 2, 6, torch.uint8
-    )  # D=8 int4 values packed into 4 bytes
+    # D=8 int4 values packed into 4 bytes
+    packed = allocate_cache(dict(config, head_dim=4), 2, 6, torch.uint8)
     assert M.kv_cache_bytes(config, 6, batch_size=2) == packed
 
 

@@ -147,9 +147,8 @@ def test_beam_search_equals_brute_force():
         )
         best.append(sequences[scores.argmax()])
     for options in ({}, {"cache": "static"}, {"use_cache": False}):
-        beams = generate(
-            model, prompt, steps, num_beams=25, **options
-        )  # 25 = 5**2 beams: exhaustive
+        # 25 = 5**2 beams: exhaustive
+        beams = generate(model, prompt, steps, num_beams=25, **options)
         assert torch.equal(beams, torch.stack(best)), (
             f"{options}: {beams.tolist()} vs brute force {torch.stack(best).tolist()}"
         )
@@ -184,9 +183,8 @@ def test_caches_validate_and_overflow():
         CacheOverflowError, match="holds 10 tokens per sequence; writing 3 after 8 needs 11"
     ):
         model(prompts(length=3), cache=cache)
-    assert (
-        CacheOverflowError is attention.CacheOverflowError
-    )  # one class for chapter 1's and chapter 2's caches
+    # one class for chapter 1's and chapter 2's caches
+    assert CacheOverflowError is attention.CacheOverflowError
     k = torch.zeros(2, 2, 1, 16)
     with pytest.raises(ValueError, match=r"layer_idx: expected an int in \[0, 3\), got 3"):
         cache.update(3, k, k)

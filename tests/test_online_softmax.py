@@ -97,9 +97,8 @@ def test_tiled_attention_memory_is_linear_in_length():
         tiled.append(peak_memory_bytes(lambda: O.tiled_attention(q, k, v, tile_size=64)))
     assert loglog_slope(sizes, materialised) == pytest.approx(2, abs=0.1)
     assert loglog_slope(sizes, tiled) < 1.2
-    assert (
-        materialised[-1] > 8 * 1024 * 1024 > 10 * tiled[-1]
-    )  # the 1024 x 1024 float64 score matrix alone is 8 MiB
+    # the 1024 x 1024 float64 score matrix alone is 8 MiB
+    assert materialised[-1] > 8 * 1024 * 1024 > 10 * tiled[-1]
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 29, 40])
@@ -187,12 +186,10 @@ def test_merge_validates():
 
 def test_choose_num_splits():
     assert O.choose_num_splits(64, 8, 4096, num_sms=132) == 1  # 512 programs already fill 132 SMs
-    assert (
-        O.choose_num_splits(1, 8, 131072, num_sms=132) > 8
-    )  # one long sequence: split to fill the GPU
-    assert (
-        O.choose_num_splits(1, 8, 300, num_sms=132) == 1
-    )  # too short to split into 256-token chunks
+    # one long sequence: split to fill the GPU
+    assert O.choose_num_splits(1, 8, 131072, num_sms=132) > 8
+    # too short to split into 256-token chunks
+    assert O.choose_num_splits(1, 8, 300, num_sms=132) == 1
     for batch in (1, 2, 4, 8, 16):
         n = O.choose_num_splits(batch, 8, 65536, num_sms=132)
         waves = batch * 8 * n / 132

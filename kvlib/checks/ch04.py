@@ -30,9 +30,8 @@ def test_online_softmax_update(submission: Submission) -> None:
     rng = np.random.default_rng(4)
     for magnitude, block in ((1.0, 5), (50.0, 4), (400.0, 7)):
         x = rng.normal(size=30) * magnitude
-        x[::7] += np.linspace(
-            0, 3 * magnitude, len(x[::7])
-        )  # the maximum keeps rising: rescales needed
+        # the maximum keeps rising: rescales needed
+        x[::7] += np.linspace(0, 3 * magnitude, len(x[::7]))
         m, l = -math.inf, 0.0
         expected = (-math.inf, 0.0)
         for start in range(0, x.size, block):

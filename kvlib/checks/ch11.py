@@ -113,9 +113,8 @@ def test_masked_decode_kernel(submission: Submission) -> None:
             rng.normal(size=(seq_len, 32)),
             rng.normal(size=(seq_len, 32)),
         )
-        padded = 16 * (
-            seq_len // 16 + 2
-        )  # the buffers run on past seq_len, holding garbage (another sequence's tokens)
+        # the buffers run on past seq_len, holding garbage (another sequence's tokens)
+        padded = 16 * (seq_len // 16 + 2)
         k_buffer, v_buffer = np.full((padded, 32), 30.0), np.full((padded, 32), -50.0)
         k_buffer[:seq_len], v_buffer[:seq_len] = keys, values
         expected = attention(q[None, :], keys, values)[0]
