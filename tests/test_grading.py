@@ -83,8 +83,8 @@ def stable_softmax(x):  # normalises over the wrong axis
         "01_naive_vs_cached.ipynb",
         "cached_attention_step",
         """
-def cached_attention_step(q, k_new, v_new, k_cache, v_cache):  # attends before appending: off by
-one
+# attends before appending: off by one
+def cached_attention_step(q, k_new, v_new, k_cache, v_cache):
     if len(k_cache) == 0:
         out = v_new
     else:
@@ -107,13 +107,16 @@ def cached_attention_step(q, k_new, v_new, k_cache, v_cache):  # forgets to keep
         "01_naive_vs_cached.ipynb",
         "predict_score_entries",
         """
-def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):  # counts only unmasked
-entries
+# counts only unmasked entries
+def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):
     if cached:
-        return num_layers * (prompt_len * (prompt_len + 1) // 2 + sum(prompt_len + i for i in
-        range(1, max_new_tokens)))
-    return num_layers * sum(n * (n + 1) // 2 for n in range(prompt_len, prompt_len +
-    max_new_tokens))
+        return num_layers * (
+            prompt_len * (prompt_len + 1) // 2
+            + sum(prompt_len + i for i in range(1, max_new_tokens))
+        )
+    return num_layers * sum(
+        n * (n + 1) // 2 for n in range(prompt_len, prompt_len + max_new_tokens)
+    )
 """,
         "you predicted",
     ),
@@ -121,11 +124,12 @@ entries
         "01_naive_vs_cached.ipynb",
         "predict_score_entries",
         """
-def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):  # off by one in the
-cache length
+# off by one in the cache length
+def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):
     if cached:
-        return num_layers * (prompt_len ** 2 + sum(prompt_len + i - 1 for i in range(1,
-        max_new_tokens)))
+        return num_layers * (
+            prompt_len**2 + sum(prompt_len + i - 1 for i in range(1, max_new_tokens))
+        )
     return num_layers * sum(n * n for n in range(prompt_len, prompt_len + max_new_tokens))
 """,
         "cached generation",
@@ -183,8 +187,8 @@ def static_cache_insert(buffer, length, k_new):  # concatenates instead of writi
         "static_cache_insert",
         """
 def static_cache_insert(buffer, length, k_new):  # no overflow check
-    buffer[:, :, length:length + k_new.shape[2]] = k_new
-    return buffer[:, :, :length + k_new.shape[2]]
+    buffer[:, :, length : length + k_new.shape[2]] = k_new
+    return buffer[:, :, : length + k_new.shape[2]]
 """,
         "RuntimeError",
     ),
@@ -201,8 +205,8 @@ def reorder_for_beams(layer_caches, beam_indices):  # reorders the keys but forg
         "02_cache_in_a_transformer.ipynb",
         "reorder_for_beams",
         """
-def reorder_for_beams(layer_caches, beam_indices):  # inverts the permutation instead of following
-it
+# inverts the permutation instead of following it
+def reorder_for_beams(layer_caches, beam_indices):
     order = torch.argsort(beam_indices)
     return [(keys[order], values[order]) for keys, values in layer_caches]
 """,
@@ -214,8 +218,13 @@ it
         """
 def gqa_bytes_per_token(config):  # ignores num_key_value_heads: every head gets K and V
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_attention_heads"] * head_dim *
-    BYTES_PER_ELEMENT[config["torch_dtype"]]
+    return (
+        2
+        * config["num_hidden_layers"]
+        * config["num_attention_heads"]
+        * head_dim
+        * BYTES_PER_ELEMENT[config["torch_dtype"]]
+    )
 """,
         "expected 131,072 bytes per token",
     ),
@@ -225,8 +234,13 @@ def gqa_bytes_per_token(config):  # ignores num_key_value_heads: every head gets
         """
 def gqa_bytes_per_token(config):  # assumes head_dim = hidden_size / num_attention_heads
     head_dim = config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim *
-    BYTES_PER_ELEMENT[config["torch_dtype"]]
+    return (
+        2
+        * config["num_hidden_layers"]
+        * config["num_key_value_heads"]
+        * head_dim
+        * BYTES_PER_ELEMENT[config["torch_dtype"]]
+    )
 """,
         "head_dim=128",
     ),
@@ -234,8 +248,8 @@ def gqa_bytes_per_token(config):  # assumes head_dim = hidden_size / num_attenti
         "03_counting_bytes.ipynb",
         "mla_cache_bytes",
         """
-def mla_cache_bytes(num_layers, kv_lora_rank, qk_rope_head_dim, seq_len, bytes_per_element):  #
-drops the layer factor
+# drops the layer factor
+def mla_cache_bytes(num_layers, kv_lora_rank, qk_rope_head_dim, seq_len, bytes_per_element):
     return (kv_lora_rank + qk_rope_head_dim) * seq_len * bytes_per_element
 """,
         "expected 70,272 bytes",
@@ -244,8 +258,8 @@ drops the layer factor
         "03_counting_bytes.ipynb",
         "mla_cache_bytes",
         """
-def mla_cache_bytes(num_layers, kv_lora_rank, qk_rope_head_dim, seq_len, bytes_per_element):  #
-caches the latent twice, as if K and V
+# caches the latent twice, as if K and V
+def mla_cache_bytes(num_layers, kv_lora_rank, qk_rope_head_dim, seq_len, bytes_per_element):
     return 2 * num_layers * (kv_lora_rank + qk_rope_head_dim) * seq_len * bytes_per_element
 """,
         "expected 70,272 bytes",
@@ -254,8 +268,8 @@ caches the latent twice, as if K and V
         "03_counting_bytes.ipynb",
         "max_batch",
         """
-def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):  # a
-fraction of a sequence
+# a fraction of a sequence
+def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):
     return (gpu_memory_bytes - weight_bytes - overhead_bytes) / (kv_bytes_per_token * seq_len)
 """,
         "should return an int",
@@ -264,8 +278,8 @@ fraction of a sequence
         "03_counting_bytes.ipynb",
         "max_batch",
         """
-def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):  #
-forgets the weights
+# forgets the weights
+def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):
     return (gpu_memory_bytes - overhead_bytes) // (kv_bytes_per_token * seq_len)
 """,
         "expected 55 sequences, got 70",
@@ -284,17 +298,29 @@ def physical_slots(block_table, seq_len, block_size):  # ignores the block table
         "reduce_kernel",
         """
 @triton.jit
-def reduce_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
-BLOCK_S: tl.constexpr):
+def reduce_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     row = tl.program_id(0)  # weights exp(lse) without subtracting the max
     splits, dims = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
     mask = splits < num_splits
-    weights = tl.exp(tl.load(partial_lse_ptr + row * num_splits + splits, mask=mask,
-    other=float("-inf")))
-    partial = tl.load(partial_out_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None,
-    :], mask=mask[:, None], other=0.0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, tl.sum(weights[:, None] * partial, axis=0) /
-    tl.sum(weights, axis=0))
+    weights = tl.exp(
+        tl.load(partial_lse_ptr + row * num_splits + splits, mask=mask, other=float("-inf"))
+    )
+    partial = tl.load(
+        partial_out_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None, :],
+        mask=mask[:, None],
+        other=0.0,
+    )
+    tl.store(
+        out_ptr + row * HEAD_DIM + dims,
+        tl.sum(weights[:, None] * partial, axis=0) / tl.sum(weights, axis=0),
+    )
 """,
         "non-finite values",
     ),
@@ -303,13 +329,22 @@ BLOCK_S: tl.constexpr):
         "reduce_kernel",
         """
 @triton.jit
-def reduce_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
-BLOCK_S: tl.constexpr):
+def reduce_kernel(
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     row = tl.program_id(0)  # averages the partials
     splits, dims = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
     mask = splits < num_splits
-    partial = tl.load(partial_out_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None,
-    :], mask=mask[:, None], other=0.0)
+    partial = tl.load(
+        partial_out_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None, :],
+        mask=mask[:, None],
+        other=0.0,
+    )
     tl.store(out_ptr + row * HEAD_DIM + dims, tl.sum(partial, axis=0) / num_splits)
 """,
         "reduce of 4 splits",
@@ -319,18 +354,21 @@ BLOCK_S: tl.constexpr):
         "masked_decode_kernel",
         """
 @triton.jit
-def masked_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_len, scale, HEAD_DIM: tl.constexpr,
-BLOCK_N: tl.constexpr):
+def masked_decode_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, seq_len, scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr
+):
     dims = tl.arange(0, HEAD_DIM)  # masks the loads but not the scores: zero keys still take weight
     q = tl.load(q_ptr + dims)
     m, l, acc = float("-inf"), 0.0, tl.zeros([HEAD_DIM], dtype=tl.float32)
     for start in range(0, seq_len, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
         valid = tokens < seq_len
-        k = tl.load(k_ptr + tokens[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None],
-        other=0.0)
-        v = tl.load(v_ptr + tokens[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None],
-        other=0.0)
+        k = tl.load(
+            k_ptr + tokens[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0
+        )
+        v = tl.load(
+            v_ptr + tokens[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0
+        )
         scores = tl.sum(q[None, :] * k, axis=1) * scale
         m_new = tl.maximum(m, tl.max(scores, axis=0))
         p = tl.exp(scores - m_new)
@@ -386,11 +424,11 @@ def merge_two(out_a, lse_a, out_b, lse_b):  # weights by exp(lse) without subtra
 def tiled_attention(q, k, v, tile_size):  # no rescaling of the accumulator
     m, l, acc = np.full(len(q), -np.inf), np.zeros(len(q)), np.zeros((len(q), v.shape[1]))
     for start in range(0, k.shape[0], tile_size):
-        s = q @ k[start:start + tile_size].T / math.sqrt(q.shape[1])
+        s = q @ k[start : start + tile_size].T / math.sqrt(q.shape[1])
         m_new = np.maximum(m, s.max(axis=1))
         p = np.exp(s - m_new[:, None])
         l = l * np.exp(m - m_new) + p.sum(axis=1)
-        acc = acc + p @ v[start:start + tile_size]
+        acc = acc + p @ v[start : start + tile_size]
         m = m_new
     return acc / l[:, None]
 """,
@@ -401,9 +439,9 @@ def tiled_attention(q, k, v, tile_size):  # no rescaling of the accumulator
         "tiled_attention",
         """
 def tiled_attention(q, k, v, tile_size):  # materialises all the scores: not a tiled pass
-    scores = q @ k[0:k.shape[0]].T / math.sqrt(q.shape[1])
+    scores = q @ k[0 : k.shape[0]].T / math.sqrt(q.shape[1])
     p = np.exp(scores - scores.max(axis=1, keepdims=True))
-    return p @ v[0:v.shape[0]] / p.sum(axis=1, keepdims=True)
+    return p @ v[0 : v.shape[0]] / p.sum(axis=1, keepdims=True)
 """,
         "at most 4 (one tile) are allowed",
     ),
