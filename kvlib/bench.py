@@ -107,12 +107,9 @@ PEAK_BANDWIDTH_GBPS = {
     "L40S": 864.0,
 }
 
-DECODE_HEADS = [
-    (32, 8),
-    (32, 32),
-    (32, 4),
-]  # (H_q, H_kv): Llama-3-8B's GQA first, then MHA and GQA-8
-DECODE_BATCHES = [1, 4, 16, 64]
+# (H_q, H_kv): Llama-3-8B's GQA first, then GQA-8 with 4 KV heads, Llama-3-70B's 64/8, and MHA
+DECODE_HEADS = [(32, 8), (32, 4), (64, 8), (32, 32)]
+DECODE_BATCHES = [1, 8, 64]
 DECODE_CONTEXTS = [1024, 4096, 16384, 32768, 65536, 131072]
 
 
@@ -140,7 +137,7 @@ def decode_cases(quick: bool = False) -> list[dict]:
     heads = DECODE_HEADS[:1] if quick else DECODE_HEADS
     contexts = [4096, 32768] if quick else DECODE_CONTEXTS
     for num_heads, num_kv_heads in heads:
-        for batch in [1, 16] if quick else DECODE_BATCHES:
+        for batch in [1, 8] if quick else DECODE_BATCHES:
             for context in contexts:
                 for ragged in (False, True):
                     lengths = decode_lengths(batch, context, ragged)
@@ -340,6 +337,91 @@ def decode_benchmark(
     return rows
 
 
+TUNE_SHAPES = [  # (batch, H_q, H_kv, context): few, many and very many (sequence, KV head) pairs
+    (batch, num_heads, num_kv_heads, context)
+    for batch, num_heads, num_kv_heads in [(1, 32, 8), (1, 32, 32), (8, 32, 8), (64, 32, 8)]
+    for context in (4096, 32768, 131072)
+]
+
+
+def tune_decode(out_csv: str) -> list[dict]:
+    """Time `paged_decode_attention` over split count x BLOCK_N x num_warps x num_stages on each
+    `TUNE_SHAPES` case (bf16, D = 128, block size 16); write every timing to `out_csv`.
+
+    The sweep is recorded, not applied at run time: `kernels.default_num_splits` and the
+    kernel's defaults freeze what it found, so CPU runs stay deterministic.
+    """
+    import csv
+    import datetime
+    import functools
+    import itertools
+
+    import torch
+    from tqdm import tqdm
+    from triton.testing import do_bench
+
+    from kvlib.kernels import paged_decode_attention, shuffled_block_tables
+
+    facts = {**_device_facts(), "date": datetime.date.today().isoformat()}
+    copy_gbps = copy_bandwidth_gbps()
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grid = list(itertools.product([1, 2, 4, 8, 16, 32, 64], [32, 64, 128], [4, 8], [2, 3]))
+    rows = []
+    for batch, num_heads, num_kv_heads, context in tqdm(TUNE_SHAPES, desc="tune", unit="shape"):
+        lengths = [context] * batch
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        block_tables, num_blocks = shuffled_block_tables(
+            lengths, 16, generator=generator, device="cuda"
+        )
+        k_cache = torch.randn(
+            num_blocks, 16, num_kv_heads, 128, dtype=torch.bfloat16, device="cuda"
+        )
+        v_cache = torch.randn_like(k_cache)
+        q = torch.randn(batch, num_heads, 128, dtype=torch.bfloat16, device="cuda")
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        cache_bytes = kv_bytes_read(lengths, num_kv_heads, 128, 2)
+        for num_splits, block_n, num_warps, num_stages in grid:
+            run = functools.partial(
+                paged_decode_attention,
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                seq_lens,
+                num_splits=num_splits,
+                block_n=block_n,
+                num_warps=num_warps,
+                num_stages=num_stages,
+                validate=False,
+            )
+            time_ms = do_bench(run, warmup=10, rep=40, return_mode="median")
+            gbps = cache_bytes / (time_ms * 1e-3) / 1e9
+            rows.append(
+                {
+                    **facts,
+                    "num_sms": num_sms,
+                    "batch": batch,
+                    "heads_q": num_heads,
+                    "heads_kv": num_kv_heads,
+                    "context": context,
+                    "num_splits": num_splits,
+                    "block_n": block_n,
+                    "num_warps": num_warps,
+                    "num_stages": num_stages,
+                    "time_us": round(time_ms * 1e3, 2),
+                    "gbps": round(gbps, 1),
+                    "pct_of_copy": round(100 * gbps / copy_gbps, 1),
+                }
+            )
+        del k_cache, v_cache, run
+        torch.cuda.empty_cache()
+    with open(out_csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvlib.bench decode [--out CSV] [--quick] [--dry-run]`."""
     import argparse
@@ -362,7 +444,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="list the cases and their cache sizes; time nothing (no GPU needed)",
     )
+    tune = sub.add_parser("tune", help="sweep the kernel's launch options on a few shapes")
+    tune.add_argument("--out", default="results/decode_tuning.csv", help="CSV to write")
     args = parser.parse_args(argv)
+    if args.benchmark == "tune":
+        import pathlib
+
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {len(tune_decode(args.out))} rows to {args.out}")
+        return 0
     if args.dry_run:
         for case in decode_cases(args.quick):
             print(

@@ -295,6 +295,13 @@ def _check_inputs(
     return batch, num_heads, num_kv_heads, head_dim
 
 
+# Launch options frozen from the H100 sweep in results/decode_tuning.csv (`python -m kvlib.bench
+# tune`, 7 split counts x 3 BLOCK_N x 2 num_warps x 2 num_stages on 12 shapes): at each shape's
+# best split count, this one setting was within 5% of that shape's fastest configuration on all
+# twelve. Frozen, not autotuned at run time, so every run (and the CPU interpreter) is repeatable.
+GPU_LAUNCH = {"block_n": 32, "num_warps": 4, "num_stages": 3}
+
+
 def default_num_splits(
     batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device
 ) -> int:
@@ -318,6 +325,8 @@ def paged_decode_attention(
     num_splits=None,
     validate=True,
     block_n=None,
+    num_warps=None,
+    num_stages=None,
 ):
     """Decode attention over a paged KV cache (one new query per sequence and head).
 
@@ -330,7 +339,9 @@ def paged_decode_attention(
         num_splits: split-K factor; default fills the GPU's SMs (`default_num_splits`).
         validate: check lengths and block ids on the device first (one host sync).
         block_n: tokens per tile: a power of two >= 16 and a multiple of block_size; default
-            max(block_size, 64).
+            max(block_size, 32) on a GPU (`GPU_LAUNCH`), max(block_size, 64) in the interpreter.
+        num_warps, num_stages: Triton launch options of the split kernel; default `GPU_LAUNCH`'s
+            on a GPU (the interpreter ignores them).
     Returns:
         (B, H_q, D) in q's dtype; accumulation in fp32.
     Raises:
@@ -347,7 +358,12 @@ def paged_decode_attention(
         num_splits = default_num_splits(batch, num_kv_heads, int(seq_lens.max()), q.device)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected an int >= 1, got {num_splits!r}")
-    block_n = max(block_size, 64) if block_n is None else block_n
+    on_gpu = q.device.type == "cuda" and not INTERPRETED
+    if block_n is None:
+        block_n = max(block_size, GPU_LAUNCH["block_n"] if on_gpu else 64)
+    if on_gpu:
+        num_warps = GPU_LAUNCH["num_warps"] if num_warps is None else num_warps
+        num_stages = GPU_LAUNCH["num_stages"] if num_stages is None else num_stages
     if (
         not isinstance(block_n, int)
         or block_n < 16
@@ -402,6 +418,11 @@ def paged_decode_attention(
         # fp32 dots in IEEE fp32: a GPU's default TF32 keeps 10 mantissa bits and misses rtol 1e-5.
         # (For bf16/fp16 inputs "tf32" is the default and changes nothing.)
         DOT_PRECISION="ieee" if compute_fp32 else "tf32",
+        **{
+            option: value
+            for option, value in (("num_warps", num_warps), ("num_stages", num_stages))
+            if value is not None
+        },
     )
     _reduce_splits_kernel[(batch, num_heads)](
         partial_out,

@@ -61,9 +61,63 @@ def execute_in_place(paths: list[str], *, timeout_s: int = 900) -> None:
         nbformat.write(notebook, path)
 
 
+def run_code_cells(path: str) -> int:
+    """Run a notebook's code cells in order in this Python process, without Jupyter, and return
+    how many ran. IPython magics and shell lines (`%...`, `!...`) are skipped; figures go to the
+    non-interactive Agg backend. For machines with Python but no Jupyter (a rented GPU box): it
+    checks that the code runs there, not that its outputs match the stored ones (nbval does that).
+
+    Raises: FileNotFoundError (no such notebook); the first failing cell's exception, with the
+        cell's number added to its message notes.
+    """
+    import json
+    import linecache
+    import os
+    from pathlib import Path
+
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    notebook_path = Path(path)
+    cells = json.loads(notebook_path.read_text())["cells"]
+    namespace = {"__name__": "__main__"}
+    previous_dir = Path.cwd()
+    os.chdir(notebook_path.parent)  # notebooks resolve relative paths from their own folder
+    ran = 0
+    try:
+        for number, cell in enumerate(cells):
+            if cell["cell_type"] != "code":
+                continue
+            lines = "".join(cell["source"]).splitlines()
+            source = "\n".join(  # a magic becomes `pass`, keeping an enclosing block valid
+                line[: len(line) - len(line.lstrip())] + "pass"
+                if line.lstrip().startswith(("%", "!"))
+                else line
+                for line in lines
+            )
+            filename = f"{notebook_path.name}[cell {number}]"
+            # register the source, as IPython does, so inspect (and @triton.jit) can read it
+            linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+            try:
+                exec(compile(source, filename, "exec"), namespace)
+            except Exception as error:
+                error.add_note(f"in {notebook_path} cell {number}")
+                raise
+            ran += 1
+    finally:
+        os.chdir(previous_dir)
+    return ran
+
+
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m kvlib.notebook NOTEBOOK_OR_FOLDER [...]")
-    execute_in_place(sys.argv[1:])
+    args = sys.argv[1:]
+    if not args or args == ["--plain"]:
+        sys.exit(
+            "usage: python -m kvlib.notebook NOTEBOOK_OR_FOLDER [...]  (execute, store outputs)\n"
+            "       python -m kvlib.notebook --plain NOTEBOOK [...]    (run the code, no Jupyter)"
+        )
+    if args[0] == "--plain":
+        for notebook in args[1:]:
+            print(f"{notebook}: {run_code_cells(notebook)} code cells ran")
+    else:
+        execute_in_place(args)
