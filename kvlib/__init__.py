@@ -1,14 +1,44 @@
 """kvlib: the shared package of the course *KV Cache from Scratch*.
 
-One concept per module (see COURSE.md): `attention` (numpy reference attention and the
-naive/cached generation loops of chapter 1), `memory` (cache-size arithmetic), `bench`
-(timing helpers), `viz` (plots and animations), `grading` (exercise checks and the grader).
+The layout (book/architecture.md draws it): numpy references of chapters 1 and 4 (`attention`,
+`online_softmax`); the model and its loaders (`model`, `train`, `generation`); caches behind one
+interface (`cache/`); the attention backends and kernels a layer calls (`ops/`, `kernels`); the
+memory calculator (`memory`); and the course machinery, apart from the library (`grading`,
+`checks/`, `notebook`, `bench`, `viz`). Shared exceptions live in `errors`.
 
-Importing `kvlib` is cheap: it imports numpy only. Modules that need torch or triton import
-them themselves.
+The names below are the stable API. They are imported lazily, so `import kvlib` costs numpy only
+(chapter 1 runs without torch); modules that need torch or triton import them when first used.
 """
+
+from importlib import import_module
 
 from kvlib._validate import check_shape
 
 __version__ = "0.1.0"
-__all__ = ["check_shape", "__version__"]
+
+# public name -> the module that defines it
+_API = {
+    "load_hf_checkpoint": "kvlib.model",
+    "load_course_model": "kvlib.train",
+    "generate": "kvlib.generation",
+    "kv_cache_bytes": "kvlib.memory",
+    "paged_decode_attention": "kvlib.kernels",
+    "KVCache": "kvlib.cache",
+    "DynamicCache": "kvlib.cache",
+    "StaticCache": "kvlib.cache",
+    "CacheOverflowError": "kvlib.errors",
+    "UnsupportedConfigError": "kvlib.errors",
+}
+__all__ = ["__version__", "check_shape", *_API]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        value = getattr(import_module(_API[name]), name)
+        globals()[name] = value  # import once
+        return value
+    raise AttributeError(f"module 'kvlib' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

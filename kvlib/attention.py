@@ -3,8 +3,8 @@
 What it does: scaled dot-product attention with a causal mask that works for any number of cached
 keys (Vaswani et al., 2017, "Attention Is All You Need"); a tiny decoder (`ToyModel`) whose
 `forward` runs either on the whole prefix (naive generation: re-encode everything every step) or on
-new tokens only, reading and extending a `KVCache` (cached generation); instrumentation (`OpCounts`)
-that counts the work each path really does.
+new tokens only, reading and extending a `ToyKVCache` (cached generation); instrumentation
+(`OpCounts`) that counts the work each path really does.
 
 What it deliberately does not do: batching, multiple heads per layer, RoPE, training. The toy
 model's weights are random (seeded): chapter 1 is about the cache, not about language. Chapter 2's
@@ -20,11 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvlib._validate import check_array, check_positive_int
-
-
-class CacheOverflowError(ValueError):
-    """Raised when a write would take a preallocated cache past its capacity."""
-
+from kvlib.errors import CacheOverflowError
 
 # --- reference math -------------------------------------------------------------------------------
 
@@ -262,7 +258,7 @@ class LayerWeights:
     w_o: np.ndarray
 
 
-class KVCache:
+class ToyKVCache:
     """A preallocated key/value cache for the toy decoder.
 
     Layout: one float64 buffer `(L, 2, S_max, D)`; `buffer[l, 0]` holds layer l's keys and
@@ -279,11 +275,12 @@ class KVCache:
         self.buffer = np.zeros((num_layers, 2, max_seq_len, head_dim))  # (L, 2, S_max, D)
         self.length = 0
 
-    def update(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Write T new rows of keys/values for `layer` at `length`; return views of all rows so far.
+    def update(self, layer_idx: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Write T new rows of keys/values for `layer_idx` at `length`; return views of all rows
+        so far (the same `update`/`advance` protocol as `kvlib.cache.KVCache`, in numpy).
 
         Args:
-            layer: 0 <= layer < L.
+            layer_idx: 0 <= layer_idx < L.
             k, v: (T, D) the new tokens' keys and values.
         Returns:
             (keys, values), each a (length + T, D) view into the buffer.
@@ -292,11 +289,13 @@ class KVCache:
             ValueError, TypeError: bad layer index or shapes.
         """
         if (
-            isinstance(layer, bool)
-            or not isinstance(layer, (int, np.integer))
-            or not 0 <= layer < self.num_layers
+            isinstance(layer_idx, bool)
+            or not isinstance(layer_idx, (int, np.integer))
+            or not 0 <= layer_idx < self.num_layers
         ):
-            raise ValueError(f"layer: expected an int in [0, {self.num_layers}), got {layer!r}")
+            raise ValueError(
+                f"layer_idx: expected an int in [0, {self.num_layers}), got {layer_idx!r}"
+            )
         check_array("k", k, ndim=2, floating=True)
         check_array("v", v, ndim=2, floating=True)
         if k.shape != v.shape or k.shape[1] != self.head_dim:
@@ -306,19 +305,19 @@ class KVCache:
         end = self.length + k.shape[0]
         if end > self.max_seq_len:
             raise CacheOverflowError(
-                f"KVCache holds at most {self.max_seq_len} tokens; writing {k.shape[0]} after "
+                f"ToyKVCache holds at most {self.max_seq_len} tokens; writing {k.shape[0]} after "
                 f"{self.length} needs {end}"
             )
-        self.buffer[layer, 0, self.length : end] = k
-        self.buffer[layer, 1, self.length : end] = v
-        return self.buffer[layer, 0, :end], self.buffer[layer, 1, :end]  # (S, D) views
+        self.buffer[layer_idx, 0, self.length : end] = k
+        self.buffer[layer_idx, 1, self.length : end] = v
+        return self.buffer[layer_idx, 0, :end], self.buffer[layer_idx, 1, :end]  # (S, D) views
 
     def advance(self, num_tokens: int) -> None:
         """Move the write position by `num_tokens` (after the last layer has written them)."""
         num_tokens = check_positive_int("num_tokens", num_tokens)
         if self.length + num_tokens > self.max_seq_len:
             raise CacheOverflowError(
-                f"KVCache holds at most {self.max_seq_len} tokens; cannot advance to "
+                f"ToyKVCache holds at most {self.max_seq_len} tokens; cannot advance to "
                 f"{self.length + num_tokens}"
             )
         self.length += num_tokens
@@ -368,14 +367,14 @@ class ToyModel:
         # (d_model, V)
         self.unembedding = rng.normal(size=(c.d_model, c.vocab_size)) / np.sqrt(c.d_model)
 
-    def new_cache(self, max_seq_len: int) -> KVCache:
+    def new_cache(self, max_seq_len: int) -> ToyKVCache:
         """An empty cache sized for this model."""
-        return KVCache(self.config.num_layers, max_seq_len, self.config.head_dim)
+        return ToyKVCache(self.config.num_layers, max_seq_len, self.config.head_dim)
 
     def forward(
         self,
         token_ids: np.ndarray,
-        cache: KVCache | None = None,
+        cache: ToyKVCache | None = None,
         counts: OpCounts | None = None,
         mask: np.ndarray | None = None,
     ) -> np.ndarray:
@@ -387,7 +386,7 @@ class ToyModel:
 
         Args:
             token_ids: (T,) ints in [0, vocab_size).
-            cache: a `KVCache` to read and extend, or None.
+            cache: a `ToyKVCache` to read and extend, or None.
             counts: if given, incremented with the work done.
             mask: bool (T, S) attention mask for every layer; default `causal_mask(T, S)`.
         Returns:
@@ -403,11 +402,11 @@ class ToyModel:
         x = self.embedding[token_ids] + sinusoidal_positions(
             np.arange(past, past + t), self.config.d_model
         )  # (T, d_model)
-        for index, layer in enumerate(self.layers):
+        for layer_idx, layer in enumerate(self.layers):
             h = rms_norm(x)  # (T, d_model)
             q, k, v = h @ layer.w_q, h @ layer.w_k, h @ layer.w_v  # (T, D) each
             if cache is not None:
-                k, v = cache.update(index, k, v)  # (S, D), S = past + T
+                k, v = cache.update(layer_idx, k, v)  # (S, D), S = past + T
             layer_mask = causal_mask(t, k.shape[0]) if mask is None else mask  # (T, S)
             x = x + attention(q, k, v, layer_mask) @ layer.w_o  # (T, D) @ (D, d_model)
             if counts is not None:
@@ -471,7 +470,7 @@ def generate_naive(model: ToyModel, prompt_ids: np.ndarray, max_new_tokens: int)
 
 
 def generate_cached(
-    model: ToyModel, prompt_ids: np.ndarray, max_new_tokens: int, cache: KVCache | None = None
+    model: ToyModel, prompt_ids: np.ndarray, max_new_tokens: int, cache: ToyKVCache | None = None
 ) -> GenerationTrace:
     """Greedy generation with a KV cache: prefill the prompt once, then feed one token per step.
 
@@ -483,7 +482,7 @@ def generate_cached(
         model: a ToyModel.
         prompt_ids: (P,) ints.
         max_new_tokens: N >= 1.
-        cache: an empty KVCache to fill (for inspection afterwards); default: a new one of P + N
+        cache: an empty ToyKVCache to fill (for inspection afterwards); default: a new one of P + N
             rows.
     Returns:
         A GenerationTrace with tokens (P + N,), logits (N, V) and N step counts.

@@ -38,7 +38,12 @@ def _prefill(model, input_ids, attention_mask, cache, chunk_size):
     chunk_size = t if chunk_size is None else chunk_size
     for start in range(0, t, chunk_size):
         end = min(start + chunk_size, t)
-        logits = model(input_ids[:, start:end], cache=cache, attention_mask=attention_mask[:, :end])
+        logits = model(
+            input_ids[:, start:end],
+            cache=cache,
+            attention_mask=attention_mask[:, :end],
+            validate=False,  # the prompt was validated by `generate`
+        )
     return logits[:, -1]
 
 
@@ -79,7 +84,7 @@ def generate(
         attention_mask: (B, T) 1 for prompt tokens, 0 for padding; default all 1.
         use_cache: False re-encodes the whole sequence every step (the naive path).
         cache: "dynamic" (torch.cat per step), "static" (preallocated, B x (T + N)), or a callable
-            `factory(model, batch_size, max_seq_len)` returning a cache.
+            `factory(model, batch_size, max_seq_len)` returning any `kvlib.cache.KVCache`.
         temperature: 0 for greedy; > 0 samples from softmax(logits / temperature).
         top_k: sample among the k most likely tokens only.
         generator: a torch.Generator, for reproducible sampling.
@@ -88,7 +93,9 @@ def generate(
     Returns:
         (B, T + N) int64: the prompts followed by the generated tokens.
     Raises:
-        ValueError, TypeError: bad sizes, masks or options.
+        ValueError, TypeError: bad sizes, ids outside the vocabulary, masks or options. The prompts
+            are validated here, once; decode steps call the model with `validate=False`, so the
+            loop pays no host sync for validation.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise TypeError(
@@ -102,6 +109,11 @@ def generate(
     if temperature < 0:
         raise ValueError(f"temperature: expected >= 0, got {temperature}")
     b, t = input_ids.shape
+    vocab_size = model.config.vocab_size
+    if t == 0 or input_ids.min() < 0 or input_ids.max() >= vocab_size:  # once, not per step
+        raise ValueError(
+            f"input_ids: expected 1+ ids in [0, {vocab_size}) per row, got shape {(b, t)}"
+        )
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     elif attention_mask.shape != (b, t):
@@ -136,11 +148,11 @@ def generate(
         mask = torch.cat([mask, torch.ones_like(next_tokens)[:, None]], dim=1)
         if step < max_new_tokens - 1:
             if kv is None:
-                logits = model(tokens, attention_mask=mask)[
+                logits = model(tokens, attention_mask=mask, validate=False)[
                     :, -1
                 ]  # naive: the whole sequence again
             else:
-                logits = model(next_tokens[:, None], cache=kv, attention_mask=mask)[
+                logits = model(next_tokens[:, None], cache=kv, attention_mask=mask, validate=False)[
                     :, -1
                 ]  # decode: the new token only
     return tokens
@@ -173,10 +185,12 @@ def _beam_search(
         mask = torch.cat([mask[chosen], torch.ones_like(next_tokens)[:, None]], dim=1)
         if step < max_new_tokens - 1:
             if kv is None:
-                logits = model(tokens, attention_mask=mask)[:, -1]
+                logits = model(tokens, attention_mask=mask, validate=False)[:, -1]
             else:
                 kv.reorder(chosen)  # the cache follows its beams
-                logits = model(next_tokens[:, None], cache=kv, attention_mask=mask)[:, -1]
+                logits = model(next_tokens[:, None], cache=kv, attention_mask=mask, validate=False)[
+                    :, -1
+                ]
             logprobs = logits.log_softmax(dim=-1)
     best = scores.argmax(dim=-1)  # (B,)
     return tokens.view(b, num_beams, -1)[torch.arange(b), best]

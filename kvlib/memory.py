@@ -32,6 +32,7 @@ import os
 from pathlib import Path
 
 from kvlib._validate import check_positive_int
+from kvlib.errors import UnsupportedConfigError
 
 DTYPE_BITS = {
     "float64": 64,
@@ -81,10 +82,6 @@ MLA = {"deepseek_v2", "deepseek_v3"}
 SSM = {"mamba", "mamba2"}
 HYBRID = {"jamba"}
 SUPPORTED_MODEL_TYPES = sorted(DENSE_ATTENTION | MLA | SSM | HYBRID)
-
-
-class UnsupportedConfigError(ValueError):
-    """The config describes something kvlib cannot size without guessing."""
 
 
 @dataclasses.dataclass(frozen=True)

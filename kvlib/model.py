@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlib._validate import check_positive_int
+from kvlib.errors import UnsupportedConfigError
+from kvlib.ops.attention import get_backend, reference_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 LLAMA3_SCALING_FIELDS = (
@@ -39,10 +41,6 @@ LLAMA3_SCALING_FIELDS = (
     "original_max_position_embeddings",
 )
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class UnsupportedCheckpointError(ValueError):
-    """The checkpoint uses a feature this model does not implement (loading it would be wrong)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,25 +99,23 @@ class ModelConfig:
         """Read a Hugging Face config dict (transformers 4.x or 5.x field names).
 
         Raises:
-            UnsupportedCheckpointError: a model type, bias, rope scaling or activation this model
+            UnsupportedConfigError: a model type, bias, rope scaling or activation this model
                 does not implement, named with the field that asks for it.
         """
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedCheckpointError(
+            raise UnsupportedConfigError(
                 f"config: model_type {model_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         if config.get("mlp_bias"):
-            raise UnsupportedCheckpointError(
-                "config: mlp_bias=true (MLP biases) is not implemented"
-            )
+            raise UnsupportedConfigError("config: mlp_bias=true (MLP biases) is not implemented")
         if config.get("attention_bias"):
-            raise UnsupportedCheckpointError(
+            raise UnsupportedConfigError(
                 "config: attention_bias=true (biases on q/k/v/o) is not implemented"
             )
         if config.get("hidden_act", "silu") != "silu":
-            raise UnsupportedCheckpointError(
+            raise UnsupportedConfigError(
                 f"config: hidden_act {config['hidden_act']!r} is not implemented (SwiGLU uses silu)"
             )
         rope = config.get("rope_parameters") or {}  # transformers 5.x
@@ -128,14 +124,14 @@ class ModelConfig:
         )
         rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else None
         if rope_type not in (None, "default", "llama3"):
-            raise UnsupportedCheckpointError(
+            raise UnsupportedConfigError(
                 f"config: rope scaling {scaling!r} is not implemented (default RoPE and Llama "
                 "3.1's 'llama3' scaling are)"
             )
         if rope_type == "llama3":
             missing = sorted(set(LLAMA3_SCALING_FIELDS) - set(scaling))
             if missing:
-                raise UnsupportedCheckpointError(
+                raise UnsupportedConfigError(
                     f"config: rope_scaling of type 'llama3' lacks {missing}, got {scaling!r}"
                 )
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
@@ -145,7 +141,7 @@ class ModelConfig:
             else None
         )
         if model_type == "qwen2" and config.get("use_sliding_window"):
-            raise UnsupportedCheckpointError(
+            raise UnsupportedConfigError(
                 "config: Qwen2's use_sliding_window=true (per-layer windows) is not implemented"
             )
         return cls(
@@ -258,7 +254,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache=None, attention_weights: list | None = None):
+    def forward(self, x, cos, sin, mask, cache=None, backend=reference_attention, weights_out=None):
         b, t, _ = x.shape
         c = self.config
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.dim).transpose(1, 2)  # (B, H, T, D)
@@ -267,19 +263,11 @@ class Attention(nn.Module):
         # (B, H_kv, T, D)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # keys are cached already rotated
-        if cache is not None:
-            # (B, H_kv, S, D): the cached prefix and the new tokens
-            k, v = cache.update(self.layer_idx, k, v)
-        group = c.num_attention_heads // c.num_key_value_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, D)
-        scores = (q @ k.transpose(-1, -2)) / math.sqrt(c.dim)  # (B, H, T, S)
-        scores = scores.float().masked_fill(~mask[:, None], float("-inf"))
-        weights = scores.softmax(dim=-1).to(q.dtype)  # (B, H, T, S)
-        if attention_weights is not None:
-            attention_weights.append(weights.detach())
-        # (B, T, H·D)
-        out = (weights @ v).transpose(1, 2).reshape(b, t, c.num_attention_heads * c.dim)
-        return self.o_proj(out)
+        # the seam: the cache stores K/V and says what attention reads; a backend attends over it
+        kv = (k, v) if cache is None else cache.update(self.layer_idx, k, v)
+        attend = getattr(cache, "attention_backend", None) or backend
+        out = attend(q, kv, mask, weights_out=weights_out)  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, c.num_attention_heads * c.dim))
 
 
 class MLP(nn.Module):
@@ -301,8 +289,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, cache=None, attention_weights=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, attention_weights)
+    def forward(self, x, cos, sin, mask, cache=None, backend=reference_attention, weights_out=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, backend, weights_out)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -345,9 +333,11 @@ def attention_mask_4d(
 class LlamaModel(nn.Module):
     """Llama-architecture causal LM: `model(input_ids) -> logits (B, T, V)`."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, *, attention_backend: str = "reference"):
         super().__init__()
         self.config = config
+        self.attention_backend = attention_backend  # a name in kvlib.ops.ATTENTION_BACKENDS
+        get_backend(attention_backend)  # fails early on an unknown name
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -365,16 +355,20 @@ class LlamaModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         attention_weights: list | None = None,
+        validate: bool = True,
     ) -> torch.Tensor:
         """Logits for the T new tokens.
 
         Args:
             input_ids: (B, T) token ids: the whole sequence, or with a cache the tokens after it.
-            cache: a `kvlib.cache` cache holding S0 earlier tokens per sequence (or None).
+            cache: a `kvlib.cache.KVCache` holding S0 earlier tokens per sequence (or None).
             attention_mask: (B, S0 + T) 1 for real tokens, 0 for padding (left padding); default all
                 1.
             position_ids: (B, T) RoPE positions; default: count of real tokens before each one.
-            attention_weights: a list to receive each layer's (B, H, T, S) attention weights.
+            attention_weights: a list to receive each layer's (B, H, T, S) attention weights
+                (the "reference" backend only).
+            validate: check that the ids are in the vocabulary (one host sync: `generate` does it
+                once for the prompts and then passes False for every decode step).
         Returns:
             (B, T, V) logits in float32.
         Raises:
@@ -391,7 +385,9 @@ class LlamaModel(nn.Module):
                 f"{tuple(getattr(input_ids, 'shape', ()))}"
             )
         b, t = input_ids.shape
-        if t == 0 or input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
+        if t == 0 or (
+            validate and (input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size)
+        ):
             raise ValueError(
                 f"input_ids: expected 1+ ids in [0, {self.config.vocab_size}) per row, got shape "
                 f"{(b, t)}"
@@ -414,9 +410,10 @@ class LlamaModel(nn.Module):
         mask = attention_mask_4d(
             t, past + t, attention_mask, self.config.sliding_window, input_ids.device
         )
+        backend = get_backend(self.attention_backend)
         x = self.model.embed_tokens(input_ids)  # (B, T, d_model)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, cache, attention_weights)
+            x = layer(x, cos, sin, mask, cache, backend, attention_weights)
         if cache is not None:
             cache.advance(t)
         return self.lm_head(self.model.norm(x)).float()  # (B, T, V)
@@ -449,7 +446,7 @@ def load_hf_checkpoint(
         dtype: load the weights in this dtype (default: the config's `torch_dtype`/`dtype`).
     Raises:
         FileNotFoundError: no config.json or no safetensors files.
-        UnsupportedCheckpointError: see `ModelConfig.from_hf`.
+        UnsupportedConfigError: see `ModelConfig.from_hf`.
         ValueError: missing or unexpected parameters, or shapes that disagree with the config.
     """
     from safetensors.torch import load_file

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlib import data
-from kvlib.model import LlamaModel, ModelConfig, save_hf_checkpoint
+from kvlib.model import LlamaModel, ModelConfig, load_hf_checkpoint, save_hf_checkpoint
 
 COURSE_MODEL_DIR = Path(__file__).with_name("weights") / "course-model"
 COURSE_CONFIG = ModelConfig(
@@ -36,6 +36,18 @@ COURSE_CONFIG = ModelConfig(
     max_position_embeddings=1024,
     torch_dtype="float32",
 )
+
+
+def load_course_model(
+    *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> LlamaModel:
+    """The course model trained by `python -m kvlib.train` and shipped in `kvlib/weights`
+    (4 layers, 4 heads, d_model 128; its model card is `book/model_card.md`), in eval mode.
+
+    Raises:
+        FileNotFoundError: the weights are missing (re-train with `python -m kvlib.train`).
+    """
+    return load_hf_checkpoint(COURSE_MODEL_DIR, dtype=dtype, device=device)
 
 
 def evaluate(

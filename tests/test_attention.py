@@ -7,6 +7,7 @@ import torch
 from kvlib import attention as A
 from kvlib._validate import check_shape
 from kvlib.bench import interleaved_times_ms, loglog_slope
+from kvlib.errors import CacheOverflowError
 from kvlib.testing import assert_close
 
 
@@ -152,7 +153,7 @@ def test_op_counts_match_closed_forms():
 
 
 def test_kv_cache_layout_bytes_and_errors():
-    cache = A.KVCache(num_layers=2, max_seq_len=5, head_dim=3)
+    cache = A.ToyKVCache(num_layers=2, max_seq_len=5, head_dim=3)
     k, v = np.ones((4, 3)), 2 * np.ones((4, 3))
     keys, values = cache.update(0, k, v)
     assert np.shares_memory(keys, cache.buffer) and keys.shape == (4, 3) and np.all(values == 2)
@@ -162,10 +163,10 @@ def test_kv_cache_layout_bytes_and_errors():
         cache.used_bytes == cache.buffer[:, :, :4].nbytes == A.dense_kv_cache_bytes(2, 1, 3, 8, 4)
     )
     with pytest.raises(
-        A.CacheOverflowError, match="holds at most 5 tokens; writing 2 after 4 needs 6"
+        CacheOverflowError, match="holds at most 5 tokens; writing 2 after 4 needs 6"
     ):
         cache.update(0, np.ones((2, 3)), np.ones((2, 3)))
-    with pytest.raises(ValueError, match=r"layer: expected an int in \[0, 2\), got 2"):
+    with pytest.raises(ValueError, match=r"layer_idx: expected an int in \[0, 2\), got 2"):
         cache.update(2, k, v)
     with pytest.raises(ValueError, match=r"expected equal shapes \(T, 3\)"):
         cache.update(0, np.ones((1, 4)), np.ones((1, 4)))
@@ -192,7 +193,7 @@ def test_generation_rejects_bad_arguments():
     A.generate_cached(model, np.array([1, 2]), 2, cache=cache)
     with pytest.raises(ValueError, match="expected an empty cache, got one holding 3 tokens"):
         A.generate_cached(model, np.array([1, 2]), 2, cache=cache)
-    with pytest.raises(A.CacheOverflowError):
+    with pytest.raises(CacheOverflowError):
         A.generate_cached(model, np.array([1, 2]), 20, cache=model.new_cache(5))
 
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from kvlib import attention
-from kvlib.cache import CacheOverflowError, DynamicCache, StaticCache
+from kvlib.cache import DynamicCache, StaticCache
+from kvlib.errors import CacheOverflowError, UnsupportedConfigError
 from kvlib.generation import generate
 from kvlib.model import (
     LlamaModel,
     ModelConfig,
-    UnsupportedCheckpointError,
     apply_rope,
     load_hf_checkpoint,
     rope_cos_sin,
@@ -293,7 +293,7 @@ def test_unsupported_checkpoints_are_refused(tmp_path, change, message):
     save_hf_checkpoint(tiny_model(), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
-    with pytest.raises(UnsupportedCheckpointError, match=message):
+    with pytest.raises(UnsupportedConfigError, match=message):
         load_hf_checkpoint(tmp_path)
 
 

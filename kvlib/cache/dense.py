@@ -1,11 +1,9 @@
-"""Per-layer key/value caches for `kvlib.model.LlamaModel`: a growing cache and a preallocated one.
+"""Contiguous KV caches for `kvlib.model.LlamaModel`: a growing one and a preallocated one.
 
-Both follow one protocol. `length` is the number of tokens already committed for every sequence.
-During a forward pass of T new tokens, each layer calls `update(layer_idx, k, v)` with its new keys
-and values `(B, H_kv, T, D)` and gets back all of its keys and values so far `(B, H_kv, length + T,
-D)`; after the last layer the model calls `advance(T)`. `reorder(indices)` permutes and duplicates
-sequences (beam search), `repeat(n)` returns a copy with each sequence cloned n times (a prefill
-cache grown into a larger decode batch).
+Both implement `kvlib.cache.KVCache`: `update(layer_idx, k, v)` stores a layer's new keys and values
+`(B, H_kv, T, D)` and returns all of that layer's keys and values so far `(B, H_kv, length + T,
+D)`, which the model's attention backend reads; the model then calls `advance(T)`. Every sequence
+of the batch holds the same number of slots (`length`; left padding is masked, not skipped).
 
 - `DynamicCache`: the classic `past_key_values` style: `torch.cat` per layer per step; every step
   allocates new tensors (counted in `allocations`).
@@ -22,61 +20,32 @@ import copy
 import torch
 
 from kvlib._validate import check_positive_int
-from kvlib.attention import (
-    CacheOverflowError,
-)  # one exception for every kvlib cache (re-exported here)
+from kvlib.cache.base import check_kv_update
+from kvlib.errors import CacheOverflowError
 
-__all__ = ["CacheOverflowError", "DynamicCache", "StaticCache"]
+__all__ = ["DynamicCache", "StaticCache"]
 
 
-class _Cache:
+class _DenseCache:
+    """What the two dense caches share: the committed length and its per-sequence view."""
+
     num_layers: int
     length: int
 
-    def _check_update(
-        self,
-        layer_idx: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        expected: tuple[int, int, int] | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
-    ) -> None:
-        if (
-            isinstance(layer_idx, bool)
-            or not isinstance(layer_idx, int)
-            or not 0 <= layer_idx < self.num_layers
-        ):
-            raise ValueError(
-                f"layer_idx: expected an int in [0, {self.num_layers}), got {layer_idx!r}"
-            )
-        if (
-            not isinstance(k, torch.Tensor)
-            or not isinstance(v, torch.Tensor)
-            or k.dim() != 4
-            or k.shape != v.shape
-        ):
-            raise ValueError(
-                "k, v: expected two (B, H_kv, T, D) tensors of one shape, got "
-                f"{tuple(getattr(k, 'shape', ()))} and {tuple(getattr(v, 'shape', ()))}"
-            )
-        if expected is not None and (k.shape[0], k.shape[1], k.shape[3]) != expected:
-            raise ValueError(
-                f"k: expected (B, H_kv, T, D) with (B, H_kv, D) = {expected}, got {tuple(k.shape)}"
-            )
-        if dtype is not None and (k.dtype != dtype or v.dtype != dtype):
-            raise TypeError(
-                f"k, v: expected dtype {dtype} (the cache's), got {k.dtype} and {v.dtype}"
-            )
-        if device is not None and (k.device != device or v.device != device):
-            raise ValueError(f"k, v: expected device {device} (the cache's), got {k.device}")
+    def _batch_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """(B,) int64: tokens held per sequence, all equal to `length` in a dense cache."""
+        return torch.full((self._batch_size(),), self.length, dtype=torch.int64)
 
     def advance(self, num_tokens: int) -> None:
         """Commit `num_tokens` new tokens (after every layer has written them)."""
         self.length += check_positive_int("num_tokens", num_tokens)
 
 
-class DynamicCache(_Cache):
+class DynamicCache(_DenseCache):
     """A growing cache: per layer, keys and values `(B, H_kv, S, D)` concatenated each step."""
 
     def __init__(self, num_layers: int):
@@ -96,7 +65,8 @@ class DynamicCache(_Cache):
             if isinstance(layer_idx, int) and 0 <= layer_idx < self.num_layers
             else None
         )
-        self._check_update(
+        check_kv_update(
+            self.num_layers,
             layer_idx,
             k,
             v,
@@ -137,8 +107,11 @@ class DynamicCache(_Cache):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
 
+    def _batch_size(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[0]
 
-class StaticCache(_Cache):
+
+class StaticCache(_DenseCache):
     """A preallocated cache. Layout: buffer `(L, 2, B, H_kv, T_max, D)`; `buffer[l, 0]` holds layer
     l's keys and `buffer[l, 1]` its values; positions `[0, length)` are filled."""
 
@@ -201,7 +174,8 @@ class StaticCache(_Cache):
             CacheOverflowError: length + T > max_seq_len. ValueError/TypeError: wrong layer, shape,
             dtype or device.
         """
-        self._check_update(
+        check_kv_update(
+            self.num_layers,
             layer_idx,
             k,
             v,
@@ -261,3 +235,6 @@ class StaticCache(_Cache):
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+    def _batch_size(self) -> int:
+        return self.batch_size

@@ -1,0 +1,13 @@
+"""KV caches: the interface (`base`) and its implementations, one module each.
+
+- `base.KVCache`: what the model needs of a cache (the attention seam);
+- `dense.DynamicCache`, `dense.StaticCache`: contiguous `(B, H_kv, S, D)` caches (chapter 2).
+
+Later chapters add a module here each (paged, evicting, quantized) and plug it in; the model's
+layers do not change.
+"""
+
+from kvlib.cache.base import KVCache
+from kvlib.cache.dense import DynamicCache, StaticCache
+
+__all__ = ["DynamicCache", "KVCache", "StaticCache"]

@@ -1,0 +1,88 @@
+"""The interface every KV cache in kvlib implements, and the checks they share.
+
+A cache holds, for each of the model's `L` layers, the keys and values of the tokens seen so far.
+The model talks to a cache through five calls and never looks inside it (the attention seam):
+
+- `update(layer_idx, k, v)`: store layer `layer_idx`'s new keys and values `(B, H_kv, T, D)` and
+  return what attention over the stored tokens reads. A dense cache returns keys and values
+  `(B, H_kv, length + T, D)`; a cache with another layout (paged, quantized) returns its own
+  handle and names the function that attends over it in `attention_backend`.
+- `advance(T)`: commit the `T` tokens every layer has written (the model calls it once per
+  forward, after the last layer).
+- `reorder(indices)`: keep sequences `indices` of the batch, in that order (beam search).
+- `repeat(n)`: a new cache with each sequence copied `n` times (one prefill, several samples).
+- `seq_lens`: `(B,)` int64, the tokens each sequence holds (vLLM's `seq_lens`, nanochat's
+  `cache_seqlens`); `length` is the longest.
+
+The model calls `cache.attention_backend` if the cache has one, else its own backend
+(`kvlib.ops.attention`), so a new cache plugs in without editing the model's layers.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["KVCache", "check_kv_update"]
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """What `kvlib.model.LlamaModel` needs of a cache (see the module docstring)."""
+
+    num_layers: int
+    length: int
+
+    @property
+    def seq_lens(self) -> torch.Tensor: ...
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor): ...
+
+    def advance(self, num_tokens: int) -> None: ...
+
+    def reorder(self, indices: torch.Tensor) -> None: ...
+
+    def repeat(self, num_copies: int) -> KVCache: ...
+
+
+def check_kv_update(
+    num_layers: int,
+    layer_idx: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    expected: tuple[int, int, int] | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> None:
+    """Validate one `update` call: `layer_idx` in [0, num_layers), k and v two (B, H_kv, T, D)
+    tensors of one shape, and, where given, (B, H_kv, D) == `expected` and the cache's dtype and
+    device.
+
+    Raises:
+        ValueError: a bad layer index, shape or device. TypeError: a dtype other than the cache's.
+    """
+    if (
+        isinstance(layer_idx, bool)
+        or not isinstance(layer_idx, int)
+        or not 0 <= layer_idx < num_layers
+    ):
+        raise ValueError(f"layer_idx: expected an int in [0, {num_layers}), got {layer_idx!r}")
+    if (
+        not isinstance(k, torch.Tensor)
+        or not isinstance(v, torch.Tensor)
+        or k.dim() != 4
+        or k.shape != v.shape
+    ):
+        raise ValueError(
+            "k, v: expected two (B, H_kv, T, D) tensors of one shape, got "
+            f"{tuple(getattr(k, 'shape', ()))} and {tuple(getattr(v, 'shape', ()))}"
+        )
+    if expected is not None and (k.shape[0], k.shape[1], k.shape[3]) != expected:
+        raise ValueError(
+            f"k: expected (B, H_kv, T, D) with (B, H_kv, D) = {expected}, got {tuple(k.shape)}"
+        )
+    if dtype is not None and (k.dtype != dtype or v.dtype != dtype):
+        raise TypeError(f"k, v: expected dtype {dtype} (the cache's), got {k.dtype} and {v.dtype}")
+    if device is not None and (k.device != device or v.device != device):
+        raise ValueError(f"k, v: expected device {device} (the cache's), got {k.device}")
