@@ -198,6 +198,36 @@ def copy_bandwidth_gbps(num_bytes: int = 2 * 2**30) -> float:
     return 2 * num_bytes / (time_ms * 1e-3) / 1e9
 
 
+def _write_rows(out_csv: str, rows: list[dict]) -> list[dict]:
+    """Write `rows` (dicts with the same keys) to `out_csv` with a header; return them."""
+    import csv
+
+    with open(out_csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+def paged_decode_inputs(lengths, num_heads, num_kv_heads, head_dim, block_size):
+    """Random bf16 inputs of one decode step on the GPU: q (B, H_q, D); a paged cache (num_blocks,
+    block_size, H_kv, D) twice (K, V) with shuffled block tables; seq_lens (B,) int32."""
+    import torch
+
+    from kvlib.kernels import shuffled_block_tables
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    block_tables, num_blocks = shuffled_block_tables(
+        lengths, block_size, generator=generator, device="cuda"
+    )
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(len(lengths), num_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, block_tables, seq_lens
+
+
 def _sdpa_baseline(q, k_dense, v_dense, lengths):
     """SDPA on a contiguous (B, H_kv, S_max, D) cache with enable_gqa; returns (callable, backend
     name)."""
@@ -240,7 +270,6 @@ def decode_benchmark(
     Each case: bf16, D = 128, block size 16, shuffled block tables. Time: `triton.testing.do_bench`
     median (it clears the L2 cache before each run). GB/s: `kv_bytes_read` / time.
     """
-    import csv
     import datetime
     import functools
 
@@ -248,7 +277,7 @@ def decode_benchmark(
     from tqdm import tqdm
     from triton.testing import do_bench
 
-    from kvlib.kernels import default_num_splits, paged_decode_attention, shuffled_block_tables
+    from kvlib.kernels import default_num_splits, paged_decode_attention
 
     facts = _device_facts()
     copy_gbps = copy_bandwidth_gbps()
@@ -259,27 +288,16 @@ def decode_benchmark(
         lengths, block_size = case["lengths"], 16
         if case["cache_bytes"] > budget:  # paged + contiguous copies must both fit
             continue
-        generator = torch.Generator(device="cuda").manual_seed(0)
-        block_tables, num_blocks = shuffled_block_tables(
-            lengths, block_size, generator=generator, device="cuda"
+        inputs = paged_decode_inputs(
+            lengths, case["num_heads"], case["num_kv_heads"], case["head_dim"], block_size
         )
-        shape = (num_blocks, block_size, case["num_kv_heads"], case["head_dim"])
-        k_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-        v_cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-        q = torch.randn(
-            len(lengths), case["num_heads"], case["head_dim"], dtype=torch.bfloat16, device="cuda"
-        )
-        seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        q = inputs[0]
         num_splits = default_num_splits(len(lengths), case["num_kv_heads"], max(lengths), q.device)
         # validates once
-        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=num_splits)
+        paged_decode_attention(*inputs, num_splits=num_splits)
         paged = functools.partial(
             paged_decode_attention,
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
+            *inputs,
             num_splits=num_splits,
             validate=False,
         )  # binds the tensors now, so the `del` below frees them once timed
@@ -303,7 +321,7 @@ def decode_benchmark(
             do_bench(sdpa, warmup=25, rep=100, return_mode="median"),
             backend,
         )
-        del k_dense, v_dense, k_cache, v_cache, paged, sdpa
+        del k_dense, v_dense, inputs, paged, sdpa
         for kernel, (time_ms, detail) in timings.items():
             gbps = case["cache_bytes"] / (time_ms * 1e-3) / 1e9
             rows.append(
@@ -330,11 +348,7 @@ def decode_benchmark(
                 }
             )
         torch.cuda.empty_cache()
-    with open(out_csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return rows
+    return _write_rows(out_csv, rows)
 
 
 TUNE_SHAPES = [  # (batch, H_q, H_kv, context): few, many and very many (sequence, KV head) pairs
@@ -351,7 +365,6 @@ def tune_decode(out_csv: str) -> list[dict]:
     The sweep is recorded, not applied at run time: `kernels.default_num_splits` and the
     kernel's defaults freeze what it found, so CPU runs stay deterministic.
     """
-    import csv
     import datetime
     import functools
     import itertools
@@ -360,7 +373,7 @@ def tune_decode(out_csv: str) -> list[dict]:
     from tqdm import tqdm
     from triton.testing import do_bench
 
-    from kvlib.kernels import paged_decode_attention, shuffled_block_tables
+    from kvlib.kernels import paged_decode_attention
 
     facts = {**_device_facts(), "date": datetime.date.today().isoformat()}
     copy_gbps = copy_bandwidth_gbps()
@@ -369,25 +382,12 @@ def tune_decode(out_csv: str) -> list[dict]:
     rows = []
     for batch, num_heads, num_kv_heads, context in tqdm(TUNE_SHAPES, desc="tune", unit="shape"):
         lengths = [context] * batch
-        generator = torch.Generator(device="cuda").manual_seed(0)
-        block_tables, num_blocks = shuffled_block_tables(
-            lengths, 16, generator=generator, device="cuda"
-        )
-        k_cache = torch.randn(
-            num_blocks, 16, num_kv_heads, 128, dtype=torch.bfloat16, device="cuda"
-        )
-        v_cache = torch.randn_like(k_cache)
-        q = torch.randn(batch, num_heads, 128, dtype=torch.bfloat16, device="cuda")
-        seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        inputs = paged_decode_inputs(lengths, num_heads, num_kv_heads, 128, 16)
         cache_bytes = kv_bytes_read(lengths, num_kv_heads, 128, 2)
         for num_splits, block_n, num_warps, num_stages in grid:
             run = functools.partial(
                 paged_decode_attention,
-                q,
-                k_cache,
-                v_cache,
-                block_tables,
-                seq_lens,
+                *inputs,
                 num_splits=num_splits,
                 block_n=block_n,
                 num_warps=num_warps,
@@ -413,13 +413,9 @@ def tune_decode(out_csv: str) -> list[dict]:
                     "pct_of_copy": round(100 * gbps / copy_gbps, 1),
                 }
             )
-        del k_cache, v_cache, run
+        del inputs, run
         torch.cuda.empty_cache()
-    with open(out_csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    return rows
+    return _write_rows(out_csv, rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -305,8 +305,8 @@ GPU_LAUNCH = {"block_n": 32, "num_warps": 4, "num_stages": 3}
 def default_num_splits(
     batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device
 ) -> int:
-    """Split count that fills the device's SMs (`online_softmax.choose_num_splits`); 1 on CPU."""
-    from kvlib.online_softmax import choose_num_splits
+    """Split count that fills the device's SMs (`ops.launch.choose_num_splits`); 1 on CPU."""
+    from kvlib.ops.launch import choose_num_splits
 
     if device.type != "cuda":
         return 1

@@ -304,7 +304,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-def attention_mask_4d(
+def attention_mask_3d(
     num_queries: int,
     num_keys: int,
     padding_mask: torch.Tensor | None,
@@ -407,7 +407,7 @@ class LlamaModel(nn.Module):
                 ]  # real tokens before each one
         c = self.config
         cos, sin = rope_cos_sin(position_ids, c.dim, c.rope_theta, c.rope_scaling)
-        mask = attention_mask_4d(
+        mask = attention_mask_3d(
             t, past + t, attention_mask, self.config.sliding_window, input_ids.device
         )
         backend = get_backend(self.attention_backend)

@@ -12,7 +12,6 @@ What it does:
   log-sum-exp; merging them is exact, associative and order-independent.
 - `three_pass_attention`, `two_pass_attention`: the textbook safe softmax (max, sum, output
   passes) and the online-normaliser version, kept to count passes over K and V (`RowReadCounter`).
-- `choose_num_splits`: how many splits fill a GPU's streaming multiprocessors.
 - `accumulated_attention`: per-token probabilities recovered after a fused pass from the saved
   log-sum-exp, with one more pass over K (what score-based eviction needs).
 
@@ -243,58 +242,6 @@ def split_k_attention(
     ]
     out, _ = merge_partials([o for o, _ in partials], [lse for _, lse in partials])
     return out
-
-
-def choose_num_splits(
-    batch_size: int,
-    num_kv_heads: int,
-    seq_len: int,
-    *,
-    num_sms: int,
-    programs_per_sm: int = 4,
-    min_tokens_per_split: int = 256,
-    max_splits: int = 64,
-) -> int:
-    """How many split-K chunks per (sequence, KV head) keep a GPU's memory system busy in decode.
-
-    Without splitting, decode launches `B · H_kv` programs, each streaming one sequence's K/V for
-    one KV head. A memory-bound kernel needs several programs resident on every SM, each with
-    loads in flight, to reach the bandwidth limit; one program per SM is not enough. Splitting
-    multiplies the programs by `num_splits`, at the cost of a reduce. We double the split count
-    until there are `programs_per_sm` programs per SM, never giving a split fewer than
-    `min_tokens_per_split` tokens and never passing `max_splits`.
-
-    The constants are measured, not guessed: on an H100 SXM (132 SMs), the sweep in
-    `results/decode_tuning.csv` (`python -m kvlib.bench tune`) found one program per SM reaching
-    35-66% of the copy bandwidth and four per SM 90-100% at 32k tokens and more. The split-K idea
-    is Flash-Decoding's (Dao et al., 2023).
-
-    Args:
-        batch_size, num_kv_heads, seq_len: the decode batch's shape (S = longest sequence).
-        num_sms: streaming multiprocessors (e.g. 132 on an H100 SXM).
-        programs_per_sm, min_tokens_per_split, max_splits: the rule's constants (ints >= 1).
-    Returns:
-        num_splits: a power of two >= 1.
-    Raises:
-        ValueError: an argument is not an int >= 1 (the message names it).
-    """
-    programs = check_positive_int("batch_size", batch_size) * check_positive_int(
-        "num_kv_heads", num_kv_heads
-    )
-    seq_len = check_positive_int("seq_len", seq_len)
-    target = check_positive_int("num_sms", num_sms) * check_positive_int(
-        "programs_per_sm", programs_per_sm
-    )
-    min_tokens = check_positive_int("min_tokens_per_split", min_tokens_per_split)
-    max_splits = check_positive_int("max_splits", max_splits)
-    num_splits = 1
-    while (
-        programs * num_splits < target
-        and 2 * num_splits <= max_splits
-        and seq_len // (2 * num_splits) >= min_tokens
-    ):
-        num_splits *= 2
-    return num_splits
 
 
 # --- per-token probabilities after a fused pass ---------------------------------------------------

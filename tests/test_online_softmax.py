@@ -184,24 +184,6 @@ def test_merge_validates():
         O.merge_partials([np.zeros((2, 3))], [np.zeros(3)])
 
 
-def test_choose_num_splits():
-    # 1024 programs already give 132 SMs four each; 512 are just short of 4 x 132
-    assert O.choose_num_splits(128, 8, 4096, num_sms=132) == 1
-    assert O.choose_num_splits(64, 8, 4096, num_sms=132) == 2
-    # one long sequence: split up to the cap
-    assert O.choose_num_splits(1, 8, 131072, num_sms=132) == 64
-    # too short to split into 256-token chunks
-    assert O.choose_num_splits(1, 8, 300, num_sms=132) == 1
-    assert O.choose_num_splits(1, 8, 4096, num_sms=132) == 16  # 16 splits of 256 tokens
-    for batch in (1, 2, 4, 8, 16):
-        n = O.choose_num_splits(batch, 8, 65536, num_sms=132)
-        assert n & (n - 1) == 0  # a power of two
-        assert batch * 8 * n >= 4 * 132 or n == 64  # four programs per SM, or capped
-        assert n == 1 or batch * 8 * (n // 2) < 4 * 132  # and no more splits than that needs
-    with pytest.raises(ValueError, match="num_sms: expected an int >= 1, got 0"):
-        O.choose_num_splits(1, 1, 1, num_sms=0)
-
-
 def test_accumulated_attention_recovers_probabilities_with_one_more_pass_over_k():
     rng = np.random.default_rng(11)
     q, k, v = rng.normal(size=(3, 8)) * 3, rng.normal(size=(50, 8)), rng.normal(size=(50, 4))
