@@ -1,10 +1,11 @@
 """kvlib: the shared package of the course *KV Cache from Scratch*.
 
-The layout (book/architecture.md draws it): numpy references of chapters 1 and 4 (`attention`,
-`online_softmax`); the model and its loaders (`model`, `train`, `generation`); caches behind one
-interface (`cache/`); the attention backends and kernels a layer calls (`ops/`, `kernels`); the
-memory calculator (`memory`); and the course machinery, apart from the library (`grading`,
-`checks/`, `notebook`, `bench`, `viz`). Shared exceptions live in `errors`.
+The layout (book/architecture.md draws it): numpy references of chapters 1 and 4 (`ref/`); one
+reader of `config.json` (`config`); the model, its loaders and `generate` (`model`, `train`,
+`generation`); caches behind one interface (`cache/`); the attention backends, launch rules and
+kernels a layer calls (`ops/`, `kernels`); the memory calculator (`memory/`); and the course
+machinery, apart from the library (`grading`, `checks/`, `notebook`, `bench`, `viz`). Shared
+exceptions live in `errors`.
 
 The names below are the stable API. They are imported lazily, so `import kvlib` costs numpy only
 (chapter 1 runs without torch); modules that need torch or triton import them when first used.

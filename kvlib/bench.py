@@ -125,8 +125,8 @@ def kv_bytes_read(
     lengths: list[int], num_kv_heads: int, head_dim: int, bytes_per_element: int
 ) -> int:
     """Bytes of K and V a decode step must read, once per KV head: Σ_b S_b · 2 · H_kv · D · b
-    (one layer's dense cache of all the batch's tokens, `kvlib.attention.dense_kv_cache_bytes`)."""
-    from kvlib.attention import dense_kv_cache_bytes
+    (one layer's dense cache of all the batch's tokens, `memory.formula.dense_kv_cache_bytes`)."""
+    from kvlib.memory.formula import dense_kv_cache_bytes
 
     return dense_kv_cache_bytes(1, num_kv_heads, head_dim, bytes_per_element, sum(lengths))
 

@@ -30,17 +30,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlib._validate import check_positive_int
+from kvlib.config import attention_geometry, config_dtype, config_field, load_config
 from kvlib.errors import UnsupportedConfigError
 from kvlib.ops.attention import get_backend, reference_attention
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+LOADABLE_MODEL_TYPES = ("llama", "mistral", "qwen2")  # what this model runs (memory sizes more)
 LLAMA3_SCALING_FIELDS = (
     "factor",
     "low_freq_factor",
     "high_freq_factor",
     "original_max_position_embeddings",
 )
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,18 +95,20 @@ class ModelConfig:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_hf(cls, config: dict) -> ModelConfig:
-        """Read a Hugging Face config dict (transformers 4.x or 5.x field names).
+    def from_hf(cls, config: dict | str | os.PathLike) -> ModelConfig:
+        """Read a Hugging Face config (a dict or a path; transformers 4.x or 5.x field names)
+        through `kvlib.config`, the reader the memory calculator uses too.
 
         Raises:
             UnsupportedConfigError: a model type, bias, rope scaling or activation this model
                 does not implement, named with the field that asks for it.
         """
+        config = load_config(config)
         model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in LOADABLE_MODEL_TYPES:
             raise UnsupportedConfigError(
                 f"config: model_type {model_type!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"{', '.join(LOADABLE_MODEL_TYPES)}"
             )
         if config.get("mlp_bias"):
             raise UnsupportedConfigError("config: mlp_bias=true (MLP biases) is not implemented")
@@ -144,21 +146,22 @@ class ModelConfig:
             raise UnsupportedConfigError(
                 "config: Qwen2's use_sliding_window=true (per-layer windows) is not implemented"
             )
+        num_kv_heads, head_dim, _ = attention_geometry(config, model_type)
         return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_hidden_layers=config["num_hidden_layers"],
-            num_attention_heads=config["num_attention_heads"],
-            num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-            head_dim=config.get("head_dim"),
+            vocab_size=config_field(config, "vocab_size"),
+            hidden_size=config_field(config, "hidden_size"),
+            intermediate_size=config_field(config, "intermediate_size"),
+            num_hidden_layers=config_field(config, "num_hidden_layers"),
+            num_attention_heads=config_field(config, "num_attention_heads"),
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim if config.get("head_dim") is not None else None,
             rope_theta=float(theta),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
             sliding_window=sliding,
-            torch_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
+            torch_dtype=config_dtype(config) or "float32",
             model_type=model_type,
             rope_scaling=(
                 {"rope_type": "llama3", **{k: scaling[k] for k in LLAMA3_SCALING_FIELDS}}
@@ -458,7 +461,12 @@ def load_hf_checkpoint(
     if not files:
         raise FileNotFoundError(f"path: no *.safetensors files in {path}")
     config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    dtype = dtype or _TORCH_DTYPES.get(config.torch_dtype, torch.float32)
+    if dtype is None:  # the config's dtype name (normalised by kvlib.config) as a torch dtype
+        dtype = getattr(torch, config.torch_dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise UnsupportedConfigError(
+                f"config: weights in {config.torch_dtype!r} are not supported; pass dtype="
+            )
     state = {}
     for file in files:
         state.update(load_file(str(file), device=str(device)))

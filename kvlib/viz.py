@@ -2,7 +2,7 @@
 
 Each function returns a matplotlib object and leaves showing it to the notebook, so a figure's
 title, axis labels (with units) and legend are set here once. Nothing here computes attention
-that `kvlib.attention` does not already define; it only draws it.
+that `kvlib.ref` does not already define; it only draws it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import numpy as np
 from matplotlib import animation
 
 from kvlib._validate import check_positive_int
-from kvlib.attention import ToyModel, attention_weights, rms_norm, sinusoidal_positions
+from kvlib.ref.attention import attention_weights
+from kvlib.ref.toy_model import ToyModel, rms_norm, sinusoidal_positions
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,18 @@
-"""kvlib.attention against independent oracles: PyTorch SDPA, explicit loops, full recompute."""
+"""kvlib.ref (attention, the toy decoder and its cache) against independent oracles: PyTorch
+SDPA, explicit loops, full recompute."""
 
 import numpy as np
 import pytest
 import torch
 
-from kvlib import attention as A
 from kvlib._validate import check_shape
 from kvlib.bench import interleaved_times_ms, loglog_slope
 from kvlib.errors import CacheOverflowError
+from kvlib.memory.formula import dense_kv_cache_bytes
+from kvlib.ref import attention as A
+from kvlib.ref.toy_cache import ToyKVCache
+from kvlib.ref.toy_generation import generate_cached, generate_naive
+from kvlib.ref.toy_model import ToyConfig, ToyModel
 from kvlib.testing import assert_close
 
 
@@ -111,10 +116,10 @@ def test_cached_attention_step_equals_full_recompute():
 
 @pytest.mark.parametrize("num_layers,prompt_len,new_tokens", [(1, 1, 1), (2, 8, 30), (3, 5, 12)])
 def test_cached_generation_equals_naive(num_layers, prompt_len, new_tokens):
-    model = A.ToyModel(A.ToyConfig(num_layers=num_layers), seed=num_layers)
+    model = ToyModel(ToyConfig(num_layers=num_layers), seed=num_layers)
     prompt = np.arange(prompt_len) * 7 % 64
-    naive = A.generate_naive(model, prompt, new_tokens)
-    cached = A.generate_cached(model, prompt, new_tokens)
+    naive = generate_naive(model, prompt, new_tokens)
+    cached = generate_cached(model, prompt, new_tokens)
     assert np.array_equal(naive.tokens, cached.tokens), (
         f"tokens differ: {naive.tokens} vs {cached.tokens}"
     )
@@ -122,7 +127,7 @@ def test_cached_generation_equals_naive(num_layers, prompt_len, new_tokens):
 
 
 def test_chunked_prefill_equals_one_shot():
-    model = A.ToyModel(A.ToyConfig(), seed=3)
+    model = ToyModel(ToyConfig(), seed=3)
     tokens = np.random.default_rng(3).integers(0, 64, size=23)
     one_shot = model.forward(tokens)
     cache = model.new_cache(23)
@@ -135,10 +140,10 @@ def test_chunked_prefill_equals_one_shot():
 
 
 def test_op_counts_match_closed_forms():
-    model = A.ToyModel(A.ToyConfig(num_layers=3))
+    model = ToyModel(ToyConfig(num_layers=3))
     prompt_len, n, layers = 6, 9, 3
-    naive = A.generate_naive(model, np.arange(prompt_len), n)
-    cached = A.generate_cached(model, np.arange(prompt_len), n)
+    naive = generate_naive(model, np.arange(prompt_len), n)
+    cached = generate_cached(model, np.arange(prompt_len), n)
     assert [c.score_entries for c in naive.step_counts] == [
         layers * m * m for m in range(prompt_len, prompt_len + n)
     ]
@@ -153,15 +158,13 @@ def test_op_counts_match_closed_forms():
 
 
 def test_kv_cache_layout_bytes_and_errors():
-    cache = A.ToyKVCache(num_layers=2, max_seq_len=5, head_dim=3)
+    cache = ToyKVCache(num_layers=2, max_seq_len=5, head_dim=3)
     k, v = np.ones((4, 3)), 2 * np.ones((4, 3))
     keys, values = cache.update(0, k, v)
     assert np.shares_memory(keys, cache.buffer) and keys.shape == (4, 3) and np.all(values == 2)
     cache.update(1, k, v)
     cache.advance(4)
-    assert (
-        cache.used_bytes == cache.buffer[:, :, :4].nbytes == A.dense_kv_cache_bytes(2, 1, 3, 8, 4)
-    )
+    assert cache.used_bytes == cache.buffer[:, :, :4].nbytes == dense_kv_cache_bytes(2, 1, 3, 8, 4)
     with pytest.raises(
         CacheOverflowError, match="holds at most 5 tokens; writing 2 after 4 needs 6"
     ):
@@ -174,27 +177,27 @@ def test_kv_cache_layout_bytes_and_errors():
 
 def test_dense_kv_cache_bytes_known_values_and_validation():
     # Llama 2 7B, fp16: 512 KiB/token
-    assert A.dense_kv_cache_bytes(32, 32, 128, 2, 1) == 512 * 1024
-    assert A.dense_kv_cache_bytes(80, 8, 128, 2, 1) == 320 * 1024  # Llama 2 70B (GQA, 8 KV heads)
-    assert A.dense_kv_cache_bytes(2, 2, 2, 2, 0) == 0
+    assert dense_kv_cache_bytes(32, 32, 128, 2, 1) == 512 * 1024
+    assert dense_kv_cache_bytes(80, 8, 128, 2, 1) == 320 * 1024  # Llama 2 70B (GQA, 8 KV heads)
+    assert dense_kv_cache_bytes(2, 2, 2, 2, 0) == 0
     with pytest.raises(ValueError, match="num_layers: expected an int >= 1, got 0"):
-        A.dense_kv_cache_bytes(0, 1, 1, 1, 1)
+        dense_kv_cache_bytes(0, 1, 1, 1, 1)
     with pytest.raises(TypeError, match="head_dim: expected an int, got float"):
-        A.dense_kv_cache_bytes(1, 1, 1.5, 1, 1)
+        dense_kv_cache_bytes(1, 1, 1.5, 1, 1)
 
 
 def test_generation_rejects_bad_arguments():
-    model = A.ToyModel()
+    model = ToyModel()
     with pytest.raises(ValueError, match="prompt_ids: expected at least one token"):
-        A.generate_cached(model, np.array([], dtype=int), 3)
+        generate_cached(model, np.array([], dtype=int), 3)
     with pytest.raises(ValueError, match=r"token_ids: expected 1\+ ids in \[0, 64\)"):
         model.forward(np.array([64]))
     cache = model.new_cache(10)
-    A.generate_cached(model, np.array([1, 2]), 2, cache=cache)
+    generate_cached(model, np.array([1, 2]), 2, cache=cache)
     with pytest.raises(ValueError, match="expected an empty cache, got one holding 3 tokens"):
-        A.generate_cached(model, np.array([1, 2]), 2, cache=cache)
+        generate_cached(model, np.array([1, 2]), 2, cache=cache)
     with pytest.raises(CacheOverflowError):
-        A.generate_cached(model, np.array([1, 2]), 20, cache=model.new_cache(5))
+        generate_cached(model, np.array([1, 2]), 20, cache=model.new_cache(5))
 
 
 def test_bench_helpers():
@@ -217,11 +220,11 @@ def test_bench_helpers():
 def test_decode_animation_has_one_frame_per_step():
     from kvlib.viz import decode_animation, decode_frames
 
-    model, prompt = A.ToyModel(), np.array([1, 2, 3])
+    model, prompt = ToyModel(), np.array([1, 2, 3])
     frames = decode_frames(model, prompt, num_steps=4)
     assert [f.keys.shape[0] for f in frames] == [4, 5, 6, 7]  # one row per decode step
     final = model.new_cache(7)
-    A.generate_cached(model, prompt, 5, cache=final)  # the same decoding, all at once
+    generate_cached(model, prompt, 5, cache=final)  # the same decoding, all at once
     assert np.array_equal(frames[-1].keys, final.buffer[0, 0, :7])
     assert all(np.isclose(f.weights.sum(), 1.0) for f in frames)
     with pytest.raises(ValueError, match="num_steps: expected an int >= 1"):

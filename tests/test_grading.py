@@ -449,7 +449,7 @@ def tiled_attention(q, k, v, tile_size):  # materialises all the scores: not a t
         "04_online_softmax.ipynb",
         "tiled_attention",
         """
-from kvlib.attention import attention
+from kvlib.ref.attention import attention
 
 def tiled_attention(q, k, v, tile_size):  # reads in tiles, then hands the whole cache to kvlib
     tiles = range(0, k.shape[0], tile_size)
@@ -457,7 +457,7 @@ def tiled_attention(q, k, v, tile_size):  # reads in tiles, then hands the whole
     v_all = np.concatenate([v[a:a + tile_size] for a in tiles])
     return attention(q, k_all, v_all)
 """,
-        "kvlib.attention.attention is unavailable",
+        "kvlib.ref.attention.attention is unavailable",
     ),
     (
         "04_online_softmax.ipynb",
@@ -513,7 +513,8 @@ BROKEN_CODE = [
     ),
     (
         "stable_softmax",
-        "from kvlib.attention import softmax\n\ndef stable_softmax(x):\n    return softmax(x)\n",
+        "from kvlib.ref.attention import softmax\n\n"
+        "def stable_softmax(x):\n    return softmax(x)\n",
         "unavailable while question 'stable_softmax' is graded",
     ),
     (
@@ -525,7 +526,7 @@ BROKEN_CODE = [
     ("kv_cache_bytes", "while True:\n    pass\n", "`kv_cache_bytes` is not defined"),
     (
         "cached_attention_step",
-        "import kvlib.attention as A\ncached_attention_step = A.cached_attention_step\n",
+        "import kvlib.ref.attention as A\ncached_attention_step = A.cached_attention_step\n",
         "unavailable",
     ),
 ]
@@ -587,11 +588,11 @@ def test_cli_usage_errors_exit_2(tmp_path):
 
 def test_check_in_the_notebook_blocks_what_the_grader_blocks(capsys):
     """A function that returns kvlib's own softmax gets ❌ from check(), as from the grader."""
-    from kvlib.attention import softmax
     from kvlib.grading import check
+    from kvlib.ref.attention import softmax
 
     namespace = {"softmax": softmax}
     exec("def stable_softmax(x):\n    return softmax(x)\n", namespace)
     assert check("stable_softmax", namespace["stable_softmax"]) is False
-    assert "kvlib.attention.softmax is unavailable" in capsys.readouterr().out
+    assert "kvlib.ref.attention.softmax is unavailable" in capsys.readouterr().out
     assert namespace["softmax"] is softmax  # restored afterwards

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from kvlib import memory as M
-from kvlib.attention import ToyConfig, ToyModel, generate_cached
+from kvlib.errors import UnsupportedConfigError
+from kvlib.ref.toy_generation import generate_cached
+from kvlib.ref.toy_model import ToyConfig, ToyModel
 
 CONFIGS = M.shipped_configs()
 GiB, KiB = 2**30, 2**10
@@ -333,7 +335,7 @@ def test_int4_packs_two_per_byte():
 # Bad input.
 def test_errors_name_the_field_and_model_type():
     with pytest.raises(
-        M.UnsupportedConfigError,
+        UnsupportedConfigError,
         match="missing field 'hidden_size' / 'n_embd' / 'd_model' for model_type 'llama'",
     ):
         M.kv_cache_bytes(
@@ -346,22 +348,22 @@ def test_errors_name_the_field_and_model_type():
             10,
         )
     with pytest.raises(
-        M.UnsupportedConfigError,
+        UnsupportedConfigError,
         match="model_type 'rwkv' is not supported; kvlib.memory sizes: deepseek_v2",
     ):
         M.layer_specs({"model_type": "rwkv"})
-    with pytest.raises(M.UnsupportedConfigError, match="missing field 'model_type'"):
+    with pytest.raises(UnsupportedConfigError, match="missing field 'model_type'"):
         M.layer_specs({"num_hidden_layers": 2})
     with pytest.raises(
-        M.UnsupportedConfigError,
+        UnsupportedConfigError,
         match="sliding_window=4096 but kvlib does not know which layers of a 'llama' model slide",
     ):
         M.layer_specs(dict(CONFIGS["llama-3-8b"], sliding_window=4096))
     with pytest.raises(
-        M.UnsupportedConfigError, match="missing field 'num_kv_heads' for model_type 'falcon'"
+        UnsupportedConfigError, match="missing field 'num_kv_heads' for model_type 'falcon'"
     ):
         M.layer_specs(dict(CONFIGS["falcon-7b"], new_decoder_architecture=True))
-    with pytest.raises(M.UnsupportedConfigError, match="layer_types must list 24"):
+    with pytest.raises(UnsupportedConfigError, match="layer_types must list 24"):
         M.layer_specs(dict(CONFIGS["gpt-oss-20b"], layer_types=["full_attention"] * 3))
     with pytest.raises(ValueError, match="seq_len: expected an int >= 1, got 0"):
         M.kv_cache_bytes(CONFIGS["llama-3-8b"], 0)

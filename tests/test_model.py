@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvlib import attention
 from kvlib.cache import DynamicCache, StaticCache
 from kvlib.errors import CacheOverflowError, UnsupportedConfigError
 from kvlib.generation import generate
@@ -24,6 +23,7 @@ from kvlib.model import (
     rope_inverse_frequencies,
     save_hf_checkpoint,
 )
+from kvlib.ref import toy_cache
 from kvlib.testing import assert_close
 
 TINY = ModelConfig(
@@ -184,7 +184,7 @@ def test_caches_validate_and_overflow():
     ):
         model(prompts(length=3), cache=cache)
     # one class for chapter 1's and chapter 2's caches
-    assert CacheOverflowError is attention.CacheOverflowError
+    assert CacheOverflowError is toy_cache.CacheOverflowError
     k = torch.zeros(2, 2, 1, 16)
     with pytest.raises(ValueError, match=r"layer_idx: expected an int in \[0, 3\), got 3"):
         cache.update(3, k, k)

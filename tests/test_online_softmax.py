@@ -1,4 +1,5 @@
-"""kvlib.online_softmax against the reference attention, with property-based tests of the merge."""
+"""kvlib.ref.online_softmax against the reference attention, with property-based tests of the
+merge."""
 
 import math
 
@@ -7,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib import online_softmax as O
-from kvlib.attention import attention, attention_weights, causal_mask, softmax
 from kvlib.bench import loglog_slope, peak_memory_bytes
+from kvlib.ref import online_softmax as O
+from kvlib.ref.attention import attention, attention_weights, causal_mask, softmax
 from kvlib.testing import assert_close
 
 

@@ -7,7 +7,7 @@ of the batch holds the same number of slots (`length`; left padding is masked, n
 
 - `DynamicCache`: the classic `past_key_values` style: `torch.cat` per layer per step; every step
   allocates new tensors (counted in `allocations`).
-- `StaticCache`: one buffer `(L, 2, B, H_kv, T_max, D)` allocated once; writes at `length`, returns
+- `StaticCache`: one buffer `(L, 2, B, H_kv, S_max, D)` allocated once; writes at `length`, returns
   views (the nanochat scheme). Overflow raises `CacheOverflowError` naming capacity and request.
 
 What they do not do: paging (chapter 7), eviction (chapter 8), quantization (chapter 10).
@@ -112,7 +112,7 @@ class DynamicCache(_DenseCache):
 
 
 class StaticCache(_DenseCache):
-    """A preallocated cache. Layout: buffer `(L, 2, B, H_kv, T_max, D)`; `buffer[l, 0]` holds layer
+    """A preallocated cache. Layout: buffer `(L, 2, B, H_kv, S_max, D)`; `buffer[l, 0]` holds layer
     l's keys and `buffer[l, 1]` its values; positions `[0, length)` are filled."""
 
     def __init__(

@@ -8,21 +8,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlib.attention import (
-    ToyConfig,
-    ToyModel,
-    attention,
-    causal_mask,
-    dense_kv_cache_bytes,
-    generate_cached,
-    generate_naive,
-    softmax,
-)
 from kvlib.grading import Submission, question
+from kvlib.memory.formula import dense_kv_cache_bytes
+from kvlib.ref.attention import attention, causal_mask, softmax
+from kvlib.ref.toy_generation import generate_cached, generate_naive
+from kvlib.ref.toy_model import ToyConfig, ToyModel
 from kvlib.testing import assert_close
 
 
-@question(function="stable_softmax", blocked=("kvlib.attention.softmax",))
+@question(function="stable_softmax", blocked=("kvlib.ref.attention.softmax",))
 def test_stable_softmax(submission: Submission) -> None:
     stable_softmax = submission.function("stable_softmax")
     rng = np.random.default_rng(1)
@@ -47,7 +41,7 @@ def test_stable_softmax(submission: Submission) -> None:
     )
 
 
-@question(function="cached_attention_step", blocked=("kvlib.attention.cached_attention_step",))
+@question(function="cached_attention_step", blocked=("kvlib.ref.attention.cached_attention_step",))
 def test_cached_attention_step(submission: Submission) -> None:
     step = submission.function("cached_attention_step")
     rng = np.random.default_rng(2)
@@ -79,7 +73,7 @@ def test_cached_attention_step(submission: Submission) -> None:
 
 @question(
     function="predict_score_entries",
-    blocked=("kvlib.attention.generate_naive", "kvlib.attention.generate_cached"),
+    blocked=("kvlib.ref.toy_generation.generate_naive", "kvlib.ref.toy_generation.generate_cached"),
 )
 def test_predict_score_entries(submission: Submission) -> None:
     predict = submission.function("predict_score_entries")
@@ -101,7 +95,7 @@ def test_predict_score_entries(submission: Submission) -> None:
             )
 
 
-@question(function="kv_cache_bytes", blocked=("kvlib.attention.dense_kv_cache_bytes",))
+@question(function="kv_cache_bytes", blocked=("kvlib.memory.formula.dense_kv_cache_bytes",))
 def test_kv_cache_bytes(submission: Submission) -> None:
     kv_cache_bytes = submission.function("kv_cache_bytes")
     cases = [(32, 32, 128, 2, 1), (32, 32, 128, 2, 4096), (80, 8, 128, 2, 1000), (1, 1, 16, 8, 0)]

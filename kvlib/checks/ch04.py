@@ -10,10 +10,10 @@ import math
 
 import numpy as np
 
-from kvlib.attention import attention, softmax
 from kvlib.bench import peak_memory_bytes
 from kvlib.grading import Submission, question
-from kvlib.online_softmax import (
+from kvlib.ref.attention import attention, softmax
+from kvlib.ref.online_softmax import (
     RowReadCounter,
     merge_partials,
     online_softmax_update,
@@ -24,7 +24,9 @@ from kvlib.testing import assert_close
 MAX_TILED_BYTES = 512 * 2**10  # kvlib's tiled_attention peaks near 80 KiB at the shape below
 
 
-@question(function="online_softmax_update", blocked=("kvlib.online_softmax.online_softmax_update",))
+@question(
+    function="online_softmax_update", blocked=("kvlib.ref.online_softmax.online_softmax_update",)
+)
 def test_online_softmax_update(submission: Submission) -> None:
     update = submission.function("online_softmax_update")
     rng = np.random.default_rng(4)
@@ -53,7 +55,7 @@ def test_online_softmax_update(submission: Submission) -> None:
         assert_close(np.exp(x - m) / l, softmax(x), name="softmax from your final (m, l)")
 
 
-@question(function="merge_two", blocked=("kvlib.online_softmax.merge_partials",))
+@question(function="merge_two", blocked=("kvlib.ref.online_softmax.merge_partials",))
 def test_merge_two(submission: Submission) -> None:
     merge_two = submission.function("merge_two")
     rng = np.random.default_rng(5)
@@ -88,15 +90,15 @@ def test_merge_two(submission: Submission) -> None:
 @question(
     function="tiled_attention",
     blocked=(
-        "kvlib.online_softmax.tiled_attention",
-        "kvlib.online_softmax.two_pass_attention",
-        "kvlib.online_softmax.three_pass_attention",
+        "kvlib.ref.online_softmax.tiled_attention",
+        "kvlib.ref.online_softmax.two_pass_attention",
+        "kvlib.ref.online_softmax.three_pass_attention",
         # the whole-cache routes a learner could feed concatenated tiles to:
-        "kvlib.attention.attention",
-        "kvlib.attention.attention_weights",
-        "kvlib.attention.softmax",
-        "kvlib.online_softmax.partial_attention",
-        "kvlib.online_softmax.split_k_attention",
+        "kvlib.ref.attention.attention",
+        "kvlib.ref.attention.attention_weights",
+        "kvlib.ref.attention.softmax",
+        "kvlib.ref.online_softmax.partial_attention",
+        "kvlib.ref.online_softmax.split_k_attention",
     ),
 )
 def test_tiled_attention(submission: Submission) -> None:

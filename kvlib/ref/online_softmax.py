@@ -16,7 +16,7 @@ What it does:
   log-sum-exp, with one more pass over K (what score-based eviction needs).
 
 What it does not do: run fast. These are references for chapter 11's Triton kernel, written for
-reading; they follow `kvlib.attention.attention`'s layout: q (T, D), k (S, D), v (S, D_v).
+reading; they follow `kvlib.ref.attention.attention`'s layout: q (T, D), k (S, D), v (S, D_v).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def tiled_attention(
 
     and return `acc / l`. Tiles need not divide the lengths. K and V are read once per query
     tile (once in all when one query tile covers T, as in decode). With `causal`, query i sits at
-    position S - T + i (see `kvlib.attention.causal_mask`) and tiles wholly in its future are
+    position S - T + i (see `kvlib.ref.attention.causal_mask`) and tiles wholly in its future are
     skipped.
 
     Args:
@@ -97,7 +97,7 @@ def tiled_attention(
         causal: apply the causal mask.
         scale: defaults to D ** -0.5.
     Returns:
-        (T, D_v) float64, equal to `kvlib.attention.attention` to round-off.
+        (T, D_v) float64, equal to `kvlib.ref.attention.attention` to round-off.
     Raises:
         TypeError, ValueError: bad arrays or sizes; causal with T > S.
     """
