@@ -51,7 +51,7 @@ grading: $(STAMP)
 # On a machine with a CUDA GPU: the compiled-kernel tests (bf16, large shapes), then the benchmark.
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest tests -m gpu
-	$(BIN)/python -m kvlib.bench decode --out results/decode_bench.csv
+	$(BIN)/python -m kvlib.course.bench decode --out results/decode_bench.csv
 
 # The book renders the outputs stored in the notebooks, the ones `make nbval` has just checked
 # (_config.yml: execute_notebooks: off), so CI executes each notebook once, not twice.
@@ -61,7 +61,7 @@ book: $(STAMP)
 # Re-execute the chapter and solution notebooks in place, refreshing their stored outputs
 # (run after editing a notebook or kvlib; nbval then checks those outputs in CI).
 outputs: $(STAMP)
-	$(BIN)/python -m kvlib.notebook $(NOTEBOOKS)
+	$(BIN)/python -m kvlib.course.notebook $(NOTEBOOKS)
 
 clean:
 	rm -rf _build .pytest_cache

@@ -5,7 +5,7 @@ cache (PagedAttention's layout, Kwon et al., 2023): `k_cache, v_cache (num_block
 H_kv, D)`, a block table per sequence, and each sequence's length. Design, after the fastest public
 decode kernels (Flash-Decoding, Dao et al., 2023; vLLM's and FlashInfer's decode kernels):
 
-- one program per (sequence, KV head, split): the G = H_q / H_kv query heads that share a KV head
+- one program per (sequence, KV head, split): the G = H / H_kv query heads that share a KV head
   are the rows of one tile, so each K/V byte is read once per KV head, not once per query head;
 - split-K over the sequence: each split streams its share of the tokens with the online-softmax
   recurrence (chapter 4) and writes an fp32 partial output and its log-sum-exp; a second kernel
@@ -41,13 +41,13 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr,  # (B, H_q, D): one query per sequence and head
+    q_ptr,  # (B, H, D): one query per sequence and head
     k_cache_ptr,  # (num_blocks, block_size, H_kv, D): paged keys
     v_cache_ptr,  # (num_blocks, block_size, H_kv, D): paged values
     block_tables_ptr,  # (B, max_blocks_per_seq) int32: physical block of each logical block
     seq_lens_ptr,  # (B,) int32: tokens in each sequence
-    partial_out_ptr,  # (B, H_q, num_splits, D) fp32: each split's normalised output
-    partial_lse_ptr,  # (B, H_q, num_splits) fp32: each split's log2-sum-exp2 of its scores
+    partial_out_ptr,  # (B, H, num_splits, D) fp32: each split's normalised output
+    partial_lse_ptr,  # (B, H, num_splits) fp32: each split's log2-sum-exp2 of its scores
     qk_scale,  # softmax scale * log2(e): scores come out in the log2 domain
     stride_qb,
     stride_qh,
@@ -64,7 +64,7 @@ def _decode_split_kernel(
     stride_lb,
     stride_lh,
     num_splits,
-    GROUP_SIZE: tl.constexpr,  # G = H_q / H_kv query heads per KV head
+    GROUP_SIZE: tl.constexpr,  # G = H / H_kv query heads per KV head
     HEAD_DIM: tl.constexpr,  # D
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (page)
     BLOCK_G: tl.constexpr,  # G padded to a power of two >= 16 (the rows of tl.dot)
@@ -164,9 +164,9 @@ def _decode_split_kernel(
 
 @triton.jit
 def _reduce_splits_kernel(
-    partial_out_ptr,  # (B, H_q, num_splits, D) fp32
-    partial_lse_ptr,  # (B, H_q, num_splits) fp32, log2 domain
-    out_ptr,  # (B, H_q, D) in q's dtype
+    partial_out_ptr,  # (B, H, num_splits, D) fp32
+    partial_lse_ptr,  # (B, H, num_splits) fp32, log2 domain
+    out_ptr,  # (B, H, D) in q's dtype
     stride_ob,
     stride_oh,
     stride_os,
@@ -216,7 +216,7 @@ def _reduce_splits_kernel(
 def _check_inputs(
     q, k_cache, v_cache, block_tables, seq_lens, validate: bool
 ) -> tuple[int, int, int, int]:
-    """Validate before launch; returns (B, H_q, H_kv, D)."""
+    """Validate before launch; returns (B, H, H_kv, D)."""
     for name, tensor in (
         ("q", q),
         ("k_cache", k_cache),
@@ -227,7 +227,7 @@ def _check_inputs(
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if q.dim() != 3:
-        raise ValueError(f"q: expected (B, H_q, D), got shape {tuple(q.shape)}")
+        raise ValueError(f"q: expected (B, H, D), got shape {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             "k_cache, v_cache: expected equal shapes (num_blocks, block_size, H_kv, D), got "
@@ -239,7 +239,7 @@ def _check_inputs(
         raise ValueError(f"k_cache: expected head dim D = {head_dim} (from q), got {cache_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(
-            f"q: H_q = {num_heads} query heads must be a multiple of H_kv = {num_kv_heads} KV heads"
+            f"q: H = {num_heads} query heads must be a multiple of H_kv = {num_kv_heads} KV heads"
         )
     if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(
@@ -295,10 +295,11 @@ def _check_inputs(
     return batch, num_heads, num_kv_heads, head_dim
 
 
-# Launch options frozen from the H100 sweep in results/decode_tuning.csv (`python -m kvlib.bench
-# tune`, 7 split counts x 3 BLOCK_N x 2 num_warps x 2 num_stages on 12 shapes): at each shape's
-# best split count, this one setting was within 5% of that shape's fastest configuration on all
-# twelve. Frozen, not autotuned at run time, so every run (and the CPU interpreter) is repeatable.
+# Launch options frozen from the H100 sweep in results/decode_tuning.csv (`python -m
+# kvlib.course.bench tune`, 7 split counts x 3 BLOCK_N x 2 num_warps x 2 num_stages on 12
+# shapes): at each shape's best split count, this one setting was within 5% of that shape's
+# fastest configuration on all twelve. Frozen, not autotuned at run time, so every run (and the
+# CPU interpreter) is repeatable.
 GPU_LAUNCH = {"block_n": 32, "num_warps": 4, "num_stages": 3}
 
 
@@ -331,7 +332,7 @@ def paged_decode_attention(
     """Decode attention over a paged KV cache (one new query per sequence and head).
 
     Args:
-        q: (B, H_q, D) float32 / float16 / bfloat16.
+        q: (B, H, D) float32 / float16 / bfloat16.
         k_cache, v_cache: (num_blocks, block_size, H_kv, D), q's dtype; block_size a power of two.
         block_tables: (B, max_blocks_per_seq) int32; row b lists sequence b's physical blocks.
         seq_lens: (B,) int32, each in [1, max_blocks_per_seq * block_size].
@@ -343,9 +344,9 @@ def paged_decode_attention(
         num_warps, num_stages: Triton launch options of the split kernel; default `GPU_LAUNCH`'s
             on a GPU (the interpreter ignores them).
     Returns:
-        (B, H_q, D) in q's dtype; accumulation in fp32.
+        (B, H, D) in q's dtype; accumulation in fp32.
     Raises:
-        TypeError, ValueError: inputs that disagree in shape, dtype or device, H_q not a multiple
+        TypeError, ValueError: inputs that disagree in shape, dtype or device, H not a multiple
         of H_kv, lengths beyond the block table, block ids outside the cache.
     """
     batch, num_heads, num_kv_heads, head_dim = _check_inputs(
@@ -459,7 +460,7 @@ def paged_decode_attention_ref(
     its block table, repeat KV heads for their query groups, and attend in fp32 with plain torch
     (`num_splits`, `validate` and `block_n` change nothing here).
 
-    Returns (B, H_q, D) in q's dtype.
+    Returns (B, H, D) in q's dtype.
     """
     batch, num_heads, num_kv_heads, head_dim = _check_inputs(
         q, k_cache, v_cache, block_tables, seq_lens, validate
@@ -472,47 +473,8 @@ def paged_decode_attention_ref(
         blocks = block_tables[b, : math.ceil(length / block_size)].long()
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()  # (S, H_kv, D)
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # (S, H_q, D)
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # (S, H, D)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        scores = torch.einsum("hd,shd->hs", q[b].float(), k) * scale  # (H_q, S)
-        out[b] = torch.einsum("hs,shd->hd", scores.softmax(dim=-1), v).to(q.dtype)  # (H_q, D)
+        scores = torch.einsum("hd,shd->hs", q[b].float(), k) * scale  # (H, S)
+        out[b] = torch.einsum("hs,shd->hd", scores.softmax(dim=-1), v).to(q.dtype)  # (H, D)
     return out
-
-
-def shuffled_block_tables(
-    seq_lens,
-    block_size: int,
-    *,
-    spare_blocks: int = 0,
-    generator: torch.Generator | None = None,
-    device="cpu",
-) -> tuple[torch.Tensor, int]:
-    """Block tables for a paged cache whose physical blocks are in random order, as a busy
-    allocator leaves them (PagedAttention, Kwon et al., 2023): sequence b gets
-    ceil(seq_lens[b] / block_size) distinct blocks of a pool of sum(...) + `spare_blocks` blocks.
-
-    Returns `(block_tables, num_blocks)`: `block_tables (B, max_blocks_per_seq) int32` on `device`
-    (entries past a sequence's last block are 0), and the pool size. Used by the tests, the
-    benchmark and chapter 11 to build inputs where logical order != physical order.
-    Raises ValueError for an empty batch, lengths < 1, block_size < 1 or spare_blocks < 0.
-    """
-    lengths = [int(n) for n in seq_lens]
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"seq_lens: expected at least one length, all >= 1; got {lengths}")
-    if block_size < 1 or spare_blocks < 0:
-        raise ValueError(
-            f"block_size: expected >= 1 and spare_blocks >= 0; got {block_size} and {spare_blocks}"
-        )
-    blocks_needed = [math.ceil(n / block_size) for n in lengths]
-    num_blocks = sum(blocks_needed) + spare_blocks
-    physical = torch.randperm(
-        num_blocks, generator=generator, device=generator.device if generator is not None else "cpu"
-    ).int()
-    block_tables = torch.zeros(
-        len(lengths), max(blocks_needed), dtype=torch.int32, device=physical.device
-    )
-    used = 0
-    for b, count in enumerate(blocks_needed):
-        block_tables[b, :count] = physical[used : used + count]
-        used += count
-    return block_tables.to(device), num_blocks

@@ -53,7 +53,7 @@ class ModelConfig:
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 4
-    head_dim: int | None = None  # default hidden_size // num_attention_heads
+    head_dim: int | None = None  # D; None: hidden_size // num_attention_heads (set on creation)
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
@@ -81,18 +81,17 @@ class ModelConfig:
                 "num_key_value_heads: expected a divisor of num_attention_heads "
                 f"{self.num_attention_heads}, got {self.num_key_value_heads}"
             )
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                "hidden_size: expected a multiple of num_attention_heads "
-                f"{self.num_attention_heads} (or an explicit head_dim), got {self.hidden_size}"
-            )
-        if self.dim % 2:
-            raise ValueError(f"head_dim: RoPE needs an even head dimension, got {self.dim}")
-
-    @property
-    def dim(self) -> int:
-        """D, the head dimension."""
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    "hidden_size: expected a multiple of num_attention_heads "
+                    f"{self.num_attention_heads} (or an explicit head_dim), got {self.hidden_size}"
+                )
+            # frozen: the one place D is derived; every reader then uses config.head_dim
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        check_positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: RoPE needs an even head dimension, got {self.head_dim}")
 
     @classmethod
     def from_hf(cls, config: dict | str | os.PathLike) -> ModelConfig:
@@ -154,7 +153,7 @@ class ModelConfig:
             num_hidden_layers=config_field(config, "num_hidden_layers"),
             num_attention_heads=config_field(config, "num_attention_heads"),
             num_key_value_heads=num_kv_heads,
-            head_dim=head_dim if config.get("head_dim") is not None else None,
+            head_dim=head_dim,
             rope_theta=float(theta),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
@@ -251,7 +250,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
-        h, d = config.hidden_size, config.dim
+        h, d = config.hidden_size, config.head_dim
         self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=config.qkv_bias)
         self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
@@ -260,17 +259,19 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, cache=None, backend=reference_attention, weights_out=None):
         b, t, _ = x.shape
         c = self.config
-        q = self.q_proj(x).view(b, t, c.num_attention_heads, c.dim).transpose(1, 2)  # (B, H, T, D)
+        q = (
+            self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        )  # (B, H, T, D)
         # (B, H_kv, T, D)
-        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         # (B, H_kv, T, D)
-        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # keys are cached already rotated
         # the seam: the cache stores K/V and says what attention reads; a backend attends over it
         kv = (k, v) if cache is None else cache.update(self.layer_idx, k, v)
         attend = getattr(cache, "attention_backend", None) or backend
         out = attend(q, kv, mask, weights_out=weights_out)  # (B, H, T, D)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, c.num_attention_heads * c.dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, c.num_attention_heads * c.head_dim))
 
 
 class MLP(nn.Module):
@@ -409,7 +410,7 @@ class LlamaModel(nn.Module):
                     :, past:
                 ]  # real tokens before each one
         c = self.config
-        cos, sin = rope_cos_sin(position_ids, c.dim, c.rope_theta, c.rope_scaling)
+        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, c.rope_scaling)
         mask = attention_mask_3d(
             t, past + t, attention_mask, self.config.sliding_window, input_ids.device
         )

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlib._validate import check_shape
-from kvlib.bench import interleaved_times_ms, loglog_slope
+from kvlib.course.bench import interleaved_times_ms, loglog_slope
 from kvlib.errors import CacheOverflowError
 from kvlib.memory.formula import dense_kv_cache_bytes
 from kvlib.ref import attention as A
@@ -218,7 +218,7 @@ def test_bench_helpers():
 
 
 def test_decode_animation_has_one_frame_per_step():
-    from kvlib.viz import decode_animation, decode_frames
+    from kvlib.course.viz import decode_animation, decode_frames
 
     model, prompt = ToyModel(), np.array([1, 2, 3])
     frames = decode_frames(model, prompt, num_steps=4)

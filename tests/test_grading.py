@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlib.grading import chapter_of, chapter_questions, grade_notebook
+from kvlib.course.grading import chapter_of, chapter_questions, grade_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -553,7 +553,7 @@ def test_cli_json_is_one_object_and_exit_zero():
         [
             sys.executable,
             "-m",
-            "kvlib.grade",
+            "kvlib.course.grade",
             str(EXERCISES[0]),
             "--json",
             "--question",
@@ -572,14 +572,14 @@ def test_cli_json_is_one_object_and_exit_zero():
 
 def test_cli_usage_errors_exit_2(tmp_path):
     missing = subprocess.run(
-        [sys.executable, "-m", "kvlib.grade", str(tmp_path / "01_nope.ipynb")],
+        [sys.executable, "-m", "kvlib.course.grade", str(tmp_path / "01_nope.ipynb")],
         capture_output=True,
         text=True,
     )
     assert missing.returncode == 2 and "no such file" in missing.stderr
     (tmp_path / "99_unknown.ipynb").write_text(nbformat.writes(nbformat.v4.new_notebook()))
     unknown = subprocess.run(
-        [sys.executable, "-m", "kvlib.grade", str(tmp_path / "99_unknown.ipynb")],
+        [sys.executable, "-m", "kvlib.course.grade", str(tmp_path / "99_unknown.ipynb")],
         capture_output=True,
         text=True,
     )
@@ -588,7 +588,7 @@ def test_cli_usage_errors_exit_2(tmp_path):
 
 def test_check_in_the_notebook_blocks_what_the_grader_blocks(capsys):
     """A function that returns kvlib's own softmax gets ❌ from check(), as from the grader."""
-    from kvlib.grading import check
+    from kvlib.course.grading import check
     from kvlib.ref.attention import softmax
 
     namespace = {"softmax": softmax}

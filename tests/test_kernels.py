@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from kvlib.kernels import paged_decode_attention, paged_decode_attention_ref, shuffled_block_tables
+from kvlib.cache.block_table import shuffled_block_tables
+from kvlib.kernels import paged_decode_attention, paged_decode_attention_ref
 from kvlib.testing import assert_close
 
 TOLERANCES = {
@@ -138,7 +139,7 @@ def test_validation_messages():
     q, k_cache, v_cache, block_tables, seq_lens = make_paged_cache(
         [5, 20], 4, 2, 16, 16, torch.float32
     )
-    with pytest.raises(ValueError, match="H_q = 3 query heads must be a multiple of H_kv = 2"):
+    with pytest.raises(ValueError, match="H = 3 query heads must be a multiple of H_kv = 2"):
         paged_decode_attention(q[:, :3], k_cache, v_cache, block_tables, seq_lens)
     with pytest.raises(TypeError, match="expected one dtype"):
         paged_decode_attention(q.half(), k_cache, v_cache, block_tables, seq_lens)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.bench import loglog_slope, peak_memory_bytes
+from kvlib.course.bench import loglog_slope, peak_memory_bytes
 from kvlib.ref import online_softmax as O
 from kvlib.ref.attention import attention, attention_weights, causal_mask, softmax
 from kvlib.testing import assert_close

@@ -1,7 +1,9 @@
 """KV caches: the interface (`base`) and its implementations, one module each.
 
 - `base.KVCache`: what the model needs of a cache (the attention seam);
-- `dense.DynamicCache`, `dense.StaticCache`: contiguous `(B, H_kv, S, D)` caches (chapter 2).
+- `dense.DynamicCache`, `dense.StaticCache`: contiguous `(B, H_kv, S, D)` caches (chapter 2);
+- `block_table.shuffled_block_tables`: block tables from a stand-in allocator, for the paged
+  decode kernel of chapter 11 until chapter 7's block pool.
 
 Later chapters add a module here each (paged, evicting, quantized) and plug it in; the model's
 layers do not change.

@@ -159,7 +159,7 @@ class StaticCache(_DenseCache):
             batch_size,
             c.num_key_value_heads,
             max_seq_len,
-            c.dim,
+            c.head_dim,
             dtype=weight.dtype,
             device=weight.device,
         )

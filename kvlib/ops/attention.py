@@ -2,13 +2,13 @@
 
 A backend is a function `backend(q, kv, mask, *, weights_out=None) -> out` with
 
-- `q`: (B, H_q, T, D) queries, RoPE applied;
+- `q`: (B, H, T, D) queries, RoPE applied;
 - `kv`: what the cache's `update` returned; for the dense backends here, a pair of keys and values
-  `(B, H_kv, S, D)` with `H_q` a multiple of `H_kv` (GQA: query head `h` reads KV head `h // G`,
-  `G = H_q / H_kv`, consecutive heads forming a group as in Hugging Face's `repeat_kv`);
+  `(B, H_kv, S, D)` with `H` a multiple of `H_kv` (GQA: query head `h` reads KV head `h // G`,
+  `G = H / H_kv`, consecutive heads forming a group as in Hugging Face's `repeat_kv`);
 - `mask`: bool (B or 1, T, S), True where query `i` may attend to key `j`;
-- `weights_out`: a list to append the (B, H_q, T, S) attention weights to (reference only);
-- `out`: (B, H_q, T, D) in q's dtype.
+- `weights_out`: a list to append the (B, H, T, S) attention weights to (reference only);
+- `out`: (B, H, T, D) in q's dtype.
 
 The model picks one by name (`ATTENTION_BACKENDS`); a cache whose `update` returns something else
 (a block table, quantized codes) brings its own as `cache.attention_backend`.
@@ -31,9 +31,9 @@ def reference_attention(
     *,
     weights_out: list | None = None,
 ) -> torch.Tensor:
-    """softmax(q kᵀ / √D, masked) v, written out: K/V repeated to H_q heads, scores in fp32.
+    """softmax(q kᵀ / √D, masked) v, written out: K/V repeated to H heads, scores in fp32.
 
-    Returns (B, H_q, T, D) in q's dtype. The readable baseline every other backend is checked
+    Returns (B, H, T, D) in q's dtype. The readable baseline every other backend is checked
     against (Vaswani et al., 2017; GQA's head sharing: Ainslie et al., 2023).
     """
     k, v = kv

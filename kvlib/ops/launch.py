@@ -31,9 +31,9 @@ def choose_num_splits(
     `min_tokens_per_split` tokens and never passing `max_splits`.
 
     The constants are measured, not guessed: on an H100 SXM (132 SMs), the sweep in
-    `results/decode_tuning.csv` (`python -m kvlib.bench tune`) found one program per SM reaching
-    35-66% of the copy bandwidth and four per SM 90-100% at 32k tokens and more. The split-K idea
-    is Flash-Decoding's (Dao et al., 2023).
+    `results/decode_tuning.csv` (`python -m kvlib.course.bench tune`) found one program per SM
+    reaching 35-66% of the copy bandwidth and four per SM 90-100% at 32k tokens and more. The
+    split-K idea is Flash-Decoding's (Dao et al., 2023).
 
     Args:
         batch_size, num_kv_heads, seq_len: the decode batch's shape (S = longest sequence).

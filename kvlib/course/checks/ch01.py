@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlib.grading import Submission, question
+from kvlib.course.grading import Submission, question
 from kvlib.memory.formula import dense_kv_cache_bytes
 from kvlib.ref.attention import attention, causal_mask, softmax
 from kvlib.ref.toy_generation import generate_cached, generate_naive

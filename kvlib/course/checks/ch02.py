@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.grading import Submission, question
+from kvlib.course.grading import Submission, question
 from kvlib.model import apply_rope, rope_cos_sin
 from kvlib.testing import assert_close
 

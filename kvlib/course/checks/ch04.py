@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from kvlib.bench import peak_memory_bytes
-from kvlib.grading import Submission, question
+from kvlib.course.bench import peak_memory_bytes
+from kvlib.course.grading import Submission, question
 from kvlib.ref.attention import attention, softmax
 from kvlib.ref.online_softmax import (
     RowReadCounter,

@@ -92,7 +92,7 @@ def peak_memory_bytes(fn: Callable[[], object]) -> int:
     return peak - before
 
 
-# --- the decode-attention benchmark: `python -m kvlib.bench decode` -------------------------------
+# --- the decode-attention benchmark: `python -m kvlib.course.bench decode` -----------------------
 
 # Peak memory bandwidth in GB/s from the vendors' datasheets, matched against the device name.
 PEAK_BANDWIDTH_GBPS = {
@@ -107,7 +107,7 @@ PEAK_BANDWIDTH_GBPS = {
     "L40S": 864.0,
 }
 
-# (H_q, H_kv): Llama-3-8B's GQA first, then GQA-8 with 4 KV heads, Llama-3-70B's 64/8, and MHA
+# (H, H_kv): Llama-3-8B's GQA first, then GQA-8 with 4 KV heads, Llama-3-70B's 64/8, and MHA
 DECODE_HEADS = [(32, 8), (32, 4), (64, 8), (32, 32)]
 DECODE_BATCHES = [1, 8, 64]
 DECODE_CONTEXTS = [1024, 4096, 16384, 32768, 65536, 131072]
@@ -210,11 +210,11 @@ def _write_rows(out_csv: str, rows: list[dict]) -> list[dict]:
 
 
 def paged_decode_inputs(lengths, num_heads, num_kv_heads, head_dim, block_size):
-    """Random bf16 inputs of one decode step on the GPU: q (B, H_q, D); a paged cache (num_blocks,
+    """Random bf16 inputs of one decode step on the GPU: q (B, H, D); a paged cache (num_blocks,
     block_size, H_kv, D) twice (K, V) with shuffled block tables; seq_lens (B,) int32."""
     import torch
 
-    from kvlib.kernels import shuffled_block_tables
+    from kvlib.cache.block_table import shuffled_block_tables
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     block_tables, num_blocks = shuffled_block_tables(
@@ -240,7 +240,7 @@ def _sdpa_baseline(q, k_dense, v_dense, lengths):
         mask = (positions[None, :] < torch.tensor(lengths, device=q.device)[:, None])[
             :, None, None, :
         ]
-    query = q[:, :, None, :]  # (B, H_q, 1, D)
+    query = q[:, :, None, :]  # (B, H, 1, D)
     for backend in (
         SDPBackend.FLASH_ATTENTION,
         SDPBackend.EFFICIENT_ATTENTION,
@@ -351,7 +351,7 @@ def decode_benchmark(
     return _write_rows(out_csv, rows)
 
 
-TUNE_SHAPES = [  # (batch, H_q, H_kv, context): few, many and very many (sequence, KV head) pairs
+TUNE_SHAPES = [  # (batch, H, H_kv, context): few, many and very many (sequence, KV head) pairs
     (batch, num_heads, num_kv_heads, context)
     for batch, num_heads, num_kv_heads in [(1, 32, 8), (1, 32, 32), (8, 32, 8), (64, 32, 8)]
     for context in (4096, 32768, 131072)
@@ -419,11 +419,11 @@ def tune_decode(out_csv: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvlib.bench decode [--out CSV] [--quick] [--dry-run]`."""
+    """`python -m kvlib.course.bench decode [--out CSV] [--quick] [--dry-run]`."""
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m kvlib.bench", description="Benchmarks that need a GPU."
+        prog="python -m kvlib.course.bench", description="Benchmarks that need a GPU."
     )
     sub = parser.add_subparsers(dest="benchmark", required=True)
     decode = sub.add_parser(
@@ -452,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         for case in decode_cases(args.quick):
             print(
-                f"H_q={case['num_heads']:>2} H_kv={case['num_kv_heads']:>2} "
+                f"H={case['num_heads']:>2} H_kv={case['num_kv_heads']:>2} "
                 f"batch={case['batch']:>2} context={case['context']:>6} "
                 f"{'ragged' if case['ragged'] else 'uniform':<7} K+V bytes={case['cache_bytes']:,}"
             )

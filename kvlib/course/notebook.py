@@ -1,6 +1,6 @@
 """Notebook set-up and maintenance: seeding and display defaults, and refreshing stored outputs.
 
-`setup_notebook()` is the first call of every chapter notebook. `python -m kvlib.notebook`
+`setup_notebook()` is the first call of every chapter notebook. `python -m kvlib.course.notebook`
 (see `execute_in_place`) re-executes notebooks and stores their outputs, which nbval then checks
 in CI. Nothing here knows about attention or caches.
 """
@@ -58,7 +58,27 @@ def execute_in_place(paths: list[str], *, timeout_s: int = 900) -> None:
             kernel_name="python3",
             resources={"metadata": {"path": str(path.parent)}},
         ).execute()
+        for cell in notebook.cells:  # one output per stream, however the kernel chunked it
+            if cell.cell_type == "code":
+                cell.outputs = _coalesce_streams(cell.outputs)
         nbformat.write(notebook, path)
+
+
+def _coalesce_streams(outputs: list) -> list:
+    """Merge consecutive stdout (or stderr) outputs into one, as nbval does when it compares."""
+    merged = []
+    for output in outputs:
+        previous = merged[-1] if merged else None
+        if (
+            output.get("output_type") == "stream"
+            and previous is not None
+            and previous.get("output_type") == "stream"
+            and previous.get("name") == output.get("name")
+        ):
+            previous["text"] = "".join(previous["text"]) + "".join(output["text"])
+        else:
+            merged.append(output)
+    return merged
 
 
 def run_code_cells(path: str) -> int:
@@ -113,8 +133,8 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if not args or args == ["--plain"]:
         sys.exit(
-            "usage: python -m kvlib.notebook NOTEBOOK_OR_FOLDER [...]  (execute, store outputs)\n"
-            "       python -m kvlib.notebook --plain NOTEBOOK [...]    (run the code, no Jupyter)"
+            "usage: python -m kvlib.course.notebook NOTEBOOK_OR_FOLDER [...]  (store outputs)\n"
+            "       python -m kvlib.course.notebook --plain NOTEBOOK [...]    (no Jupyter)"
         )
     if args[0] == "--plain":
         for notebook in args[1:]:

@@ -1,12 +1,12 @@
 """Exercise checks and the grader.
 
-A chapter's questions are pytest tests in `kvlib/checks/chNN.py`, one per question, each declared
-with `@question(...)` (points, the function the learner writes, the kvlib functions it replaces).
-They run two ways:
+A chapter's questions are pytest tests in `kvlib/course/checks/chNN.py`, one per question, each
+declared with `@question(...)` (points, the function the learner writes, the kvlib functions it
+replaces). They run two ways:
 
 - in the exercise notebook, `check("question_id", learner_function)` runs the question's test
   in-process and prints pass/fail with the test's message: immediate feedback;
-- `python -m kvlib.grade NOTEBOOK` (`grade_notebook`) grades each question in its own pytest
+- `python -m kvlib.course.grade NOTEBOOK` (`grade_notebook`) grades each question in its own pytest
   subprocess with a timeout. The subprocess loads this module as a pytest plugin, executes the
   notebook's code cells one by one (an error in one cell does not stop the next), makes the kvlib
   functions the question replaces unavailable, and hands the learner's definitions to the test.
@@ -97,9 +97,9 @@ def chapter_questions(chapter: str) -> list[Question]:
         ValueError: kvlib has no checks for that chapter.
     """
     try:
-        importlib.import_module(f"kvlib.checks.ch{chapter}")
+        importlib.import_module(f"kvlib.course.checks.ch{chapter}")
     except ModuleNotFoundError as exc:
-        if exc.name != f"kvlib.checks.ch{chapter}":
+        if exc.name != f"kvlib.course.checks.ch{chapter}":
             raise
         available = sorted(
             p.stem.removeprefix("ch")
@@ -156,10 +156,11 @@ def blocked(
     code, everywhere kvlib exposes them and in `namespaces`; restored on exit.
 
     kvlib's own internal calls (one calculator calling another) still reach the originals. The
-    checks (`kvlib.checks`) are not patched: they imported the originals as their oracles. But a
-    call *from* the checks goes through the stub, so a learner function that is just an alias of
-    the blocked function fails. `namespaces` are extra global dicts to patch: `check()` passes the
-    learner function's own globals (the notebook's), which imported the originals before grading.
+    checks (`kvlib.course.checks`) are not patched: they imported the originals as their oracles.
+    But a call *from* the checks goes through the stub, so a learner function that is just an alias
+    of the blocked function fails. `namespaces` are extra global dicts to patch: `check()` passes
+    the learner function's own globals (the notebook's), which imported the originals before
+    grading.
     """
     patches = []
     for dotted in names:
@@ -168,7 +169,7 @@ def blocked(
 
         def unavailable(*args, _name=dotted, _original=original, **kwargs):
             caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith("kvlib.") and not caller.startswith("kvlib.checks"):
+            if caller.startswith("kvlib.") and not caller.startswith("kvlib.course.checks"):
                 return _original(*args, **kwargs)
             raise GradingError(
                 f"{_name} is unavailable while question {question_id!r} is graded: write it "
@@ -177,7 +178,7 @@ def blocked(
 
         for module in list(sys.modules.values()):
             name = getattr(module, "__name__", "")
-            if not name.startswith("kvlib") or name.startswith("kvlib.checks"):
+            if not name.startswith("kvlib") or name.startswith("kvlib.course.checks"):
                 continue  # the checks keep the originals as their oracles
             for key, value in list(vars(module).items()):
                 if value is original:
@@ -341,7 +342,7 @@ def load_notebook(path: str | os.PathLike, *, cell_timeout_s: float = 20.0) -> S
     return Submission(namespace, errors)
 
 
-# --- the pytest plugin (loaded with `-p kvlib.grading` in the grader's subprocess) ----------------
+# --- the pytest plugin (loaded with `-p kvlib.course.grading` in the grader's subprocess) --------
 
 if ENV_SUBMISSION in os.environ:  # only inside the grader's subprocess
     import pytest
@@ -421,7 +422,7 @@ class GradeReport:
 
 def _grade_question(notebook: Path, q: Question, timeout_s: float) -> QuestionResult:
     """Grade one question in a pytest subprocess; never raises for anything the learner did."""
-    test_file = importlib.import_module(f"kvlib.checks.{q.chapter}").__file__
+    test_file = importlib.import_module(f"kvlib.course.checks.{q.chapter}").__file__
     with tempfile.TemporaryDirectory(prefix="kvlib-grade-") as tmp:
         result_path = Path(tmp) / "result.json"
         env = dict(os.environ, MPLBACKEND="Agg", PYTHONHASHSEED="0")
@@ -439,7 +440,7 @@ def _grade_question(notebook: Path, q: Question, timeout_s: float) -> QuestionRe
             "pytest",
             f"{test_file}::test_{q.id}",
             "-p",
-            "kvlib.grading",
+            "kvlib.course.grading",
             "-p",
             "no:cacheprovider",
             "-q",
@@ -525,11 +526,12 @@ def grade_notebook(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvlib.grade NOTEBOOK [--json] [--timeout S]`: exit 0 whenever grading ran."""
+    """`python -m kvlib.course.grade NOTEBOOK [--json] [--timeout S]`: exit 0 whenever grading
+    ran."""
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m kvlib.grade", description="Grade a course exercise notebook."
+        prog="python -m kvlib.course.grade", description="Grade a course exercise notebook."
     )
     parser.add_argument("notebook", help="path to exercises/NN_<chapter>.ipynb")
     parser.add_argument(

@@ -3,7 +3,7 @@ and the largest batch a GPU holds. Oracles: kvlib.memory, imported before the gr
 
 from __future__ import annotations
 
-from kvlib.grading import Submission, question
+from kvlib.course.grading import Submission, question
 from kvlib.memory import kv_bytes_per_token, kv_cache_bytes
 
 _MEMORY_API = (

@@ -12,7 +12,7 @@ import kvlib.kernels  # noqa: F401
 # isort: split
 import triton
 
-from kvlib.grading import Submission, question
+from kvlib.course.grading import Submission, question
 from kvlib.ref.attention import attention
 from kvlib.ref.online_softmax import merge_partials
 from kvlib.testing import assert_close

@@ -1,1 +1,0 @@
-"""Graded questions, one module per chapter (`chNN.py`); see `kvlib.grading`."""

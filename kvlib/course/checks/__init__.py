@@ -1,0 +1,1 @@
+"""Graded questions, one module per chapter (`chNN.py`); see `kvlib.course.grading`."""

@@ -1,0 +1,46 @@
+"""The notebook helpers of kvlib.course.notebook: stream coalescing and the Jupyter-free runner."""
+
+import json
+
+import pytest
+
+from kvlib.course.notebook import _coalesce_streams, run_code_cells
+
+
+def test_consecutive_streams_of_one_name_merge_and_others_stay_apart():
+    outputs = [
+        {"output_type": "stream", "name": "stdout", "text": "a\n"},
+        {"output_type": "stream", "name": "stdout", "text": ["b", "\n"]},
+        {"output_type": "stream", "name": "stderr", "text": "warn\n"},
+        {"output_type": "execute_result", "data": {"text/plain": "1"}},
+        {"output_type": "stream", "name": "stdout", "text": "c\n"},
+    ]
+    merged = _coalesce_streams(outputs)
+    assert [o.get("text") for o in merged] == ["a\nb\n", "warn\n", None, "c\n"]
+
+
+def test_run_code_cells_skips_magics_keeps_blocks_valid_and_names_the_failing_cell(tmp_path):
+    def notebook(*sources):
+        cells = [{"cell_type": "markdown", "metadata": {}, "source": "# title"}]
+        cells += [
+            {
+                "cell_type": "code",
+                "metadata": {},
+                "source": s,
+                "outputs": [],
+                "execution_count": None,
+            }
+            for s in sources
+        ]
+        path = tmp_path / "n.ipynb"
+        path.write_text(
+            json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5})
+        )
+        return path
+
+    ok = notebook("import sys\nif False:\n    %pip install nothing\nx = 2", "assert x == 2\n!ls")
+    assert run_code_cells(str(ok)) == 2
+    broken = notebook("y = 1", "assert y == 2, 'y is not 2'")
+    with pytest.raises(AssertionError, match="y is not 2") as error:
+        run_code_cells(str(broken))
+    assert any("cell 2" in note for note in error.value.__notes__)
