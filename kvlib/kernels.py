@@ -51,12 +51,9 @@ def _decode_split_kernel(
     qk_scale,  # softmax scale * log2(e): scores come out in the log2 domain
     stride_qb,
     stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
+    stride_cb,  # k_cache and v_cache share strides (checked by the wrapper)
+    stride_ct,
+    stride_ch,
     stride_bt_b,
     stride_ob,
     stride_oh,
@@ -113,24 +110,15 @@ def _decode_split_kernel(
         physical = physical.to(tl.int64)  # block offsets of large caches pass 2**31 elements
         slot = tokens % BLOCK_SIZE
         kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(
-            k_cache_ptr
-            + physical[:, None] * stride_kb
-            + slot[:, None] * stride_kt
-            + kv_head * stride_kh
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
+        # one address computation serves K and V: the same slot of the same block in each pool
+        kv_offsets = (
+            physical[:, None] * stride_cb
+            + slot[:, None] * stride_ct
+            + kv_head * stride_ch
+            + dims[None, :]
         )  # [BLOCK_N, BLOCK_D]
-        v = tl.load(
-            v_cache_ptr
-            + physical[:, None] * stride_vb
-            + slot[:, None] * stride_vt
-            + kv_head * stride_vh
-            + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         if COMPUTE_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -273,6 +261,11 @@ def _check_inputs(
         raise ValueError(
             "q, k_cache, v_cache, block_tables: expected a contiguous last dimension (stride 1)"
         )
+    if k_cache.stride() != v_cache.stride():  # the kernel computes one address for both
+        raise ValueError(
+            f"k_cache, v_cache: expected the same strides, got {k_cache.stride()} and "
+            f"{v_cache.stride()}"
+        )
     if validate:  # one host sync for all value checks
         capacity = block_tables.shape[1] * block_size
         lengths_ok, blocks_low, blocks_high = torch.stack(
@@ -333,7 +326,8 @@ def paged_decode_attention(
 
     Args:
         q: (B, H, D) float32 / float16 / bfloat16.
-        k_cache, v_cache: (num_blocks, block_size, H_kv, D), q's dtype; block_size a power of two.
+        k_cache, v_cache: (num_blocks, block_size, H_kv, D), q's dtype, the same strides; block_size
+            a power of two.
         block_tables: (B, max_blocks_per_seq) int32; row b lists sequence b's physical blocks.
         seq_lens: (B,) int32, each in [1, max_blocks_per_seq * block_size].
         scale: softmax scale, default D ** -0.5.
@@ -399,9 +393,6 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
         block_tables.stride(0),
         partial_out.stride(0),
         partial_out.stride(1),
@@ -445,20 +436,12 @@ def paged_decode_attention(
 
 
 def paged_decode_attention_ref(
-    q,
-    k_cache,
-    v_cache,
-    block_tables,
-    seq_lens,
-    *,
-    scale=None,
-    num_splits=None,
-    validate=True,
-    block_n=None,
+    q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, validate=True, **launch_options
 ):
-    """Reference for `paged_decode_attention`, same signature: gather each sequence's K/V through
+    """Reference for `paged_decode_attention`, same arguments: gather each sequence's K/V through
     its block table, repeat KV heads for their query groups, and attend in fp32 with plain torch
-    (`num_splits`, `validate` and `block_n` change nothing here).
+    (the kernel's launch options, `num_splits`, `block_n`, `num_warps`, `num_stages`, are accepted
+    and change nothing here).
 
     Returns (B, H, D) in q's dtype.
     """

@@ -13,19 +13,10 @@ import torch
 
 from kvlib.cache import DynamicCache, KVCache, StaticCache
 from kvlib.generation import generate
-from kvlib.model import LlamaModel, ModelConfig
+from kvlib.model import LlamaModel
 from kvlib.ops.attention import ATTENTION_BACKENDS, get_backend, sdpa_attention
 from kvlib.testing import assert_close
-
-TINY = ModelConfig(
-    vocab_size=48,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+from tests.test_model import TINY  # 3 layers, 4 query heads, 2 KV heads, vocabulary 48
 
 
 def tiny_model(**kwargs) -> LlamaModel:

@@ -169,6 +169,11 @@ def test_validation_messages():
         )
     with pytest.raises(ValueError, match="num_splits: expected an int >= 1, got 0"):
         paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=0)
+    # K and V share one address computation in the kernel, so their strides must agree
+    v_padded = torch.zeros(*v_cache.shape[:-1], 2 * v_cache.shape[-1])[..., : v_cache.shape[-1]]
+    v_padded.copy_(v_cache)
+    with pytest.raises(ValueError, match="k_cache, v_cache: expected the same strides"):
+        paged_decode_attention(q, k_cache, v_padded, block_tables, seq_lens)
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

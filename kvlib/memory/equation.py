@@ -131,13 +131,7 @@ def cache_report(
 
 
 def kv_cache_bytes(
-    config,
-    seq_len: int,
-    batch_size: int = 1,
-    cache_dtype: str | None = None,
-    *,
-    sink_tokens: int = 0,
-    sink_window: int | None = None,
+    config, seq_len: int, batch_size: int = 1, cache_dtype: str | None = None, **sinks
 ) -> int:
     """Bytes of cache state for `batch_size` sequences that have `seq_len` tokens each.
 
@@ -150,17 +144,16 @@ def kv_cache_bytes(
         batch_size: sequences (>= 1).
         cache_dtype: float64, float32, bfloat16, float16, fp8, int8 or int4 (payload only, no
             scales); None = the config's `torch_dtype`/`dtype`.
-        sink_tokens, sink_window: StreamingLLM (Xiao et al., 2024): each attention layer keeps its
-            first `sink_tokens` tokens and the last `sink_window`.
+        sinks: `sink_tokens` (default 0) and `sink_window` (default None): StreamingLLM (Xiao et
+            al., 2024), each attention layer keeps its first `sink_tokens` tokens and the last
+            `sink_window`.
     Returns:
         bytes (int).
     Raises:
         UnsupportedConfigError, TypeError, ValueError: see `layer_specs`; non-positive sizes; an
         unknown dtype; no dtype in the config and none given.
     """
-    return cache_report(
-        config, seq_len, batch_size, cache_dtype, sink_tokens=sink_tokens, sink_window=sink_window
-    ).total_bytes
+    return cache_report(config, seq_len, batch_size, cache_dtype, **sinks).total_bytes
 
 
 def kv_bytes_per_token(config, cache_dtype: str | None = None) -> int:

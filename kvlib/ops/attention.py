@@ -47,14 +47,9 @@ def reference_attention(
     return weights @ v  # (B, H, T, D)
 
 
-def sdpa_attention(
-    q: torch.Tensor,
-    kv: tuple[torch.Tensor, torch.Tensor],
-    mask: torch.Tensor,
-    *,
-    weights_out: list | None = None,
-) -> torch.Tensor:
+def sdpa_attention(q, kv, mask, *, weights_out=None) -> torch.Tensor:
     """PyTorch's fused `scaled_dot_product_attention` with `enable_gqa` (no repeated K/V).
+    Arguments and result as `reference_attention`'s.
 
     Raises:
         ValueError: `weights_out` was given (a fused kernel never forms the weights).
