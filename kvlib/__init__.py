@@ -24,6 +24,8 @@ _API = {
     "generate": "kvlib.generation",
     "kv_cache_bytes": "kvlib.memory",
     "paged_decode_attention": "kvlib.kernels",
+    "load_gguf_checkpoint": "kvlib.gguf",
+    "load_smollm2": "kvlib.smollm2",
     "KVCache": "kvlib.cache",
     "DynamicCache": "kvlib.cache",
     "StaticCache": "kvlib.cache",

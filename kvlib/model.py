@@ -471,6 +471,24 @@ def load_hf_checkpoint(
     state = {}
     for file in files:
         state.update(load_file(str(file), device=str(device)))
+    return model_from_state_dict(config, state, dtype=dtype, device=device, source=str(path))
+
+
+def model_from_state_dict(
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    source: str = "state dict",
+) -> LlamaModel:
+    """A `LlamaModel` holding `state` (Hugging Face parameter names), in `dtype`, in eval mode.
+
+    Raises:
+        ValueError: missing or unexpected parameters, or shapes that disagree with the config (the
+            message names `source`).
+    """
+    path = source
     with torch.device("meta"):
         model = LlamaModel(config)
     expected = dict(model.state_dict())

@@ -1,0 +1,145 @@
+"""SmolLM2-135M-Instruct loaded by kvlib from its GGUF, against an independent oracle:
+transformers' own GGUF loader and tokenizer (test-only dependencies, pinned in requirements.txt).
+"""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvlib.cache import StaticCache
+from kvlib.errors import UnsupportedConfigError
+from kvlib.generation import generate
+from kvlib.gguf import load_gguf_checkpoint, undo_qk_permutation
+from kvlib.memory import kv_cache_bytes
+from kvlib.smollm2 import load_smollm2, smollm2_gguf_path
+from kvlib.testing import assert_close
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces,\ttabs\n\nand blank lines  ",
+    "Ünïcödé — 日本語のテキスト, emoji 🤖🚀 and accents: café, naïve",
+    "def f(x):\n    return x**2 + 12345  # digits split one by one\n",
+    "numbers 3.14159, 2026-11-22, 1e-5 and $1,000.00",
+    "<|im_start|>user\nspecial tokens inside text<|im_end|>",
+]
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    torch.set_num_threads(2)
+    return load_smollm2()
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    transformers = pytest.importorskip("transformers")
+    directory, name = os.path.split(smollm2_gguf_path())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=torch.float32
+    ).eval()
+    return model, tokenizer
+
+
+def oracle_chat_ids(tokenizer):
+    ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_config_from_the_gguf_metadata(smollm2):
+    model, tokenizer = smollm2
+    c = model.config
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (9, 3, 64)
+    assert (c.rope_theta, c.vocab_size, c.max_position_embeddings) == (100000.0, 49152, 8192)
+    assert c.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_ids_match_transformers(smollm2, oracle, text):
+    _, tokenizer = smollm2
+    expected = oracle[1].encode(text, add_special_tokens=False)
+    assert tokenizer.encode(text) == expected
+    assert tokenizer.decode(expected) == oracle[1].decode(expected)
+
+
+def test_chat_template_matches_transformers(smollm2, oracle):
+    _, tokenizer = smollm2
+    assert tokenizer.apply_chat_template(CHAT) == oracle_chat_ids(oracle[1])
+
+
+def test_logits_and_greedy_tokens_match_transformers(smollm2, oracle):
+    model, tokenizer = smollm2
+    prompt = torch.tensor([tokenizer.apply_chat_template(CHAT)])
+    text = torch.tensor([tokenizer.encode(" ".join(TEXTS) * 4)])
+    with torch.no_grad():
+        for ids in (prompt, text):
+            ours, theirs = model(ids), oracle[0](ids).logits
+            # fp32 both ways, different operation order: measured max |diff| 6.6e-5 on logits of
+            # magnitude up to 38
+            assert_close(ours, theirs, name="logits vs transformers", rtol=0, atol=5e-4)
+        expected = oracle[0].generate(prompt, max_new_tokens=24, do_sample=False)
+    ours = generate(model, prompt, 24)[0, prompt.shape[1] :].tolist()
+    theirs = expected[0, prompt.shape[1] :].tolist()
+    # kvlib's generate never stops early; compare the answer, up to and including its first EOS
+    end = ours.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ours else len(ours)
+    assert end > 3 and ours[:end] == theirs[:end]
+    assert "Paris" in tokenizer.decode(ours[:end])
+
+
+def test_cached_equals_uncached_in_fp32(smollm2):
+    model, tokenizer = smollm2
+    prompt = torch.tensor([tokenizer.apply_chat_template(CHAT)])
+    cached = generate(model, prompt, 12, cache="static")
+    assert torch.equal(cached, generate(model, prompt, 12, use_cache=False))
+
+
+def test_kv_cache_bytes_equals_what_kvlib_allocates(smollm2):
+    model, _ = smollm2
+    cache = StaticCache.for_model(model, batch_size=2, max_seq_len=300)
+    assert cache.nbytes == kv_cache_bytes(model.config.to_hf(), 300, 2, "float32")
+    assert cache.nbytes == 2 * 300 * (2 * 30 * 3 * 64 * 4)  # B * S * (2 * L * H_kv * D * b)
+
+
+def test_undo_qk_permutation_inverts_llama_cpps_converter():
+    rng = np.random.default_rng(0)
+    heads, head_dim, d_model = 3, 8, 5
+    weight = rng.normal(size=(heads * head_dim, d_model))
+    # llama.cpp's convert_hf_to_gguf.py `permute` (rows of each head: halves -> interleaved pairs)
+    permuted = weight.reshape(heads, 2, head_dim // 2, d_model).swapaxes(1, 2).reshape(weight.shape)
+    assert not np.array_equal(permuted, weight)
+    assert np.array_equal(undo_qk_permutation(permuted, heads), weight)
+
+
+def test_loading_without_undoing_the_permutation_runs_and_is_wrong(smollm2):
+    model, tokenizer = smollm2
+    wrong = load_gguf_checkpoint(smollm2_gguf_path(), undo_permutation=False)
+    ids = torch.tensor([tokenizer.encode(" ".join(TEXTS))])
+    with torch.no_grad():
+        right_logits, wrong_logits = model(ids), wrong(ids)
+    assert torch.isfinite(wrong_logits).all()  # no error, no NaN: only wrong
+    loss = [
+        torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).item()
+        for logits in (right_logits, wrong_logits)
+    ]
+    assert loss[1] > loss[0] + 1.0
+
+
+def test_errors_name_what_is_wrong(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such GGUF file"):
+        load_gguf_checkpoint(tmp_path / "missing.gguf")
+    not_llama = tmp_path / "tiny.gguf"
+    import gguf
+
+    writer = gguf.GGUFWriter(str(not_llama), "gpt2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedConfigError, match="general.architecture 'gpt2'"):
+        load_gguf_checkpoint(not_llama)
