@@ -1,0 +1,87 @@
+"""kvlib.evaluation: teacher-forced decoding, agreement, perplexity and passkey retrieval."""
+
+import math
+
+import pytest
+import torch
+
+from kvlib.cache import DynamicCache
+from kvlib.evaluation import agreement, decode_logits, passkey_accuracy, passkey_prompt, perplexity
+from kvlib.testing import assert_close
+from tests.test_model import TINY, tiny_model
+
+
+def test_decode_logits_through_the_full_cache_equal_one_forward_pass():
+    model = tiny_model()
+    ids = torch.randint(0, TINY.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
+    stepped = decode_logits(model, ids, 6, DynamicCache(TINY.num_hidden_layers))
+    with torch.no_grad():
+        full = model(ids)[0]
+    assert stepped.shape == (20 - 6 + 1, TINY.vocab_size)
+    assert_close(stepped, full[5:], name="teacher-forced decode", rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"prefill_len: expected an int in \[1, 20\), got 20"):
+        decode_logits(model, ids, 20, DynamicCache(TINY.num_hidden_layers))
+
+
+class NoisyValuesCache(DynamicCache):
+    """A 'modified' cache for the test: stores values with noise added."""
+
+    def update(self, layer_idx, k, v):
+        noise = torch.randn(v.shape, generator=torch.Generator().manual_seed(layer_idx))
+        return super().update(layer_idx, k, v + 0.5 * noise)
+
+
+def test_agreement_is_perfect_for_the_same_cache_and_not_for_a_modified_one():
+    model = tiny_model()
+    ids = torch.randint(0, TINY.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    full = decode_logits(model, ids, 4, DynamicCache(TINY.num_hidden_layers))
+    same = agreement(full, decode_logits(model, ids, 4, DynamicCache(TINY.num_hidden_layers)))
+    assert (same.top1, same.mean_kl, same.positions) == (1.0, 0.0, 21)
+    noisy = agreement(full, decode_logits(model, ids, 4, NoisyValuesCache(TINY.num_hidden_layers)))
+    assert noisy.mean_kl > 0 and noisy.max_kl >= noisy.mean_kl
+
+
+def test_agreement_matches_kl_by_hand():
+    p, q = torch.tensor([[0.9, 0.1], [0.2, 0.8]]), torch.tensor([[0.4, 0.6], [0.3, 0.7]])
+    result = agreement(p.log(), q.log())
+    kl = [
+        0.9 * math.log(0.9 / 0.4) + 0.1 * math.log(0.1 / 0.6),
+        0.2 * math.log(0.2 / 0.3) + 0.8 * math.log(0.8 / 0.7),
+    ]
+    assert result.top1 == 0.5  # the first position's argmax flips, the second's does not
+    assert abs(result.mean_kl - sum(kl) / 2) < 1e-6 and abs(result.max_kl - max(kl)) < 1e-6
+    with pytest.raises(ValueError, match="expected two"):
+        agreement(torch.zeros(2, 3), torch.zeros(3, 3))
+
+
+def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
+    def uniform(ids):
+        return torch.zeros(1, ids.shape[1], 50)
+
+    assert abs(perplexity(uniform, torch.tensor([[1, 2, 3, 4]])) - 50) < 1e-3
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        perplexity(uniform, torch.tensor([[1]]))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from kvlib.smollm2 import load_smollm2
+
+    return load_smollm2()
+
+
+def test_passkey_prompt_hides_the_key_at_the_requested_depth(smollm2):
+    _, tokenizer = smollm2
+    early = tokenizer.decode(passkey_prompt(tokenizer, 200, 0.0, 48213))
+    late = tokenizer.decode(passkey_prompt(tokenizer, 200, 1.0, 48213))
+    assert early.count("48213") == late.count("48213") == 2
+    assert early.index("48213") < late.index("48213")
+    assert late.rstrip().endswith("<|im_start|>assistant")
+    with pytest.raises(ValueError, match=r"depth: expected a number in \[0, 1\]"):
+        passkey_prompt(tokenizer, 200, 1.5, 48213)
+
+
+def test_smollm2_finds_the_passkey_in_200_tokens(smollm2):
+    model, tokenizer = smollm2
+    # measured: 3 of 3 depths at 200 and at 320 filler tokens
+    assert passkey_accuracy(model, tokenizer, 200, [0.1, 0.9]) == 1.0
