@@ -16,6 +16,7 @@ Everything is deterministic: greedy decoding and seeded passkeys.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,11 +27,29 @@ from kvlib._validate import check_positive_int
 __all__ = [
     "Agreement",
     "agreement",
+    "course_text",
     "decode_logits",
     "passkey_accuracy",
     "passkey_prompt",
+    "passkey_trial",
     "perplexity",
 ]
+
+TEXTS_DIR = Path(__file__).with_name("texts")
+
+
+def course_text(name: str = "kv_cache_essay") -> str:
+    """A text shipped with kvlib (`kvlib/texts/NAME.txt`): prose written for this course, the same
+    on every machine and downloaded at no run time.
+
+    Raises:
+        FileNotFoundError: no such text (the message lists the shipped ones).
+    """
+    path = TEXTS_DIR / f"{name}.txt"
+    if not path.is_file():
+        shipped = sorted(p.stem for p in TEXTS_DIR.glob("*.txt"))
+        raise FileNotFoundError(f"name: no text {name!r}; shipped: {shipped}")
+    return path.read_text()
 
 
 def _check_ids(ids) -> torch.Tensor:
@@ -155,15 +174,86 @@ def passkey_accuracy(
         cache_factory: as `kvlib.generation.generate`'s `cache` (None: a dynamic cache), to test a
             modified cache.
     """
-    from kvlib.generation import generate
 
     rng = np.random.default_rng(seed)
-    correct = total = 0
-    for depth in depths:
-        for _ in range(check_positive_int("trials_per_depth", trials_per_depth)):
-            passkey = int(rng.integers(10_000, 100_000))
-            ids = torch.tensor([passkey_prompt(tokenizer, filler_tokens, depth, passkey)])
-            out = generate(model, ids, max_new_tokens, cache=cache_factory or "dynamic")
-            correct += str(passkey) in tokenizer.decode(out[0, ids.shape[1] :].tolist())
-            total += 1
-    return correct / total
+    results = [
+        passkey_trial(
+            model,
+            tokenizer,
+            filler_tokens,
+            depth,
+            int(rng.integers(10_000, 100_000)),
+            cache_factory=cache_factory,
+            max_new_tokens=max_new_tokens,
+        )
+        for depth in depths
+        for _ in range(check_positive_int("trials_per_depth", trials_per_depth))
+    ]
+    return sum(correct for correct, _ in results) / len(results)
+
+
+@torch.no_grad()
+def passkey_trial(
+    model, tokenizer, filler_tokens, depth, passkey, *, cache_factory=None, max_new_tokens=10
+) -> tuple[bool, int]:
+    """One passkey trial: (whether the greedy answer contains the key, the prompt's length in
+    tokens)."""
+    from kvlib.generation import generate
+
+    ids = torch.tensor([passkey_prompt(tokenizer, filler_tokens, depth, passkey)])
+    out = generate(model, ids, max_new_tokens, cache=cache_factory or "dynamic")
+    return str(passkey) in tokenizer.decode(out[0, ids.shape[1] :].tolist()), ids.shape[1]
+
+
+PASSKEY_LENGTHS = (200, 320, 560, 1040)
+PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def passkey_sweep(out_csv: str, *, seed: int = 0) -> list[dict]:
+    """Passkey retrieval of SmolLM2-135M-Instruct over `PASSKEY_LENGTHS` x `PASSKEY_DEPTHS`, one
+    seeded key per cell; writes every trial to `out_csv` (the committed
+    `results/passkey_smollm2.csv`, which a test spot-checks)."""
+    import csv
+    import datetime
+
+    from tqdm import tqdm
+
+    from kvlib.smollm2 import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    rng = np.random.default_rng(seed)
+    rows = []
+    cells = [(n, d) for n in PASSKEY_LENGTHS for d in PASSKEY_DEPTHS]
+    for filler_tokens, depth in tqdm(cells, desc="passkey trials", unit="trial"):
+        passkey = int(rng.integers(10_000, 100_000))
+        correct, prompt_tokens = passkey_trial(model, tokenizer, filler_tokens, depth, passkey)
+        rows.append(
+            {
+                "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)",
+                "filler_tokens": filler_tokens,
+                "depth": depth,
+                "passkey": passkey,
+                "prompt_tokens": prompt_tokens,
+                "correct": correct,
+                "torch": torch.__version__,
+                "date": datetime.date.today().isoformat(),
+            }
+        )
+    with open(out_csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m kvlib.evaluation", description="Quality sweeps on SmolLM2 (CPU)."
+    )
+    parser.add_argument("sweep", choices=["passkey"])
+    parser.add_argument("--out", default="results/passkey_smollm2.csv")
+    args = parser.parse_args()
+    rows = passkey_sweep(args.out)
+    print(f"wrote {len(rows)} trials to {args.out}: {sum(r['correct'] for r in rows)} correct")

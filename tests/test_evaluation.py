@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvlib.cache import DynamicCache
-from kvlib.evaluation import agreement, decode_logits, passkey_accuracy, passkey_prompt, perplexity
+from kvlib.evaluation import agreement, decode_logits, passkey_prompt, perplexity
 from kvlib.testing import assert_close
 from tests.test_model import TINY, tiny_model
 
@@ -81,7 +81,40 @@ def test_passkey_prompt_hides_the_key_at_the_requested_depth(smollm2):
         passkey_prompt(tokenizer, 200, 1.5, 48213)
 
 
-def test_smollm2_finds_the_passkey_in_200_tokens(smollm2):
+def test_recorded_passkey_sweep_is_reproduced(smollm2):
+    """CI recomputes a sample of `results/passkey_smollm2.csv` (`python -m kvlib.evaluation
+    passkey`): the two shortest fillers, at the middle depth (the longest take ~15 s each)."""
+    import csv
+    from pathlib import Path
+
+    from kvlib.evaluation import passkey_trial
+
     model, tokenizer = smollm2
-    # measured: 3 of 3 depths at 200 and at 320 filler tokens
-    assert passkey_accuracy(model, tokenizer, 200, [0.1, 0.9]) == 1.0
+    rows = list(
+        csv.DictReader(Path(__file__).parents[1].joinpath("results/passkey_smollm2.csv").open())
+    )
+    assert len(rows) == 20
+    for filler in ("200", "320"):
+        row = next(r for r in rows if r["filler_tokens"] == filler and r["depth"] == "0.5")
+        correct, prompt_tokens = passkey_trial(
+            model, tokenizer, int(filler), 0.5, int(row["passkey"])
+        )
+        assert (str(correct), prompt_tokens) == (row["correct"], int(row["prompt_tokens"]))
+
+
+def test_course_text_ships_with_kvlib():
+    from kvlib.evaluation import course_text
+
+    text = course_text()
+    assert "written for the course KV Cache from Scratch" in text and len(text.split()) > 300
+    with pytest.raises(FileNotFoundError, match="shipped: \\['kv_cache_essay'\\]"):
+        course_text("nope")
+
+
+def test_passkey_accuracy_counts_seeded_trials(smollm2):
+    from kvlib.evaluation import passkey_accuracy
+
+    model, tokenizer = smollm2
+    assert passkey_accuracy(model, tokenizer, 200, [0.5]) == 1.0  # the sweep: 20 of 20 correct
+    with pytest.raises(ValueError, match="trials_per_depth"):
+        passkey_accuracy(model, tokenizer, 200, [0.5], trials_per_depth=0)
