@@ -109,23 +109,40 @@ CURRICULUM = (
 )
 
 
-def train(
-    *,
+def scaled_curriculum(fraction: float, curriculum=CURRICULUM) -> tuple[Phase, ...]:
+    """`curriculum` with every phase's steps multiplied by `fraction` (at least 1 step each): a
+    quick smoke run (`--scale 0.1`) or GQA's uptraining budget, a fraction alpha of the original
+    training steps (Ainslie et al., 2023, sec. 2.1).
+
+    Raises:
+        ValueError: `fraction` is not a positive number.
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not fraction > 0:
+        raise ValueError(f"fraction: expected a positive number, got {fraction!r}")
+    return tuple(
+        dataclasses.replace(p, steps=max(1, round(p.steps * fraction))) for p in curriculum
+    )
+
+
+def fit(
+    model: LlamaModel,
     curriculum=CURRICULUM,
+    *,
     lr: float = 3e-3,
     warmup: int = 100,
     seed: int = 0,
-    eval_every: int = 400,
-    out_dir: Path = COURSE_MODEL_DIR,
-    threads: int = 2,
-) -> LlamaModel:
-    """Train the course model through `curriculum`; write the checkpoint, `training_log.jsonl` and
-    `loss_curve.png` to `out_dir`."""
+    eval_every: int | None = 400,
+    desc: str = "training",
+    progress: bool = True,
+) -> list[dict]:
+    """Train `model` in place through `curriculum` (phase i draws its batches from seed + i): AdamW
+    (betas 0.9/0.95, weight decay 0.1 on matrices), linear warm-up over `warmup` steps, a cosine
+    decay per phase, gradients clipped to norm 1. Returns the log, one dict per step (loss, lr,
+    elapsed seconds; `evaluate`'s metrics every `eval_every` steps and at each phase's end; None:
+    at phase ends only). Leaves the model in eval mode."""
     from tqdm import tqdm
 
     torch.manual_seed(seed)
-    torch.set_num_threads(threads)
-    model = LlamaModel(COURSE_CONFIG)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -133,10 +150,9 @@ def train(
         lr=lr,
         betas=(0.9, 0.95),
     )
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    model.train()
     log, started, step = [], time.perf_counter(), 0
-    progress = tqdm(total=sum(p.steps for p in curriculum), desc="training", unit="step")
+    bar = tqdm(total=sum(p.steps for p in curriculum), desc=desc, unit="step", disable=not progress)
     for phase_index, phase in enumerate(curriculum):
         for phase_step, batch in enumerate(
             data.batches(seed + phase_index, phase.batch_size, phase.steps, drill=phase.drill)
@@ -164,17 +180,38 @@ def train(
                 "lr": lr * scale,
                 "elapsed_s": round(time.perf_counter() - started, 1),
             }
-            if step % eval_every == 0 or phase_step + 1 == phase.steps:
+            if (eval_every and step % eval_every == 0) or phase_step + 1 == phase.steps:
                 entry.update(evaluate(model, num_documents=32))
-                progress.set_postfix(
+                bar.set_postfix(
                     loss=f"{loss.item():.3f}",
                     heldout=f"{entry['heldout_loss']:.3f}",
                     recall64=f"{entry['recall_accuracy'][64]:.2f}",
                 )
             log.append(entry)
-            progress.update()
-    progress.close()
+            bar.update()
+    bar.close()
     model.eval()
+    return log
+
+
+def train(
+    *,
+    curriculum=CURRICULUM,
+    lr: float = 3e-3,
+    warmup: int = 100,
+    seed: int = 0,
+    eval_every: int = 400,
+    out_dir: Path = COURSE_MODEL_DIR,
+    threads: int = 2,
+) -> LlamaModel:
+    """Train the course model through `curriculum`; write the checkpoint, `training_log.jsonl` and
+    `loss_curve.png` to `out_dir`."""
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    model = LlamaModel(COURSE_CONFIG)
+    log = fit(model, curriculum, lr=lr, warmup=warmup, seed=seed, eval_every=eval_every)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     save_hf_checkpoint(model, out_dir)
     (out_dir / "training_log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
     plot_loss_curve(log, out_dir / "loss_curve.png")
@@ -225,10 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         help=f"output directory (default {COURSE_MODEL_DIR})",
     )
     args = parser.parse_args(argv)
-    curriculum = tuple(
-        dataclasses.replace(p, steps=max(1, round(p.steps * args.scale))) for p in CURRICULUM
-    )
-    train(curriculum=curriculum, lr=args.lr, seed=args.seed, out_dir=args.out)
+    train(curriculum=scaled_curriculum(args.scale), lr=args.lr, seed=args.seed, out_dir=args.out)
     print(f"saved to {args.out}")
     return 0
 

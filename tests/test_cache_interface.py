@@ -106,9 +106,10 @@ def test_a_cache_can_bring_its_own_attention_backend():
     assert_close(logits, full, name="own backend vs reference", rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["grouped", "sdpa"])
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static", "none"])
-def test_sdpa_backend_matches_reference(cache_kind):
-    reference, fused = tiny_model(), tiny_model(attention_backend="sdpa")
+def test_backends_match_reference(cache_kind, backend):
+    reference, fused = tiny_model(), tiny_model(attention_backend=backend)
     tokens = torch.randint(0, 48, (2, 9), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(tokens)
     mask[0, :3] = 0  # left padding
@@ -121,14 +122,15 @@ def test_sdpa_backend_matches_reference(cache_kind):
         model(tokens, cache=caches[cache_kind](model), attention_mask=mask)
         for model in (reference, fused)
     ]
-    assert_close(outs[1][1], outs[0][1], name="sdpa vs reference", rtol=1e-5, atol=1e-5)
+    assert_close(outs[1][1], outs[0][1], name=f"{backend} vs reference", rtol=1e-5, atol=1e-5)
     assert_close(outs[1][0, 3:], outs[0][0, 3:], name="padded row", rtol=1e-5, atol=1e-5)
 
 
 def test_backend_errors_name_the_choices():
-    assert sorted(ATTENTION_BACKENDS) == ["reference", "sdpa"]
+    assert sorted(ATTENTION_BACKENDS) == ["grouped", "reference", "sdpa"]
     with pytest.raises(
-        ValueError, match=r"attention_backend: expected one of \['reference', 'sdpa'\], got 'flash'"
+        ValueError,
+        match=r"attention_backend: expected one of \['grouped', 'reference', 'sdpa'\], got 'flash'",
     ):
         get_backend("flash")
     with pytest.raises(ValueError, match="attention_backend"):

@@ -63,13 +63,6 @@ def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
         perplexity(uniform, torch.tensor([[1]]))
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from kvlib.smollm2 import load_smollm2
-
-    return load_smollm2()
-
-
 def test_passkey_prompt_hides_the_key_at_the_requested_depth(smollm2):
     _, tokenizer = smollm2
     early = tokenizer.decode(passkey_prompt(tokenizer, 200, 0.0, 48213))

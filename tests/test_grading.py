@@ -473,6 +473,89 @@ def tiled_attention(q, k, v, tile_size):  # reads in tiles, then attends over a 
 """,
         "a tiled pass needs far less",
     ),
+    (
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        """
+def grouped_attention(q, k, v, mask):  # strided groups: query head h reads KV head h % H_kv
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat(1, G, 1, 1), v.repeat(1, G, 1, 1)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+""",
+        "query head h reads KV head h // G",
+    ),
+    (
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        """
+def grouped_attention(q, k, v, mask):  # right answer, but it repeats K/V G times
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+""",
+        "fold each group's query heads into the query rows",
+    ),
+    (
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        """
+def grouped_attention(q, k, v, mask):  # hands the exercise to PyTorch
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    return sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+""",
+        "scaled_dot_product_attention",
+    ),
+    (
+        "05_gqa_mqa.ipynb",
+        "mean_pool_kv",
+        """
+def mean_pool_kv(weight, num_kv_heads, head_dim):  # pools strided heads j, j + H_kv, ...
+    group = weight.shape[0] // head_dim // num_kv_heads
+    heads = weight.reshape(group, num_kv_heads, head_dim, weight.shape[1])
+    return heads.mean(dim=0).reshape(num_kv_heads * head_dim, weight.shape[1])
+""",
+        "consecutive",
+    ),
+    (
+        "05_gqa_mqa.ipynb",
+        "mean_pool_kv",
+        """
+def mean_pool_kv(weight, num_kv_heads, head_dim):  # sums instead of averaging
+    group = weight.shape[0] // head_dim // num_kv_heads
+    heads = weight.reshape(num_kv_heads, group, head_dim, weight.shape[1])
+    return heads.sum(dim=1).reshape(num_kv_heads * head_dim, weight.shape[1])
+""",
+        "mean-pooled",
+    ),
+    (
+        "05_gqa_mqa.ipynb",
+        "kv_heads_for_budget",
+        """
+def kv_heads_for_budget(config, seq_len, batch_size, budget_bytes):  # ignores divisibility
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    b = BYTES_PER_ELEMENT[config["torch_dtype"]]
+    per_head = 2 * config["num_hidden_layers"] * head_dim * b * seq_len * batch_size
+    return min(heads, budget_bytes // per_head)
+""",
+        "the largest divisor of num_attention_heads",
+    ),
+    (
+        "05_gqa_mqa.ipynb",
+        "kv_heads_for_budget",
+        """
+def kv_heads_for_budget(config, seq_len, batch_size, budget_bytes):  # head_dim from hidden size
+    heads = config["num_attention_heads"]
+    head_dim = config["hidden_size"] // heads
+    b = BYTES_PER_ELEMENT[config["torch_dtype"]]
+    per_head = 2 * config["num_hidden_layers"] * head_dim * b * seq_len * batch_size
+    fits = [h for h in range(1, heads + 1) if heads % h == 0 and h * per_head <= budget_bytes]
+    return max(fits, default=0)
+""",
+        "expected H_kv = ",
+    ),
 ]
 
 

@@ -13,7 +13,7 @@ from kvlib.errors import UnsupportedConfigError
 from kvlib.generation import generate
 from kvlib.gguf import load_gguf_checkpoint, undo_qk_permutation
 from kvlib.memory import kv_cache_bytes
-from kvlib.smollm2 import load_smollm2, smollm2_gguf_path
+from kvlib.smollm2 import smollm2_gguf_path
 from kvlib.testing import assert_close
 
 TEXTS = [
@@ -25,12 +25,6 @@ TEXTS = [
     "<|im_start|>user\nspecial tokens inside text<|im_end|>",
 ]
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    torch.set_num_threads(2)
-    return load_smollm2()
 
 
 @pytest.fixture(scope="module")

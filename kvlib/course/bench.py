@@ -9,6 +9,8 @@ Determinism). GPU benchmarks use
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Mapping
@@ -90,6 +92,34 @@ def peak_memory_bytes(fn: Callable[[], object]) -> int:
         if not was_tracing:
             tracemalloc.stop()
     return peak - before
+
+
+def torch_allocated_bytes(fn: Callable[[], object]) -> int:
+    """Total bytes PyTorch's CPU allocator hands out while `fn()` runs (every allocation counted,
+    frees ignored: the traffic of temporaries, not the peak), from `torch.profiler`'s memory
+    events. numpy's tracemalloc (`peak_memory_bytes`) does not see torch tensors; this does.
+
+    Raises:
+        TypeError: fn is not callable.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+    # the profiler's C++ side logs its start and stop to file descriptor 2 with a timestamp:
+    # silence it, so that a notebook's stored output stays the same on every run
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+    return sum(max(0, e.self_cpu_memory_usage) for e in profiler.events())
 
 
 # --- the decode-attention benchmark: `python -m kvlib.course.bench decode` -----------------------

@@ -7,8 +7,10 @@ A backend is a function `backend(q, kv, mask, *, weights_out=None) -> out` with
   `(B, H_kv, S, D)` with `H` a multiple of `H_kv` (GQA: query head `h` reads KV head `h // G`,
   `G = H / H_kv`, consecutive heads forming a group as in Hugging Face's `repeat_kv`);
 - `mask`: bool (B or 1, T, S), True where query `i` may attend to key `j`;
-- `weights_out`: a list to append the (B, H, T, S) attention weights to (reference only);
-- `out`: (B, H, T, D) in q's dtype.
+- `weights_out`: a list to append the (B, H, T, S) attention weights to (not SDPA);
+- `scale`: the softmax temperature; None: 1/sqrt(D) with D = q's last dimension. MLA's absorbed
+  path passes its own (`kvlib.mla`), because its queries are wider than the heads it scores;
+- `out`: (B, H, T, D_v) in q's dtype (D_v: the values' last dimension, usually D).
 
 The model picks one by name (`ATTENTION_BACKENDS`); a cache whose `update` returns something else
 (a block table, quantized codes) brings its own as `cache.attention_backend`.
@@ -21,7 +23,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTENTION_BACKENDS", "reference_attention", "sdpa_attention", "get_backend"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "get_backend",
+    "grouped_attention",
+    "reference_attention",
+    "sdpa_attention",
+]
 
 
 def reference_attention(
@@ -30,24 +38,62 @@ def reference_attention(
     mask: torch.Tensor,
     *,
     weights_out: list | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q kᵀ / √D, masked) v, written out: K/V repeated to H heads, scores in fp32.
+    """softmax(q kᵀ · scale, masked) v, written out: K/V repeated to H heads.
 
-    Returns (B, H, T, D) in q's dtype. The readable baseline every other backend is checked
-    against (Vaswani et al., 2017; GQA's head sharing: Ainslie et al., 2023).
+    Returns (B, H, T, D_v) in q's dtype; scores and softmax in fp32 (fp64 for fp64 inputs). The
+    readable baseline every other backend is checked against (Vaswani et al., 2017; GQA's head
+    sharing: Ainslie et al., 2023).
     """
     k, v = kv
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, D)
-    scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, H, T, S)
-    scores = scores.float().masked_fill(~mask[:, None], float("-inf"))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, T, S)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # fp32, or fp64 if given
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
     weights = scores.softmax(dim=-1).to(q.dtype)  # (B, H, T, S)
     if weights_out is not None:
         weights_out.append(weights.detach())
     return weights @ v  # (B, H, T, D)
 
 
-def sdpa_attention(q, kv, mask, *, weights_out=None) -> torch.Tensor:
+def grouped_attention(
+    q: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor,
+    *,
+    weights_out: list | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """GQA without repeating K/V: the G query heads that share KV head j are folded into the query
+    length, so one (G·T, D) × (D, S) product per KV head reads each cached key and value once.
+
+    Query head h = j·G + g becomes row g·T + t of KV head j's queries: a reshape of q (B, H, T, D)
+    to (B, H_kv, G·T, D), valid because a group's heads are consecutive (Hugging Face's
+    `repeat_kv` layout). The scores (B, H_kv, G·T, S) are the same numbers the reference computes
+    against repeated keys; nothing of size (B, H, S, D) is ever allocated. Decode kernels fold the
+    group the same way (chapter 11). Arguments, result and score precision as
+    `reference_attention`'s (Ainslie et al., 2023, "GQA").
+    """
+    k, v = kv
+    b, h, t, d = q.shape
+    h_kv, s = k.shape[1], k.shape[2]
+    group = h // h_kv
+    scale = d**-0.5 if scale is None else scale
+    q_grouped = q.reshape(b, h_kv, group * t, d)  # rows: (g, t) for the group's heads g
+    scores = (q_grouped @ k.transpose(-1, -2)) * scale  # (B, H_kv, G·T, S)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).view(b, h_kv, group, t, s)
+    scores = scores.masked_fill(~mask[:, None, None], -math.inf)
+    weights = scores.softmax(dim=-1).to(q.dtype)  # (B, H_kv, G, T, S)
+    if weights_out is not None:
+        weights_out.append(weights.detach().view(b, h, t, s))
+    out = weights.view(b, h_kv, group * t, s) @ v  # (B, H_kv, G·T, D_v)
+    return out.view(b, h, t, v.shape[-1])
+
+
+def sdpa_attention(q, kv, mask, *, weights_out=None, scale=None) -> torch.Tensor:
     """PyTorch's fused `scaled_dot_product_attention` with `enable_gqa` (no repeated K/V).
     Arguments and result as `reference_attention`'s.
 
@@ -59,10 +105,16 @@ def sdpa_attention(q, kv, mask, *, weights_out=None) -> torch.Tensor:
             "weights_out: the 'sdpa' backend never forms attention weights; use 'reference'"
         )
     k, v = kv
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None], enable_gqa=True, scale=scale
+    )
 
 
-ATTENTION_BACKENDS = {"reference": reference_attention, "sdpa": sdpa_attention}
+ATTENTION_BACKENDS = {
+    "reference": reference_attention,
+    "grouped": grouped_attention,
+    "sdpa": sdpa_attention,
+}
 
 
 def get_backend(name: str):

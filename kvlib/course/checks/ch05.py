@@ -1,0 +1,181 @@
+"""Chapter 5's graded questions: grouped attention without repeating K/V, the mean-pooling
+conversion of a key/value projection, and the KV heads a memory budget allows. Oracles: kvlib's
+own implementations, imported before the grader blocks them."""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kvlib.course.bench import torch_allocated_bytes
+from kvlib.course.grading import Submission, question
+from kvlib.gqa import pool_kv_heads
+from kvlib.memory import kv_cache_bytes
+from kvlib.ops.attention import grouped_attention
+from kvlib.testing import assert_close
+
+_ATTENTION_API = (
+    "kvlib.ops.attention.grouped_attention",
+    "kvlib.ops.attention.reference_attention",
+    "kvlib.ops.attention.sdpa_attention",
+)
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Records the names of the torch functions called inside the `with` block."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.add(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _qkv(batch, heads, kv_heads, queries, keys, dim, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, queries, dim, generator=g)
+    k = torch.randn(batch, kv_heads, keys, dim, generator=g)
+    v = torch.randn(batch, kv_heads, keys, dim, generator=g)
+    mask = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+    return q, k, v, mask
+
+
+@question(function="grouped_attention", blocked=_ATTENTION_API)
+def test_grouped_attention(submission: Submission) -> None:
+    attend = submission.function("grouped_attention")
+    for batch, heads, kv_heads, queries, keys in (
+        (1, 4, 4, 3, 3),  # MHA
+        (2, 8, 2, 1, 17),  # GQA decode
+        (1, 6, 3, 4, 9),  # GQA, a chunk after 5 cached tokens
+        (2, 4, 1, 5, 5),  # MQA prefill
+    ):
+        q, k, v, mask = _qkv(batch, heads, kv_heads, queries, keys, 8, seed=keys)
+        with _TorchCalls() as calls:
+            got = attend(q, k, v, mask)
+        assert "scaled_dot_product_attention" not in calls.names, (
+            "grouped_attention calls PyTorch's scaled_dot_product_attention, whose enable_gqa does "
+            "the whole exercise: write the scores, the mask, the softmax and the weighted sum "
+            "yourself"
+        )
+        expected = grouped_attention(q, (k, v), mask[None])
+        assert isinstance(got, torch.Tensor), (
+            f"grouped_attention should return a torch.Tensor, got {type(got).__name__}"
+        )
+        assert_close(
+            got,
+            expected,
+            name=f"grouped_attention with B={batch}, H={heads}, H_kv={kv_heads}, T={queries}, "
+            f"S={keys} (query head h reads KV head h // G)",
+            rtol=1e-4,
+            atol=1e-5,
+        )
+    # decode over a long cache: nothing the size of K/V repeated to H heads may be allocated
+    heads, kv_heads, keys, dim = 16, 2, 4096, 64
+    q, k, v, mask = _qkv(1, heads, kv_heads, 1, keys, dim, seed=0)
+    repeated = 2 * heads * keys * dim * 4
+    allocated = torch_allocated_bytes(lambda: attend(q, k, v, mask))
+    assert allocated < repeated // 2, (
+        f"with H={heads}, H_kv={kv_heads}, S={keys}, D={dim} your function allocated "
+        f"{allocated / 2**20:.1f} MiB; K and V repeated to {heads} heads take "
+        f"{repeated / 2**20:.0f} MiB: fold each group's query heads into the query rows instead "
+        "of repeating keys and values"
+    )
+
+
+@question(
+    function="mean_pool_kv", blocked=("kvlib.gqa.pool_kv_heads", "kvlib.gqa.convert_kv_heads")
+)
+def test_mean_pool_kv(submission: Submission) -> None:
+    mean_pool_kv = submission.function("mean_pool_kv")
+    g = torch.Generator().manual_seed(5)
+    for old_heads, new_heads, dim, d_model in (
+        (4, 2, 3, 5),
+        (6, 3, 4, 7),
+        (8, 1, 2, 3),
+        (3, 3, 2, 4),
+    ):
+        weight = torch.randn(old_heads * dim, d_model, generator=g)
+        original = weight.clone()
+        got = mean_pool_kv(weight, new_heads, dim)
+        expected = pool_kv_heads(original, new_heads, head_dim=dim)
+        assert torch.equal(weight, original), "mean_pool_kv must not modify its input"
+        assert isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(expected.shape), (
+            f"{old_heads} heads of D={dim} pooled to {new_heads}: expected a tensor of shape "
+            f"{tuple(expected.shape)}, got {tuple(getattr(got, 'shape', ()))}"
+        )
+        assert_close(
+            got,
+            expected,
+            name=f"{old_heads} KV heads of D={dim} mean-pooled to {new_heads} (new head j is the "
+            f"mean of old heads j*G' .. j*G'+G'-1, consecutive)",
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
+_BUDGET_CONFIGS = [
+    # (config, seq_len, batch_size, budget_bytes)
+    (
+        {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096,
+         "torch_dtype": "bfloat16"},
+        8192, 16, 20 * 10**9,
+    ),
+    (
+        {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096,
+         "torch_dtype": "bfloat16"},
+        8192, 16, 80 * 10**9,
+    ),
+    (
+        {"num_hidden_layers": 30, "num_attention_heads": 9, "hidden_size": 576,
+         "torch_dtype": "float32"},
+        8192, 64, 10 * 10**9,
+    ),
+    (
+        {"num_hidden_layers": 30, "num_attention_heads": 9, "hidden_size": 576,
+         "torch_dtype": "float32"},
+        8192, 64, 10**9,
+    ),
+    (
+        {"num_hidden_layers": 62, "num_attention_heads": 32, "head_dim": 128, "hidden_size": 5376,
+         "torch_dtype": "bfloat16"},
+        32768, 4, 16 * 2**30,
+    ),
+]  # fmt: skip
+
+
+def _kv_heads_for_budget(config, seq_len, batch_size, budget_bytes):
+    heads = config["num_attention_heads"]
+    fitting = [
+        h
+        for h in range(1, heads + 1)
+        if heads % h == 0
+        and kv_cache_bytes(
+            {**config, "model_type": "llama", "num_key_value_heads": h},
+            seq_len,
+            batch_size=batch_size,
+        )
+        <= budget_bytes
+    ]
+    return max(fitting) if fitting else 0
+
+
+@question(
+    function="kv_heads_for_budget",
+    blocked=("kvlib.memory.kv_cache_bytes", "kvlib.memory.kv_bytes_per_token"),
+)
+def test_kv_heads_for_budget(submission: Submission) -> None:
+    kv_heads_for_budget = submission.function("kv_heads_for_budget")
+    for config, seq_len, batch_size, budget in _BUDGET_CONFIGS:
+        expected = _kv_heads_for_budget(config, seq_len, batch_size, budget)
+        got = kv_heads_for_budget(dict(config), seq_len, batch_size, budget)
+        assert isinstance(got, int) and not isinstance(got, bool), (
+            f"kv_heads_for_budget should return an int, got {type(got).__name__} {got!r}"
+        )
+        fields = ", ".join(f"{k}={v}" for k, v in config.items())
+        assert got == expected, (
+            f"for {fields}, {batch_size} sequences of {seq_len} tokens in {budget:,} bytes: "
+            f"expected H_kv = {expected} (the largest divisor of num_attention_heads that fits; "
+            f"0 if not even MQA fits), got {got}"
+        )
