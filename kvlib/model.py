@@ -34,7 +34,12 @@ from kvlib.config import attention_geometry, config_dtype, config_field, load_co
 from kvlib.errors import UnsupportedConfigError
 from kvlib.ops.attention import get_backend, reference_attention
 
-LOADABLE_MODEL_TYPES = ("llama", "mistral", "qwen2")  # what this model runs (memory sizes more)
+LOADABLE_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "deepseek_v2",
+)  # what this model runs (memory sizes more)
 LLAMA3_SCALING_FIELDS = (
     "factor",
     "low_freq_factor",
@@ -65,6 +70,22 @@ class ModelConfig:
     # Llama 3.1's rope_scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
     # "high_freq_factor", "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict | None = None
+    # Multi-head latent attention (DeepSeek-V2's field names; kvlib.mla): set kv_lora_rank and the
+    # three head widths to make every layer MLA. num_key_value_heads then says nothing about the
+    # cache (one latent row per token), and head_dim is unused.
+    kv_lora_rank: int | None = None  # d_c
+    qk_nope_head_dim: int | None = None  # d_h
+    qk_rope_head_dim: int | None = None  # d_R
+    v_head_dim: int | None = None  # d_v
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE rotates: head_dim, or MLA's decoupled d_R."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     def __post_init__(self) -> None:
         for name in (
@@ -92,6 +113,16 @@ class ModelConfig:
         check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim: RoPE needs an even head dimension, got {self.head_dim}")
+        mla = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        given = [name for name in mla if getattr(self, name) is not None]
+        if given and len(given) != len(mla):
+            raise ValueError(f"kv_lora_rank: MLA needs all of {list(mla)}, got only {given}")
+        for name in given:
+            check_positive_int(name, getattr(self, name))
+        if given and self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"qk_rope_head_dim: RoPE needs an even dimension, got {self.qk_rope_head_dim}"
+            )
 
     @classmethod
     def from_hf(cls, config: dict | str | os.PathLike) -> ModelConfig:
@@ -145,7 +176,25 @@ class ModelConfig:
             raise UnsupportedConfigError(
                 "config: Qwen2's use_sliding_window=true (per-layer windows) is not implemented"
             )
-        num_kv_heads, head_dim, _ = attention_geometry(config, model_type)
+        mla = {}
+        if model_type == "deepseek_v2":  # dense MLA models (kvlib.mla); not DeepSeek's MoE
+            if config.get("q_lora_rank") is not None:
+                raise UnsupportedConfigError(
+                    "config: q_lora_rank (MLA's query compression) is not implemented"
+                )
+            layers = config_field(config, "num_hidden_layers")
+            if config.get("n_routed_experts") and config.get("first_k_dense_replace", 0) < layers:
+                raise UnsupportedConfigError(
+                    "config: mixture-of-experts layers (n_routed_experts) are not implemented"
+                )
+            mla = {
+                name: config_field(config, name)
+                for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            }
+            num_kv_heads = config_field(config, "num_attention_heads")
+            head_dim = None
+        else:
+            num_kv_heads, head_dim, _ = attention_geometry(config, model_type)
         return cls(
             vocab_size=config_field(config, "vocab_size"),
             hidden_size=config_field(config, "hidden_size"),
@@ -167,6 +216,7 @@ class ModelConfig:
                 if rope_type == "llama3"
                 else None
             ),
+            **mla,
         )
 
     def to_hf(self) -> dict:
@@ -180,6 +230,13 @@ class ModelConfig:
             attention_bias=False,
             mlp_bias=False,
         )
+        if self.is_mla:  # DeepSeek-V2's config with every layer dense, no query compression
+            config.update(
+                model_type="deepseek_v2",
+                architectures=["DeepseekV2ForCausalLM"],
+                q_lora_rank=None,
+                first_k_dense_replace=self.num_hidden_layers,
+            )
         return config
 
 
@@ -289,7 +346,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        if config.is_mla:
+            from kvlib.mla import MLAttention
+
+            self.self_attn = MLAttention(config, layer_idx)
+        else:
+            self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -410,7 +472,7 @@ class LlamaModel(nn.Module):
                     :, past:
                 ]  # real tokens before each one
         c = self.config
-        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, c.rope_scaling)
+        cos, sin = rope_cos_sin(position_ids, c.rope_dim, c.rope_theta, c.rope_scaling)
         mask = attention_mask_3d(
             t, past + t, attention_mask, self.config.sliding_window, input_ids.device
         )

@@ -2,6 +2,7 @@
 
 - `base.KVCache`: what the model needs of a cache (the attention seam);
 - `dense.DynamicCache`, `dense.StaticCache`: contiguous `(B, H_kv, S, D)` caches (chapter 2);
+- `latent.LatentCache`: MLA's cache of latent rows `[c_KV, k_R]` (chapter 6);
 - `block_table.shuffled_block_tables`: block tables from a stand-in allocator, for the paged
   decode kernel of chapter 11 until chapter 7's block pool.
 
@@ -11,5 +12,6 @@ layers do not change.
 
 from kvlib.cache.base import KVCache
 from kvlib.cache.dense import DynamicCache, StaticCache
+from kvlib.cache.latent import LatentCache
 
-__all__ = ["DynamicCache", "KVCache", "StaticCache"]
+__all__ = ["DynamicCache", "KVCache", "LatentCache", "StaticCache"]

@@ -55,9 +55,10 @@ def check_kv_update(
     dtype: torch.dtype | None = None,
     device: torch.device | None = None,
 ) -> None:
-    """Validate one `update` call: `layer_idx` in [0, num_layers), k and v two (B, H_kv, T, D)
-    tensors of one shape, and, where given, (B, H_kv, D) == `expected` and the cache's dtype and
-    device.
+    """Validate one `update` call: `layer_idx` in [0, num_layers), k (B, H_kv, T, D) and v
+    (B, H_kv, T, D_v) with the same B, H_kv and T (D_v = D except in MLA, whose value heads may be
+    narrower than its query/key heads), and, where given, k's (B, H_kv, D) == `expected` and the
+    cache's dtype and device.
 
     Raises:
         ValueError: a bad layer index, shape or device. TypeError: a dtype other than the cache's.
@@ -72,10 +73,11 @@ def check_kv_update(
         not isinstance(k, torch.Tensor)
         or not isinstance(v, torch.Tensor)
         or k.dim() != 4
-        or k.shape != v.shape
+        or v.dim() != 4
+        or k.shape[:3] != v.shape[:3]
     ):
         raise ValueError(
-            "k, v: expected two (B, H_kv, T, D) tensors of one shape, got "
+            "k, v: expected (B, H_kv, T, D) and (B, H_kv, T, D_v) tensors, got "
             f"{tuple(getattr(k, 'shape', ()))} and {tuple(getattr(v, 'shape', ()))}"
         )
     if expected is not None and (k.shape[0], k.shape[1], k.shape[3]) != expected:

@@ -183,6 +183,11 @@ class StaticCache(_DenseCache):
             self.buffer.dtype,
             self.buffer.device,
         )
+        if v.shape[-1] != self.head_dim:
+            raise ValueError(
+                f"v: expected head dimension {self.head_dim} (StaticCache holds K and V of one "
+                f"width; MLA's latent belongs in kvlib.cache.LatentCache), got {v.shape[-1]}"
+            )
         end = self.length + k.shape[2]
         if end > self.max_seq_len:
             raise CacheOverflowError(
