@@ -111,8 +111,6 @@ def convert_kv_heads(
             f"num_kv_heads: expected a divisor of the model's num_key_value_heads "
             f"{config.num_key_value_heads}, got {num_kv_heads}"
         )
-    if init not in INITS:
-        raise ValueError(f"init: expected one of {INITS}, got {init!r}")
     generator = torch.Generator().manual_seed(seed)
     state = {}
     for name, tensor in model.state_dict().items():

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvlib.model import RMSNorm, apply_rope
 from kvlib.ops.attention import reference_attention
 
 __all__ = ["MLAttention"]
@@ -57,8 +58,6 @@ class MLAttention(nn.Module):
         self.d_rope, self.d_v = config.qk_rope_head_dim, config.v_head_dim
         self.q_proj = nn.Linear(h, n * (self.d_nope + self.d_rope), bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.d_c + self.d_rope, bias=False)  # W_DKV; W_KR
-        from kvlib.model import RMSNorm
-
         self.kv_a_layernorm = RMSNorm(self.d_c, config.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.d_c, n * (self.d_nope + self.d_v), bias=False)  # W_UK; W_UV
         self.o_proj = nn.Linear(n * self.d_v, h, bias=False)
@@ -71,8 +70,6 @@ class MLAttention(nn.Module):
         return w[:, : self.d_nope], w[:, self.d_nope :]
 
     def forward(self, x, cos, sin, mask, cache=None, backend=reference_attention, weights_out=None):
-        from kvlib.model import apply_rope
-
         b, t, _ = x.shape
         n = self.config.num_attention_heads
         q = self.q_proj(x).view(b, t, n, self.d_nope + self.d_rope).transpose(1, 2)  # (B, H, T, .)

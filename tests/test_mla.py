@@ -21,6 +21,7 @@ from kvlib.model import (
     save_hf_checkpoint,
 )
 from kvlib.testing import assert_close
+from tests.test_model import tiny_model
 
 MLA = ModelConfig(
     vocab_size=50,
@@ -37,13 +38,8 @@ MLA = ModelConfig(
 
 
 def mla_model(dtype=torch.float32, seed=0, backend="reference") -> LlamaModel:
-    torch.manual_seed(seed)
-    model = LlamaModel(MLA, attention_backend=backend).to(dtype).eval()
-    with torch.no_grad():  # random norms, so that a skipped RMSNorm cannot hide behind ones
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return model
+    # random norms (tiny_model), so that a skipped RMSNorm on the latent cannot hide behind ones
+    return tiny_model(MLA, seed, attention_backend=backend).to(dtype)
 
 
 def set_absorb(model, absorb: bool) -> None:

@@ -36,9 +36,11 @@ TINY = ModelConfig(
 )
 
 
-def tiny_model(config: ModelConfig = TINY, seed: int = 0) -> LlamaModel:
+def tiny_model(
+    config: ModelConfig = TINY, seed: int = 0, attention_backend: str = "reference"
+) -> LlamaModel:
     torch.manual_seed(seed)
-    model = LlamaModel(config).eval()
+    model = LlamaModel(config, attention_backend=attention_backend).eval()
     with torch.no_grad():  # random norms too, so that a wrong layout cannot hide behind ones
         for name, p in model.named_parameters():
             if "norm" in name:
