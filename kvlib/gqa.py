@@ -170,12 +170,7 @@ def uptraining_point(num_kv_heads: int, init: str, alpha: float, *, progress: bo
     heads with `init` (or, with init "none" and 4 heads, the MHA model itself: the control that
     gets the same extra training), uptrained for `alpha`, then evaluated by `kvlib.train.evaluate`
     (held-out loss in nats/token, copy accuracy, recall accuracy per SET-to-GET distance)."""
-    import datetime
-
-    import numpy as np
-
-    from kvlib.memory import kv_bytes_per_token
-    from kvlib.train import evaluate, load_course_model
+    from kvlib.train import load_course_model
 
     model = load_course_model()
     if init != "none":
@@ -185,12 +180,28 @@ def uptraining_point(num_kv_heads: int, init: str, alpha: float, *, progress: bo
             f"init: 'none' keeps the MHA model's heads, got num_kv_heads={num_kv_heads}"
         )
     steps = len(uptrain(model, alpha, progress=progress)) if alpha > 0 else 0
-    metrics = evaluate(model)
     return {
         "num_kv_heads": num_kv_heads,
         "init": init,
         "alpha": alpha,
         "uptrain_steps": steps,
+        **evaluated_row(model),
+    }
+
+
+def evaluated_row(model: LlamaModel) -> dict:
+    """The measured columns of an uptraining sweep's row (chapters 5 and 6): cache bytes per
+    token, `kvlib.train.evaluate`'s metrics rounded to 5 digits, and how they were produced
+    (uptraining lr and seed, threads, versions, date)."""
+    import datetime
+
+    import numpy as np
+
+    from kvlib.memory import kv_bytes_per_token
+    from kvlib.train import evaluate
+
+    metrics = evaluate(model)
+    return {
         "kv_bytes_per_token": kv_bytes_per_token(model.config.to_hf()),
         "heldout_loss": round(metrics["heldout_loss"], 5),
         "copy_accuracy": round(metrics["copy_accuracy"], 5),

@@ -556,6 +556,68 @@ def kv_heads_for_budget(config, seq_len, batch_size, budget_bytes):  # head_dim 
 """,
         "expected H_kv = ",
     ),
+    (
+        "06_mla.ipynb",
+        "absorbed_scores",
+        """
+def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):  # scales by the absorbed width
+    q_latent = torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk)
+    scores = q_latent @ latent[:, None].mT + q_rope @ rope_key[:, None].mT
+    return scores / math.sqrt(latent.shape[-1] + rope_key.shape[-1])
+""",
+        "scaled by 1/sqrt(d_h + d_R)",
+    ),
+    (
+        "06_mla.ipynb",
+        "absorbed_scores",
+        """
+def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):  # right, but expands every head's keys
+    k_nope = torch.einsum("hdc,bsc->bhsd", w_uk, latent)
+    scores = q_nope @ k_nope.transpose(-1, -2) + q_rope @ rope_key[:, None].transpose(-1, -2)
+    return scores / math.sqrt(q_nope.shape[-1] + q_rope.shape[-1])
+""",
+        "fold W_UK into the query",
+    ),
+    (
+        "06_mla.ipynb",
+        "latent_cache_bytes",
+        """
+def latent_cache_bytes(config, seq_len, batch_size):  # forgets the rotary key
+    b = BYTES_PER_ELEMENT[config["torch_dtype"]]
+    return config["num_hidden_layers"] * config["kv_lora_rank"] * b * seq_len * batch_size
+""",
+        "kv_lora_rank + qk_rope_head_dim",
+    ),
+    (
+        "06_mla.ipynb",
+        "shared_rotary_key",
+        """
+def shared_rotary_key(x, w_kr, positions, theta):  # frequencies of a 128-wide head, not d_R
+    d_r = w_kr.shape[0]
+    k = (x @ w_kr.T)[:, None]
+    inv_freq = theta ** (-torch.arange(0, d_r, 2, dtype=torch.float32) / 128)
+    angles = positions.float()[:, None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    k1, k2 = k.chunk(2, dim=-1)
+    return k * angles.cos() + torch.cat([-k2, k1], dim=-1) * angles.sin()
+""",
+        "theta^(-2i/d_R)",
+    ),
+    (
+        "06_mla.ipynb",
+        "shared_rotary_key",
+        """
+def shared_rotary_key(x, w_kr, positions, theta):  # no head axis
+    d_r = w_kr.shape[0]
+    k = x @ w_kr.T
+    inv_freq = theta ** (-torch.arange(0, d_r, 2, dtype=torch.float32) / d_r)
+    angles = positions.float()[:, None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    k1, k2 = k.chunk(2, dim=-1)
+    return k * angles.cos() + torch.cat([-k2, k1], dim=-1) * angles.sin()
+""",
+        "a head axis of 1",
+    ),
 ]
 
 

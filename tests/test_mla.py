@@ -163,3 +163,156 @@ def test_mla_config_round_trips_and_refuses_what_it_cannot_run(tmp_path):
         ModelConfig(kv_lora_rank=32, qk_rope_head_dim=8)
     with pytest.raises(ValueError, match="qk_rope_head_dim: RoPE needs an even dimension, got 7"):
         ModelConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=7, v_head_dim=12)
+
+
+# --- costs, conversion, the recorded sweep ------------------------------------------------------
+
+
+def counted_attention_flops(absorb: bool, t: int, s: int) -> int:
+    """torch's FLOP counter on one MLA layer computing t new tokens over s, minus the projections
+    that attention_cost leaves out."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    attn = mla_model().model.layers[0].self_attn.requires_grad_(False)
+    attn.absorb = absorb
+    x, cos, sin, mask = layer_inputs(torch.float32, t=s)
+    x, cos, sin = x[:1], cos[:1], sin[:1]
+    cache = LatentCache(2) if absorb else DynamicCache(2)
+    past = slice(0, s - t)
+    attn(x[:, past], cos[:, past], sin[:, past], mask[:, past, past], cache)
+    with FlopCounterMode(display=False) as counter:
+        attn(x[:, s - t :], cos[:, s - t :], sin[:, s - t :], mask[:, s - t :], cache)
+    n, d_model = 4, MLA.hidden_size
+    projections = 2 * t * d_model * (n * (16 + 8) + 32 + 8 + n * 12)
+    return counter.get_total_flops() - projections
+
+
+@pytest.mark.parametrize("t,s", [(1, 9), (4, 9), (9, 9)])
+def test_attention_cost_counts_what_the_layer_computes(t, s):
+    from kvlib.mla import attention_cost
+
+    assert attention_cost(MLA, t, s, "absorbed")["flops"] == counted_attention_flops(True, t, s)
+    naive = attention_cost(MLA, t, s, "expanded_cache")["flops"]
+    assert naive == counted_attention_flops(False, t, s)
+    if t == s:  # a whole prefill: the naive layer expands every token, as "expanded" does
+        assert attention_cost(MLA, t, s, "expanded")["flops"] == naive
+    assert attention_cost(MLA, t, s, "absorbed", dtype_bytes=4)["bytes_read"] == s * 40 * 4
+    assert attention_cost(MLA, t, s, "expanded_cache")["bytes_read"] == s * 4 * (16 + 8 + 12) * 2
+
+
+def test_attention_cost_and_crossover_validate_and_agree():
+    from kvlib.mla import absorption_crossover, attention_cost
+
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        attention_cost(MLA, 1, 4, "fused")
+    with pytest.raises(ValueError, match="context_tokens: expected at least query_tokens=5"):
+        attention_cost(MLA, 5, 4, "absorbed")
+    with pytest.raises(ValueError, match="config: expected an MLA config"):
+        attention_cost(TINY_MHA, 1, 4, "absorbed")
+    s = 300
+    t = absorption_crossover(MLA, s)
+    cost = lambda t, mode: attention_cost(MLA, t, s, mode)["flops"]  # noqa: E731
+    assert 1 < t <= s
+    assert cost(t, "expanded") <= cost(t, "absorbed") and cost(t - 1, "expanded") > cost(
+        t - 1, "absorbed"
+    )
+
+
+TINY_MHA = ModelConfig(
+    vocab_size=128,  # the course data's vocabulary
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+)
+
+
+def test_decoupled_rope_dims_rotate_exactly_as_the_full_head_did():
+    from kvlib.mla import decoupled_rope_dims
+
+    d, d_r = 32, 8
+    nope, rope = decoupled_rope_dims(d, d_r)
+    assert sorted(nope + rope) == list(range(d)) and len(rope) == d_r
+    x = torch.randn(1, 2, 20, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(20)[None]
+    full = apply_rope(x, *rope_cos_sin(positions, d, 10000.0))
+    decoupled = apply_rope(x[..., rope], *rope_cos_sin(positions, d_r, 10000.0))
+    assert_close(decoupled, full[..., rope], name="kept dimensions", rtol=1e-12, atol=1e-12)
+    with pytest.raises(
+        ValueError, match="rope_dim: expected an even divisor of head_dim 32, got 12"
+    ):
+        decoupled_rope_dims(32, 12)
+
+
+def test_conversion_keeps_queries_and_factorises_keys_and_values():
+    """At full rank the latent reproduces every head's content keys and values; queries are
+    permuted, not changed; the rotary key is the heads' mean."""
+    from kvlib.mla import convert_to_mla, decoupled_rope_dims
+
+    mha = tiny_model(TINY_MHA, 0).double()
+    mla = convert_to_mla(mha, 64, 8)  # 64 = d_model: lossless
+    nope, rope = decoupled_rope_dims(16, 8)
+    x = torch.randn(50, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for old, new in zip(mha.model.layers, mla.model.layers, strict=True):
+        old, new = old.self_attn, new.self_attn
+        q_old = old.q_proj(x).view(50, 4, 16)
+        q_new = new.q_proj(x).view(50, 4, 16)
+        permuted = torch.cat([q_old[..., nope], q_old[..., rope]], -1)
+        assert_close(q_new, permuted, name="queries", rtol=1e-12, atol=1e-12)
+        latent, rope_key = new.kv_a_proj_with_mqa(x).split([64, 8], dim=-1)
+        k_old, v_old = old.k_proj(x).view(50, 4, 16), old.v_proj(x).view(50, 4, 16)
+        expanded = new.kv_b_proj(latent).view(50, 4, 8 + 16)
+        assert_close(expanded[..., :8], k_old[..., nope], name="content keys", rtol=1e-9, atol=1e-9)
+        assert_close(expanded[..., 8:], v_old, name="values", rtol=1e-9, atol=1e-9)
+        assert_close(rope_key, k_old[..., rope].mean(1), name="rotary key", rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="model: expected multi-head attention"):
+        convert_to_mla(mla, 32, 8)
+    with pytest.raises(ValueError, match="kv_lora_rank: expected at most 96"):
+        convert_to_mla(mha, 97, 8)
+
+
+def test_uptraining_point_validates_attention():
+    from kvlib.mla import uptraining_point
+
+    with pytest.raises(ValueError, match="attention: expected 'MLA' with a kv_lora_rank"):
+        uptraining_point("MLA", 0.0)
+    with pytest.raises(ValueError, match="attention: expected 'MLA' with a kv_lora_rank"):
+        uptraining_point("GQA-4", 0.0)
+
+
+def test_recorded_mla_sweep_is_complete_and_reproduced():
+    """CI recomputes points of `results/mla_uptraining.csv` (`python -m kvlib.mla uptraining`):
+    a conversion without uptraining, which must match to round-off, one short uptraining run,
+    within what another CPU's reduction order can move it, and the shipped checkpoint, which must
+    evaluate to its row."""
+    import csv
+    from pathlib import Path
+
+    from kvlib.mla import load_course_mla_model, sweep_points, uptraining_point
+    from kvlib.train import evaluate
+
+    with (Path(__file__).resolve().parents[1] / "results" / "mla_uptraining.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    keys = [(r["attention"], float(r["alpha"]), int(r["kv_lora_rank"] or 0) or None) for r in rows]
+    assert keys == sweep_points()
+    by_key = dict(zip(keys, rows, strict=True))
+
+    def matches(loss, recall, recorded, loss_tol, recall_tol):
+        assert abs(float(recorded["heldout_loss"]) - loss) <= loss_tol
+        for distance in (8, 64, 240):
+            assert abs(float(recorded[f"recall_{distance}"]) - recall[distance]) <= recall_tol
+
+    for key, loss_tol, recall_tol in [
+        (("MLA", 0.0, 112), 1e-4, 0.02),
+        (("MLA", 0.01, 48), 0.01, 0.1),
+    ]:
+        fresh = uptraining_point(key[0], key[1], kv_lora_rank=key[2])
+        recorded = by_key[key]
+        assert int(recorded["uptrain_steps"]) == fresh["uptrain_steps"]
+        assert int(recorded["kv_bytes_per_token"]) == fresh["kv_bytes_per_token"]
+        recall = {d: fresh[f"recall_{d}"] for d in (8, 64, 240)}
+        matches(fresh["heldout_loss"], recall, recorded, loss_tol, recall_tol)
+    shipped = evaluate(load_course_mla_model())
+    recorded = by_key[("MLA", 0.25, 112)]
+    matches(shipped["heldout_loss"], shipped["recall_accuracy"], recorded, 1e-4, 0.02)

@@ -1,0 +1,138 @@
+"""Chapter 6's graded questions: the absorbed MLA score, latent cache bytes, and the shared rotary
+key. Oracles: kvlib's own implementations, imported before the grader blocks them."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlib.course.bench import torch_allocated_bytes
+from kvlib.course.grading import Submission, question
+from kvlib.memory import kv_cache_bytes
+from kvlib.model import apply_rope, rope_cos_sin
+from kvlib.testing import assert_close
+
+
+def _score_inputs(batch, heads, queries, keys, d_h, d_r, d_c, seed):
+    g = torch.Generator().manual_seed(seed)
+    q_nope = torch.randn(batch, heads, queries, d_h, generator=g)
+    q_rope = torch.randn(batch, heads, queries, d_r, generator=g)
+    w_uk = torch.randn(heads, d_h, d_c, generator=g) / d_c**0.5
+    latent = torch.randn(batch, keys, d_c, generator=g)
+    rope_key = torch.randn(batch, keys, d_r, generator=g)
+    return q_nope, q_rope, w_uk, latent, rope_key
+
+
+def _expanded_scores(q_nope, q_rope, w_uk, latent, rope_key):
+    """DeepSeek-V2's eq. (17)-(18) written out: every head's keys up-projected, then dotted."""
+    k_nope = torch.einsum("hdc,bsc->bhsd", w_uk.double(), latent.double())  # (B, H, S, d_h)
+    scores = q_nope.double() @ k_nope.transpose(-1, -2)
+    scores = scores + q_rope.double() @ rope_key.double()[:, None].transpose(-1, -2)
+    return scores / (q_nope.shape[-1] + q_rope.shape[-1]) ** 0.5
+
+
+@question(function="absorbed_scores")
+def test_absorbed_scores(submission: Submission) -> None:
+    absorbed_scores = submission.function("absorbed_scores")
+    for batch, heads, queries, keys, d_h, d_r, d_c in (
+        (1, 2, 1, 5, 4, 2, 6),  # decode
+        (2, 4, 3, 3, 8, 4, 16),  # prefill
+        (1, 3, 2, 7, 6, 2, 10),  # a chunk after 5 cached tokens
+    ):
+        inputs = _score_inputs(batch, heads, queries, keys, d_h, d_r, d_c, seed=keys)
+        got = absorbed_scores(*inputs)
+        assert isinstance(got, torch.Tensor), (
+            f"absorbed_scores should return a torch.Tensor, got {type(got).__name__}"
+        )
+        assert tuple(got.shape) == (batch, heads, queries, keys), (
+            f"with B={batch}, H={heads}, T={queries}, S={keys}: expected scores of shape "
+            f"{(batch, heads, queries, keys)}, got {tuple(got.shape)}"
+        )
+        assert_close(
+            got.double(),
+            _expanded_scores(*inputs),
+            name=f"absorbed scores with H={heads}, d_h={d_h}, d_R={d_r}, d_c={d_c} (content part "
+            "(W_UK,iᵀ q_C) · c_KV plus rotary part q_R · k_R, scaled by 1/sqrt(d_h + d_R))",
+            rtol=1e-4,
+            atol=1e-5,
+        )
+    # decode over a long cache: the point of absorption is never to build per-head keys
+    heads, keys, d_h, d_r, d_c = 16, 4096, 64, 16, 128
+    inputs = _score_inputs(1, heads, 1, keys, d_h, d_r, d_c, seed=0)
+    expanded = heads * keys * d_h * 4
+    allocated = torch_allocated_bytes(lambda: absorbed_scores(*inputs))
+    assert allocated < expanded // 4, (
+        f"with H={heads}, S={keys}, d_h={d_h}, d_c={d_c} your function allocated "
+        f"{allocated / 2**20:.1f} MiB; the up-projected keys of every head take "
+        f"{expanded / 2**20:.0f} MiB: fold W_UK into the query instead (W_UK,iᵀ q_C,i, once per "
+        "query) and dot it with the cached latents"
+    )
+
+
+_LATENT_CONFIGS = [
+    # (config, seq_len, batch_size)
+    ({"num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+      "torch_dtype": "bfloat16"}, 4096, 1),
+    ({"num_hidden_layers": 60, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+      "torch_dtype": "bfloat16"}, 128 * 1024, 8),
+    ({"num_hidden_layers": 27, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+      "torch_dtype": "float32"}, 1000, 3),
+    ({"num_hidden_layers": 4, "kv_lora_rank": 112, "qk_rope_head_dim": 16,
+      "torch_dtype": "float32"}, 256, 16),
+]  # fmt: skip
+
+
+@question(
+    function="latent_cache_bytes",
+    blocked=("kvlib.memory.kv_cache_bytes", "kvlib.memory.kv_bytes_per_token"),
+)
+def test_latent_cache_bytes(submission: Submission) -> None:
+    latent_cache_bytes = submission.function("latent_cache_bytes")
+    for config, seq_len, batch_size in _LATENT_CONFIGS:
+        expected = kv_cache_bytes(
+            {**config, "model_type": "deepseek_v2"}, seq_len, batch_size=batch_size
+        )
+        got = latent_cache_bytes(dict(config), seq_len, batch_size)
+        assert isinstance(got, int) and not isinstance(got, bool), (
+            f"latent_cache_bytes should return an int, got {type(got).__name__} {got!r}"
+        )
+        fields = ", ".join(f"{k}={v}" for k, v in config.items())
+        assert got == expected, (
+            f"for {fields}, {batch_size} sequences of {seq_len} tokens: expected {expected:,} "
+            f"bytes (one row of kv_lora_rank + qk_rope_head_dim values per token per layer, "
+            f"whatever the number of heads), got {got:,}"
+        )
+
+
+@question(
+    function="shared_rotary_key",
+    blocked=("kvlib.model.apply_rope", "kvlib.model.rope_cos_sin"),
+)
+def test_shared_rotary_key(submission: Submission) -> None:
+    shared_rotary_key = submission.function("shared_rotary_key")
+    g = torch.Generator().manual_seed(3)
+    for batch, tokens, d_model, d_r, start, theta in (
+        (1, 4, 8, 4, 0, 10000.0),
+        (2, 6, 16, 8, 0, 10000.0),
+        (1, 3, 12, 6, 37, 500000.0),  # a chunk starting at position 37
+    ):
+        x = torch.randn(batch, tokens, d_model, generator=g)
+        w_kr = torch.randn(d_r, d_model, generator=g) / d_model**0.5
+        positions = torch.arange(start, start + tokens)
+        cos, sin = rope_cos_sin(positions.expand(batch, tokens), d_r, theta)
+        expected = apply_rope((x @ w_kr.T)[:, None], cos, sin)  # (B, 1, T, d_R)
+        got = shared_rotary_key(x, w_kr, positions, theta)
+        assert isinstance(got, torch.Tensor), (
+            f"shared_rotary_key should return a torch.Tensor, got {type(got).__name__}"
+        )
+        assert tuple(got.shape) == tuple(expected.shape), (
+            f"with B={batch}, T={tokens}, d_R={d_r}: expected shape {tuple(expected.shape)} (one "
+            f"rotary key per token, shared by all heads: a head axis of 1), got {tuple(got.shape)}"
+        )
+        assert_close(
+            got,
+            expected,
+            name=f"the rotary key with d_R={d_r}, positions {start}..{start + tokens - 1}, "
+            f"theta={theta:g} (frequencies theta^(-2i/d_R); dimension i pairs with i + d_R/2)",
+            rtol=1e-4,
+            atol=1e-5,
+        )
