@@ -3,8 +3,10 @@
 - `base.KVCache`: what the model needs of a cache (the attention seam);
 - `dense.DynamicCache`, `dense.StaticCache`: contiguous `(B, H_kv, S, D)` caches (chapter 2);
 - `latent.LatentCache`: MLA's cache of latent rows `[c_KV, k_R]` (chapter 6);
-- `block_table.shuffled_block_tables`: block tables from a stand-in allocator, for the paged
-  decode kernel of chapter 11 until chapter 7's block pool.
+- `block_pool.BlockPool`, `block_pool.BlockManager`: the paged cache's reference-counted block
+  allocator with prefix caching and copy-on-write, and its per-sequence block tables (chapter 7);
+- `block_table.shuffled_block_tables`: block tables scattered by a busy allocator, for the paged
+  decode kernel of chapter 11.
 
 Later chapters add a module here each (paged, evicting, quantized) and plug it in; the model's
 layers do not change.

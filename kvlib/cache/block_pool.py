@@ -1,0 +1,370 @@
+"""The block allocator of a paged KV cache (chapter 7): a pool of reference-counted blocks with
+prefix caching, and the per-sequence block tables built on it.
+
+PagedAttention (Kwon et al., 2023, "Efficient Memory Management for Large Language Model Serving
+with PagedAttention", SOSP) stores the cache in fixed-size physical blocks of `block_size` token
+slots. A sequence's **block table** lists its blocks in logical order: token `t` lives in block
+`block_table[t // block_size]`, slot `t % block_size`, so its **slot** in the flattened pool is
+`block_table[t // block_size] * block_size + t % block_size` (the **slot mapping**). Blocks are
+only allocated as tokens arrive, so a sequence wastes at most one partly filled block.
+
+Two layers, named as vLLM v1 (`block_pool.py`, `kv_cache_manager.py`) and nano-vllm
+(`block_manager.py`) name them:
+
+- `BlockPool`: the blocks (`block_id`, `ref_cnt`, `block_hash`), a free queue, and the prefix
+  cache (block hash -> block). `allocate` takes blocks off the free queue's front, `touch` shares
+  blocks (reference count up), `free` gives a reference back; a block whose count reaches 0 goes
+  to the back of the free queue, **still holding its K/V and its hash**, so a later request with
+  the same prefix can take it back (`touch`) until it is evicted by an allocation: least
+  recently freed first (LRU).
+- `BlockManager`: sequences. `allocate(seq_id, token_ids)` gives a new sequence its blocks, reusing
+  cached full blocks of its prefix; `append_slot` adds one token (a new block when the last one is
+  full; **copy-on-write** when the last block is shared); `fork` shares a sequence's blocks with a
+  new one (parallel sampling, beam search); `free` releases a sequence.
+
+**Prefix caching.** A full block's hash covers its parent block's hash and its own tokens
+(`hash_block_tokens`), so equal hashes mean equal prefixes, not merely equal blocks. The hash is
+SHA-256, a cryptographic hash: vLLM moved to it after a security advisory showed that predictable
+hashes let one tenant craft a prompt whose blocks collide with another tenant's prefix and read its
+cached K/V. With SHA-256 a collision cannot be crafted and is vanishingly unlikely by chance, so
+the token ids are not compared again on a hit. Only full blocks are hashed (a partly filled block
+still changes), and a hit covers at most `n - 1` of a prompt's `n` tokens: the last token must be
+computed, because its logits are what the request needs (nano-vllm crashed on a full hit).
+
+Running out of blocks is a value the caller can act on (`can_allocate`, `num_free_blocks`);
+allocating anyway raises `kvlib.errors.OutOfBlocksError`, never a sentinel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from kvlib._validate import check_positive_int
+from kvlib.errors import OutOfBlocksError
+
+__all__ = ["Block", "BlockManager", "BlockPool", "hash_block_tokens"]
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """The prefix-cache key of a full block: SHA-256 of the parent block's hash (b"" for the first
+    block) followed by the block's token ids (each an unsigned 64-bit little-endian integer).
+    Returns 32 bytes. Chaining the parent's hash makes the key depend on the whole prefix."""
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(struct.pack(f"<{len(token_ids)}Q", *token_ids))
+    return digest.digest()
+
+
+@dataclasses.dataclass
+class Block:
+    """One physical block: `ref_cnt` sequences hold it; `block_hash` is set once it is full and
+    cached (None otherwise)."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    """`num_blocks` blocks of `block_size` slots, a free queue and a prefix cache.
+
+    Raises (from the methods): `OutOfBlocksError` when an allocation needs more blocks than are
+    free; `ValueError` for an unknown block id, a block freed more often than it was taken (a
+    double free), or a hash given to a block nobody holds.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+        self.num_blocks = check_positive_int("num_blocks", num_blocks)
+        self.block_size = check_positive_int("block_size", block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # free blocks, least recently freed first; values unused (an ordered set)
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[bytes, int] = {}  # block hash -> block id
+        self.evictions = 0  # cached blocks whose K/V an allocation overwrote
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (some may still be cached for prefix hits)."""
+        return len(self.free_queue)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self.free_queue)
+
+    def _check_ids(self, block_ids: Iterable[int]) -> list[int]:
+        ids = list(block_ids)
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_blocks:
+                raise ValueError(f"block_ids: expected ids in [0, {self.num_blocks}), got {i!r}")
+        return ids
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` blocks off the front of the free queue (least recently freed first),
+        evicting any cached content they hold; each gets `ref_cnt` 1. Returns their ids.
+
+        Raises:
+            OutOfBlocksError: fewer than `num_blocks` blocks are free (nothing is taken).
+        """
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"num_blocks: expected an int >= 0, got {num_blocks!r}")
+        if num_blocks > len(self.free_queue):
+            raise OutOfBlocksError(
+                f"allocate: {num_blocks} blocks needed, {len(self.free_queue)} of "
+                f"{self.num_blocks} free"
+            )
+        taken = []
+        for _ in range(num_blocks):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict: its K/V is about to be overwritten
+                if self.cached_blocks.get(block.block_hash) == block_id:
+                    del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+                self.evictions += 1
+            block.ref_cnt = 1
+            taken.append(block_id)
+        return taken
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Share blocks: each `ref_cnt` goes up by one; a cached free block leaves the free queue
+        (a prefix-cache hit brings it back to life)."""
+        for block_id in self._check_ids(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self.free_queue[block_id]
+            block.ref_cnt += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Give back one reference to each block; a block nobody holds any more joins the back of
+        the free queue, keeping its hash (and its K/V) for later prefix hits.
+
+        Raises:
+            ValueError: a block whose `ref_cnt` is already 0 (a double free); nothing is freed.
+        """
+        ids = self._check_ids(block_ids)
+        taken: dict[int, int] = {}
+        for block_id in ids:
+            taken[block_id] = taken.get(block_id, 0) + 1
+        for block_id, count in taken.items():
+            if self.blocks[block_id].ref_cnt < count:
+                raise ValueError(
+                    f"block_ids: block {block_id} freed {count} time(s) but held "
+                    f"{self.blocks[block_id].ref_cnt} time(s): a double free"
+                )
+        for block_id in ids:
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block_id] = None
+
+    def cache_full_block(self, block_id: int, block_hash: bytes) -> None:
+        """Register a full block under `block_hash` for prefix hits (no-op with prefix caching
+        off). If another block already holds that hash, the first one stays the one hits find.
+
+        Raises:
+            ValueError: the block is free (its content is not anyone's).
+        """
+        (block_id,) = self._check_ids([block_id])
+        if not self.enable_prefix_caching:
+            return
+        block = self.blocks[block_id]
+        if block.ref_cnt == 0:
+            raise ValueError(f"block_id: block {block_id} is free; only a held block is cached")
+        block.block_hash = block_hash
+        self.cached_blocks.setdefault(block_hash, block_id)
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The block cached under `block_hash`, or None (always None with prefix caching off)."""
+        return self.cached_blocks.get(block_hash) if self.enable_prefix_caching else None
+
+
+class BlockManager:
+    """Block tables of the sequences of a batch, over a `BlockPool`.
+
+    Per sequence (a hashable `seq_id`): its block table (physical block ids in logical order), its
+    token count, its token ids (what the prefix-cache hashes cover) and the hashes of its full
+    blocks. `slot(seq_id, t)` is the slot mapping.
+
+    Raises (from the methods): `OutOfBlocksError` when the pool runs out (the call changes
+    nothing); `KeyError` for an unknown sequence; `ValueError` for a sequence id already in use, an
+    empty prompt, or a token position the sequence does not hold.
+    """
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.block_tables: dict[object, list[int]] = {}
+        self.token_ids: dict[object, list[int]] = {}
+        self.block_hashes: dict[object, list[bytes]] = {}  # of the sequence's full blocks
+        self.prefix_hits = 0  # tokens whose K/V came from the prefix cache
+        self.copies: list[tuple[int, int]] = []  # (src, dst) block copies owed to copy-on-write
+
+    def num_tokens(self, seq_id) -> int:
+        return len(self.token_ids[seq_id])
+
+    def _new_id(self, seq_id) -> None:
+        if seq_id in self.block_tables:
+            raise ValueError(f"seq_id: {seq_id!r} is already allocated")
+
+    def num_cached_prefix_blocks(self, token_ids: Sequence[int]) -> tuple[int, list[int]]:
+        """How many of `token_ids`' leading full blocks the prefix cache holds, capped so that at
+        least the last token is left to compute; returns (number of tokens covered, block ids)."""
+        hits, parent = [], None
+        usable = (len(token_ids) - 1) // self.block_size  # never the whole prompt
+        for i in range(usable):
+            parent = hash_block_tokens(
+                parent, token_ids[i * self.block_size : (i + 1) * self.block_size]
+            )
+            block_id = self.pool.lookup(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return len(hits) * self.block_size, hits
+
+    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+        """Whether `allocate` would succeed now (counting cached blocks it would reuse)."""
+        covered, hits = self.num_cached_prefix_blocks(token_ids)
+        needed = -(-len(token_ids) // self.block_size) - len(hits)
+        revived = sum(self.pool.blocks[b].ref_cnt == 0 for b in hits)  # leave the free queue
+        return needed <= self.pool.num_free_blocks - revived
+
+    def allocate(self, seq_id, token_ids: Sequence[int]) -> int:
+        """Give a new sequence blocks for its prompt `token_ids`, reusing cached blocks of its
+        prefix (at most len - 1 tokens). Returns how many leading tokens' K/V are already cached
+        (a multiple of block_size): the caller computes only the rest.
+
+        Raises:
+            OutOfBlocksError: not enough free blocks (nothing is allocated).
+        """
+        self._new_id(seq_id)
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            raise ValueError("token_ids: expected at least one token")
+        if not self.can_allocate(token_ids):
+            raise OutOfBlocksError(
+                f"allocate: sequence {seq_id!r} needs blocks for {len(token_ids)} tokens, "
+                f"{self.pool.num_free_blocks} of {self.pool.num_blocks} blocks free"
+            )
+        covered, hits = self.num_cached_prefix_blocks(token_ids)
+        self.pool.touch(hits)
+        fresh = self.pool.allocate(-(-len(token_ids) // self.block_size) - len(hits))
+        self.block_tables[seq_id] = hits + fresh
+        self.token_ids[seq_id] = token_ids
+        self.block_hashes[seq_id] = []
+        self._hash_full_blocks(seq_id)
+        self.prefix_hits += covered
+        return covered
+
+    def _hash_full_blocks(self, seq_id) -> None:
+        """Hash and cache every full block of the sequence not hashed yet."""
+        tokens, hashes = self.token_ids[seq_id], self.block_hashes[seq_id]
+        table = self.block_tables[seq_id]
+        while (len(hashes) + 1) * self.block_size <= len(tokens):
+            i = len(hashes)
+            block_hash = hash_block_tokens(
+                hashes[-1] if hashes else None,
+                tokens[i * self.block_size : (i + 1) * self.block_size],
+            )
+            hashes.append(block_hash)
+            self.pool.cache_full_block(table[i], block_hash)
+
+    def append_slot(self, seq_id, token_id: int) -> int:
+        """Add one token to a sequence; return its slot. Allocates a block when the last one is
+        full. **Copy-on-write**: if the last block is partly filled and shared (ref_cnt > 1), the
+        sequence gets a private copy first; the (src, dst) pair is appended to `copies`, for the
+        cache to copy the K/V of the slots already written.
+
+        Raises:
+            OutOfBlocksError: a block is needed and none is free (the sequence is unchanged).
+        """
+        table, tokens = self.block_tables[seq_id], self.token_ids[seq_id]
+        position = len(tokens)
+        if position % self.block_size == 0:  # every block full (or none): a new one
+            table.extend(self.pool.allocate(1))
+        else:
+            last = table[-1]
+            if self.pool.blocks[last].ref_cnt > 1:
+                (copy,) = self.pool.allocate(1)
+                self.pool.free([last])
+                table[-1] = copy
+                self.copies.append((last, copy))
+        tokens.append(int(token_id))
+        self._hash_full_blocks(seq_id)
+        return self.slot(seq_id, position)
+
+    def fork(self, parent_id, child_id) -> None:
+        """A new sequence sharing all of `parent_id`'s blocks (each `ref_cnt` + 1): parallel
+        sampling and beam search. Its first append into a shared partial block copies it."""
+        self._new_id(child_id)
+        table = self.block_tables[parent_id]
+        self.pool.touch(table)
+        self.block_tables[child_id] = list(table)
+        self.token_ids[child_id] = list(self.token_ids[parent_id])
+        self.block_hashes[child_id] = list(self.block_hashes[parent_id])
+
+    def free(self, seq_id) -> None:
+        """Release a sequence: its blocks are freed last block first, so that the free queue
+        evicts a prefix's tail before its head (vLLM's order)."""
+        table = self.block_tables.pop(seq_id)
+        del self.token_ids[seq_id], self.block_hashes[seq_id]
+        self.pool.free(reversed(table))
+
+    def slot(self, seq_id, position: int) -> int:
+        """The slot of token `position`: block_table[t // block_size] * block_size + t % block_size.
+
+        Raises:
+            ValueError: the sequence does not hold that position.
+        """
+        n = len(self.token_ids[seq_id])
+        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < n:
+            raise ValueError(f"position: expected an int in [0, {n}), got {position!r}")
+        block = self.block_tables[seq_id][position // self.block_size]
+        return block * self.block_size + position % self.block_size
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError (naming the broken rule) unless:
+
+        1. every block's `ref_cnt` equals the number of block-table entries holding it (so the sum
+           of reference counts equals the references the tables hold);
+        2. the free queue holds exactly the blocks with `ref_cnt` 0, each once: free and used are
+           disjoint and together cover the pool;
+        3. only blocks that are full in some sequence, or free and cached, carry a hash, and the
+           prefix cache maps each hash to a block that carries it;
+        4. every sequence has exactly ceil(tokens / block_size) blocks.
+        """
+        pool = self.pool
+        held = [0] * pool.num_blocks
+        for table in self.block_tables.values():
+            for block_id in table:
+                held[block_id] += 1
+        for block in pool.blocks:
+            assert block.ref_cnt == held[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but {held[block.block_id]} "
+                "block-table references"
+            )
+        free = [b.block_id for b in pool.blocks if b.ref_cnt == 0]
+        assert sorted(pool.free_queue) == free, (
+            f"free queue {sorted(pool.free_queue)} != blocks with ref_cnt 0 {free}"
+        )
+        full = {
+            table[i]
+            for seq_id, table in self.block_tables.items()
+            for i in range(len(self.token_ids[seq_id]) // self.block_size)
+        }
+        for block in pool.blocks:
+            if block.block_hash is not None:
+                assert block.block_id in full or block.ref_cnt == 0, (
+                    f"block {block.block_id} is hashed but not full in any sequence"
+                )
+        for block_hash, block_id in pool.cached_blocks.items():
+            assert pool.blocks[block_id].block_hash == block_hash, (
+                f"the prefix cache maps a hash to block {block_id}, which does not carry it"
+            )
+        for seq_id, table in self.block_tables.items():
+            needed = -(-len(self.token_ids[seq_id]) // self.block_size)
+            assert len(table) == needed, (
+                f"sequence {seq_id!r}: {len(table)} blocks for {len(self.token_ids[seq_id])} tokens"
+            )
