@@ -13,19 +13,25 @@ from __future__ import annotations
 import torch
 
 from kvlib._validate import check_positive_int
-from kvlib.cache import DynamicCache, StaticCache
+from kvlib.cache import DynamicCache, PagedCache, StaticCache
 
 
-def _new_cache(model, kind, batch_size: int, max_seq_len: int):
+def _new_cache(model, kind, batch_size: int, max_seq_len: int, num_copies: int, block_size: int):
+    """A cache for `batch_size` prompts of up to `max_seq_len` tokens, each of which may be copied
+    `num_copies` times (beams)."""
     if kind == "dynamic":
         return DynamicCache(model.config.num_hidden_layers)
     if kind == "static":
         return StaticCache.for_model(model, batch_size, max_seq_len)
+    if kind == "paged":
+        return PagedCache.for_model(
+            model, batch_size * num_copies, max_seq_len, block_size=block_size
+        )
     if callable(kind):
         return kind(model, batch_size, max_seq_len)
     raise ValueError(
-        "cache: expected 'dynamic', 'static' or a factory(model, batch_size, max_seq_len), got "
-        f"{kind!r}"
+        "cache: expected 'dynamic', 'static', 'paged' or a factory(model, batch_size, "
+        f"max_seq_len), got {kind!r}"
     )
 
 
@@ -74,6 +80,7 @@ def generate(
     generator: torch.Generator | None = None,
     num_beams: int = 1,
     prefill_chunk_size: int | None = None,
+    block_size: int = 16,
 ) -> torch.Tensor:
     """Generate `max_new_tokens` tokens after each prompt.
 
@@ -83,13 +90,16 @@ def generate(
         max_new_tokens: N >= 1.
         attention_mask: (B, T) 1 for prompt tokens, 0 for padding; default all 1.
         use_cache: False re-encodes the whole sequence every step (the naive path).
-        cache: "dynamic" (torch.cat per step), "static" (preallocated, B x (T + N)), or a callable
-            `factory(model, batch_size, max_seq_len)` returning any `kvlib.cache.KVCache`.
+        cache: "dynamic" (torch.cat per step), "static" (preallocated, B x (T + N)), "paged"
+            (`kvlib.cache.PagedCache`: blocks of `block_size` tokens, beams sharing blocks), or a
+            callable `factory(model, batch_size, max_seq_len)` returning any
+            `kvlib.cache.KVCache`.
         temperature: 0 for greedy; > 0 samples from softmax(logits / temperature).
         top_k: sample among the k most likely tokens only.
         generator: a torch.Generator, for reproducible sampling.
         num_beams: > 1 for beam search (greedy scoring by total log-probability).
         prefill_chunk_size: prefill the prompt in chunks of this many tokens.
+        block_size: token slots per block of the paged cache.
     Returns:
         (B, T + N) int64: the prompts followed by the generated tokens.
     Raises:
@@ -106,6 +116,7 @@ def generate(
     num_beams = check_positive_int("num_beams", num_beams)
     if prefill_chunk_size is not None:
         check_positive_int("prefill_chunk_size", prefill_chunk_size)
+    check_positive_int("block_size", block_size)
     if temperature < 0:
         raise ValueError(f"temperature: expected >= 0, got {temperature}")
     b, t = input_ids.shape
@@ -137,9 +148,10 @@ def generate(
             use_cache,
             cache,
             prefill_chunk_size,
+            block_size,
         )
 
-    kv = _new_cache(model, cache, b, t + max_new_tokens) if use_cache else None
+    kv = _new_cache(model, cache, b, t + max_new_tokens, 1, block_size) if use_cache else None
     logits = _prefill(model, input_ids, attention_mask, kv, prefill_chunk_size)
     tokens, mask = input_ids, attention_mask
     for step in range(max_new_tokens):
@@ -159,11 +171,23 @@ def generate(
 
 
 def _beam_search(
-    model, input_ids, attention_mask, max_new_tokens, num_beams, use_cache, cache_kind, chunk_size
+    model,
+    input_ids,
+    attention_mask,
+    max_new_tokens,
+    num_beams,
+    use_cache,
+    cache_kind,
+    chunk_size,
+    block_size,
 ):
     """Beam search by total log-probability; returns the best beam of each prompt (B, T + N)."""
     b, t = input_ids.shape
-    kv = _new_cache(model, cache_kind, b, t + max_new_tokens) if use_cache else None
+    kv = (
+        _new_cache(model, cache_kind, b, t + max_new_tokens, num_beams, block_size)
+        if use_cache
+        else None
+    )
     # (B, V): one prefill per prompt
     logits = _prefill(model, input_ids, attention_mask, kv, chunk_size)
     if kv is not None:

@@ -321,8 +321,10 @@ def test_forward_and_generate_validate():
         model(torch.zeros(1, 3))
     with pytest.raises(ValueError, match=r"attention_mask: expected shape \(2, 9\)"):
         generate(model, prompts(), 3, attention_mask=torch.ones(2, 8, dtype=torch.int64))
-    with pytest.raises(ValueError, match="cache: expected 'dynamic', 'static' or a factory"):
-        generate(model, prompts(), 3, cache="paged")
+    with pytest.raises(ValueError, match="cache: expected 'dynamic', 'static', 'paged' or a fac"):
+        generate(model, prompts(), 3, cache="blocks")
+    with pytest.raises(ValueError, match="block_size: expected an int >= 1, got 0"):
+        generate(model, prompts(), 3, cache="paged", block_size=0)
     with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 1, got 0"):
         generate(model, prompts(), 0)
 

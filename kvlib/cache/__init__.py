@@ -5,6 +5,8 @@
 - `latent.LatentCache`: MLA's cache of latent rows `[c_KV, k_R]` (chapter 6);
 - `block_pool.BlockPool`, `block_pool.BlockManager`: the paged cache's reference-counted block
   allocator with prefix caching and copy-on-write, and its per-sequence block tables (chapter 7);
+- `paged.PagedCache`: K/V in blocks `(num_blocks, block_size, H_kv, D)` per layer, written through
+  the slot mapping and read by paged attention (chapter 7);
 - `block_table.shuffled_block_tables`: block tables scattered by a busy allocator, for the paged
   decode kernel of chapter 11.
 
@@ -15,5 +17,6 @@ layers do not change.
 from kvlib.cache.base import KVCache
 from kvlib.cache.dense import DynamicCache, StaticCache
 from kvlib.cache.latent import LatentCache
+from kvlib.cache.paged import PagedCache
 
-__all__ = ["DynamicCache", "KVCache", "LatentCache", "StaticCache"]
+__all__ = ["DynamicCache", "KVCache", "LatentCache", "PagedCache", "StaticCache"]

@@ -1,0 +1,263 @@
+"""The paged KV cache (chapter 7): K/V in fixed-size blocks of one pool per layer, addressed
+through per-sequence block tables (PagedAttention; Kwon et al., 2023, SOSP).
+
+Layout per layer: `key_cache`, `value_cache` of shape `(num_blocks, block_size, H_kv, D)` (vLLM's,
+and chapter 11's kernel's). A step's new tokens are written through the **slot mapping**
+(`slot = block_table[t // block_size] * block_size + t % block_size`, flattened over the pool) and
+read back by a **paged attention** that gathers each sequence's blocks in logical order
+(`paged_attention`, the torch reference; chapter 11's Triton kernel reads the same layout).
+
+Blocks come from `kvlib.cache.block_pool.BlockManager`: allocated as tokens arrive, shared by
+`repeat` (parallel samples, beams: each block's reference count goes up instead of copying) and by
+`reorder` (beam search keeps or drops beams by forking and freeing), and copied on write when a
+sequence appends into a partly filled block it shares (the copies `BlockManager.copies` lists are
+applied to every layer before the step writes).
+
+Like the dense caches, every sequence of a batch holds the same number of positions (left padding
+is stored and masked, as `kvlib.generate` passes it); the cache never sees token ids, so prefix
+caching (which hashes them) is the serving engine's job (chapter 12).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import NamedTuple
+
+import torch
+
+from kvlib._validate import check_positive_int
+from kvlib.cache.base import check_kv_update
+from kvlib.cache.block_pool import BlockManager, BlockPool
+from kvlib.ops.attention import reference_attention
+
+__all__ = ["PagedCache", "PagedKV", "paged_attention"]
+
+
+class PagedKV(NamedTuple):
+    """What `PagedCache.update` returns for one layer: the pool's `key_cache` and `value_cache`
+    `(num_blocks, block_size, H_kv, D)`, `block_tables (B, max_blocks) int64` (entries past a
+    sequence's last block are 0) and `seq_lens (B,) int64`, the tokens each sequence holds
+    (this step's included)."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def gather_kv(paged: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's keys and values in logical order, `(B, H_kv, S, D)` with S = max(seq_lens)
+    (positions past a sequence's length are whatever its last block holds: mask them)."""
+    block_size = paged.key_cache.shape[1]
+    length = int(paged.seq_lens.max())
+    positions = torch.arange(length, device=paged.block_tables.device)
+    blocks = paged.block_tables[:, positions // block_size]  # (B, S): physical block per token
+    slots = blocks * block_size + positions % block_size
+    flat_k = paged.key_cache.flatten(0, 1)  # (num_blocks * block_size, H_kv, D)
+    flat_v = paged.value_cache.flatten(0, 1)
+    return flat_k[slots].transpose(1, 2), flat_v[slots].transpose(1, 2)  # (B, H_kv, S, D)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv: PagedKV,
+    mask: torch.Tensor,
+    *,
+    weights_out: list | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention over a paged cache, the torch reference: gather each sequence's K/V through its
+    block table (`gather_kv`), then `kvlib.ops.attention.reference_attention`, so it computes the
+    very numbers a dense cache's reference attention does.
+
+    Args:
+        q: (B, H, T, D). kv: a `PagedKV`. mask: (B, T, S) bool, S = max(seq_lens).
+    Returns:
+        (B, H, T, D) in q's dtype.
+    """
+    return reference_attention(q, gather_kv(kv), mask, weights_out=weights_out, scale=scale)
+
+
+class PagedCache:
+    """A paged KV cache implementing `kvlib.cache.KVCache` (see the module docstring).
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the model's L, H_kv, D.
+        num_blocks: the pool's size, shared by all layers (each layer has its own storage).
+        block_size: token slots per block (vLLM's default is 16).
+        dtype, device: of the storage.
+
+    Raises (from `update`): `kvlib.errors.OutOfBlocksError` when the pool cannot hold the step
+    (the sequences keep what they had); `ValueError`/`TypeError` for a wrong layer, shape, dtype
+    or device, or a batch size other than the cache's.
+    """
+
+    attention_backend = staticmethod(paged_attention)
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        self.num_layers = check_positive_int("num_layers", num_layers)
+        self.num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
+        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.block_size = check_positive_int("block_size", block_size)
+        self.manager = BlockManager(BlockPool(num_blocks, block_size, enable_prefix_caching=False))
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value_cache = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.length = 0
+        self.batch_size: int | None = None  # set by the first update
+        self._step: tuple[torch.Tensor, PagedKV] | None = None  # this step's slots and handle
+
+    @classmethod
+    def for_model(
+        cls, model, num_sequences: int, max_seq_len: int, *, block_size: int = 16
+    ) -> PagedCache:
+        """A cache for `model` with room for `num_sequences` sequences of `max_seq_len` tokens
+        each, plus one block per sequence for copy-on-write, in the model's dtype and device."""
+        c, weight = model.config, model.lm_head.weight
+        if c.is_mla:
+            raise ValueError(
+                "model: a paged cache holds K/V heads; an MLA model caches latent rows "
+                "(kvlib.cache.LatentCache)"
+            )
+        blocks_per_seq = math.ceil(max_seq_len / block_size) + 1
+        return cls(
+            c.num_hidden_layers,
+            c.num_key_value_heads,
+            c.head_dim,
+            num_blocks=num_sequences * blocks_per_seq,
+            block_size=block_size,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """(B,) int64: tokens held per sequence (all equal to `length`: padding is stored)."""
+        return torch.full((self.batch_size or 0,), self.length, dtype=torch.int64)
+
+    def _begin_step(self, batch_size: int, num_tokens: int) -> None:
+        """Allocate this step's slots for every sequence (layer 0's update), apply the block
+        copies copy-on-write asked for, and build the step's block tables."""
+        manager = self.manager
+        if self.batch_size is None:
+            self.batch_size = batch_size
+            for b in range(batch_size):
+                manager.allocate(b, [0] * num_tokens)
+            slots = [[manager.slot(b, t) for t in range(num_tokens)] for b in range(batch_size)]
+        else:
+            if batch_size != self.batch_size:
+                raise ValueError(
+                    f"k: expected batch size {self.batch_size} (the cache's sequences), got "
+                    f"{batch_size}"
+                )
+            slots = [
+                [manager.append_slot(b, 0) for _ in range(num_tokens)] for b in range(batch_size)
+            ]
+        for src, dst in manager.copies:  # copy-on-write, in every layer, before anyone writes
+            for cache in self.key_cache + self.value_cache:
+                cache[dst] = cache[src]
+        manager.copies.clear()
+        device = self.key_cache[0].device
+        tables = [manager.block_tables[b] for b in range(batch_size)]
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+        seq_lens = torch.full((batch_size,), self.length + num_tokens, device=device)
+        self._step = (
+            torch.tensor(slots, device=device),
+            PagedKV(None, None, block_tables, seq_lens),
+        )
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> PagedKV:
+        """Write layer `layer_idx`'s new keys and values `(B, H_kv, T, D)` through the slot
+        mapping; return the layer's `PagedKV` for `paged_attention`."""
+        check_kv_update(
+            self.num_layers,
+            layer_idx,
+            k,
+            v,
+            (k.shape[0], self.num_kv_heads, self.head_dim),
+            self.key_cache[0].dtype,
+            self.key_cache[0].device,
+        )
+        if v.shape[-1] != self.head_dim:
+            raise ValueError(f"v: expected head dimension {self.head_dim}, got {v.shape[-1]}")
+        if layer_idx == 0:
+            self._begin_step(k.shape[0], k.shape[2])
+        elif self._step is None:
+            raise ValueError(
+                f"layer_idx: a step starts at layer 0 (which allocates its slots), got {layer_idx}"
+            )
+        slots, handle = self._step
+        flat = slots.flatten()  # (B * T,)
+        self.key_cache[layer_idx].view(-1, self.num_kv_heads, self.head_dim)[flat] = k.transpose(
+            1, 2
+        ).flatten(0, 1)
+        self.value_cache[layer_idx].view(-1, self.num_kv_heads, self.head_dim)[flat] = v.transpose(
+            1, 2
+        ).flatten(0, 1)
+        return handle._replace(
+            key_cache=self.key_cache[layer_idx], value_cache=self.value_cache[layer_idx]
+        )
+
+    def advance(self, num_tokens: int) -> None:
+        """Commit `num_tokens` new tokens (after every layer has written them)."""
+        self.length += check_positive_int("num_tokens", num_tokens)
+        self._step = None
+
+    def reorder(self, indices: torch.Tensor) -> None:
+        """Keep sequences `indices` (B',) in that order (beam search): each kept beam is forked
+        (its blocks shared, nothing copied) and the old sequences freed."""
+        order = [int(i) for i in indices.tolist()]
+        manager = self.manager
+        for new, old in enumerate(order):
+            manager.fork(old, ("next", new))
+        for old in range(self.batch_size):
+            manager.free(old)
+        for new in range(len(order)):
+            self._rename(("next", new), new)
+        self.batch_size = len(order)
+
+    def _rename(self, old, new) -> None:
+        manager = self.manager
+        for table in (manager.block_tables, manager.token_ids, manager.block_hashes):
+            table[new] = table.pop(old)
+
+    def repeat(self, num_copies: int) -> PagedCache:
+        """The cache with each sequence copied `num_copies` times, consecutively (prefill once,
+        decode several samples or beams): the copies share the blocks (reference counts), nothing
+        is copied until a copy appends into a shared block. The sequences move to the returned
+        cache; this one is left holding none."""
+        num_copies = check_positive_int("num_copies", num_copies)
+        order = torch.arange(self.batch_size or 0).repeat_interleave(num_copies)
+        bigger = copy.copy(self)
+        bigger.reorder(order)
+        self.manager = BlockManager(
+            BlockPool(self.manager.pool.num_blocks, self.block_size, enable_prefix_caching=False)
+        )
+        self.batch_size, self.length = None, 0
+        self.key_cache, self.value_cache = [], []
+        return bigger
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        pool = self.manager.pool
+        return pool.num_blocks - pool.num_free_blocks
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks in use (K and V, every layer): the memory the sequences hold."""
+        per_block = sum(c[0].numel() * c.element_size() for c in self.key_cache + self.value_cache)
+        return self.num_blocks_in_use * per_block
