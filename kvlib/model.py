@@ -477,6 +477,8 @@ class LlamaModel(nn.Module):
             t, past + t, attention_mask, self.config.sliding_window, input_ids.device
         )
         backend = get_backend(self.attention_backend)
+        if hasattr(cache, "begin_forward"):  # a cache that stores only real tokens (paged)
+            cache.begin_forward(t, attention_mask)
         x = self.model.embed_tokens(input_ids)  # (B, T, d_model)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, cache, backend, attention_weights)

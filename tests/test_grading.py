@@ -618,6 +618,78 @@ def shared_rotary_key(x, w_kr, positions, theta):  # no head axis
 """,
         "a head axis of 1",
     ),
+    (
+        "07_paged_cache.ipynb",
+        "slot_mapping",
+        """
+def slot_mapping(block_table, positions, block_size):  # block id + offset, not block * size
+    return [block_table[t // block_size] + t % block_size for t in positions]
+""",
+        "block_table[t // block_size] * block_size + t % block_size",
+    ),
+    (
+        "07_paged_cache.ipynb",
+        "append_token",
+        """
+def append_token(block_table, num_tokens, ref_cnt, free_blocks, block_size):  # no copy-on-write
+    if num_tokens % block_size == 0:
+        new = free_blocks.pop(0)
+        ref_cnt[new] = 1
+        block_table.append(new)
+    block = block_table[num_tokens // block_size]
+    return block * block_size + num_tokens % block_size, None
+""",
+        "copy-on-write only when the last block is shared and partly filled",
+    ),
+    (
+        "07_paged_cache.ipynb",
+        "append_token",
+        """
+def append_token(block_table, num_tokens, ref_cnt, free_blocks, block_size):  # copies, keeps ref
+    copy = None
+    if num_tokens % block_size == 0:
+        new = free_blocks.pop(0)
+        ref_cnt[new] = 1
+        block_table.append(new)
+    elif ref_cnt[block_table[-1]] > 1:
+        old, new = block_table[-1], free_blocks.pop(0)
+        ref_cnt[new] = 1
+        block_table[-1] = new
+        copy = (old, new)
+    block = block_table[num_tokens // block_size]
+    return block * block_size + num_tokens % block_size, copy
+""",
+        "after the append expected block table, ref_cnt, free blocks",
+    ),
+    (
+        "07_paged_cache.ipynb",
+        "prefix_hit_tokens",
+        """
+def prefix_hit_tokens(token_ids, cached, block_size):  # hashes blocks without their parent
+    hits = 0
+    for i in range((len(token_ids) - 1) // block_size):
+        if hash_block(None, token_ids[i * block_size : (i + 1) * block_size]) not in cached:
+            break
+        hits += block_size
+    return hits
+""",
+        "each hash chained to its parent's",
+    ),
+    (
+        "07_paged_cache.ipynb",
+        "prefix_hit_tokens",
+        """
+def prefix_hit_tokens(token_ids, cached, block_size):  # a full hit leaves nothing to compute
+    parent, hits = None, 0
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        if parent not in cached:
+            break
+        hits += block_size
+    return hits
+""",
+        "at most n - 1 tokens",
+    ),
 ]
 
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from kvlib.cache import DynamicCache, PagedCache
-from kvlib.cache.paged import PagedKV, gather_kv
+from kvlib.cache.paged import PagedKV, gather_kv, paged_attention
 from kvlib.errors import OutOfBlocksError
 from kvlib.generation import generate
+from kvlib.kernels import paged_decode_attention  # imported first: it sets TRITON_INTERPRET on CPU
 from kvlib.train import load_course_model
 
 
@@ -109,3 +110,28 @@ def test_running_out_of_blocks_raises(course_model):
         from kvlib.mla import load_course_mla_model
 
         PagedCache.for_model(load_course_mla_model(), 1, 8)
+
+
+def test_padding_is_not_stored_and_chapter_11s_kernel_reads_the_same_layout(course_model):
+    ids, mask = ragged_batch(course_model.config.vocab_size)  # 37, 27 and 7 real tokens
+    c = course_model.config
+    cache = PagedCache.for_model(course_model, 3, 64, block_size=4)
+    with torch.no_grad():
+        course_model(ids, cache=cache, attention_mask=mask)
+    assert cache.seq_lens.tolist() == [37, 27, 7] and cache.length == 37
+    assert cache.num_blocks_in_use == 10 + 7 + 2  # ceil(n / 4) each: no block holds padding
+    layer = 1
+    tables = torch.tensor(
+        [cache.manager.block_tables[b] + [0] * (10 - len(cache.manager.block_tables[b]))
+         for b in range(3)]
+    )  # fmt: skip
+    handle = PagedKV(cache.key_cache[layer], cache.value_cache[layer], tables, cache.seq_lens)
+    q = torch.randn(
+        3, c.num_attention_heads, 1, c.head_dim, generator=torch.Generator().manual_seed(4)
+    )
+    held = torch.arange(37)[None, None, :] < cache.seq_lens[:, None, None]  # (B, 1, S)
+    torch_out = paged_attention(q, handle, held)[:, :, 0]
+    kernel_out = paged_decode_attention(
+        q[:, :, 0], handle.key_cache, handle.value_cache, tables.int(), cache.seq_lens.int()
+    )
+    torch.testing.assert_close(kernel_out, torch_out, rtol=1e-5, atol=1e-5)

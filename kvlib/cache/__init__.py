@@ -7,6 +7,8 @@
   allocator with prefix caching and copy-on-write, and its per-sequence block tables (chapter 7);
 - `paged.PagedCache`: K/V in blocks `(num_blocks, block_size, H_kv, D)` per layer, written through
   the slot mapping and read by paged attention (chapter 7);
+- `simulate`: a request trace replayed against contiguous and paged caches, every slot accounted
+  for (reserved, internal and external fragmentation; chapter 7);
 - `block_table.shuffled_block_tables`: block tables scattered by a busy allocator, for the paged
   decode kernel of chapter 11.
 

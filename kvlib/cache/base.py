@@ -15,7 +15,10 @@ The model talks to a cache through five calls and never looks inside it (the att
   `cache_seqlens`); `length` is the longest.
 
 The model calls `cache.attention_backend` if the cache has one, else its own backend
-(`kvlib.ops.attention`), so a new cache plugs in without editing the model's layers.
+(`kvlib.ops.attention`), so a new cache plugs in without editing the model's layers. A cache that
+wants to know which positions are padding (the paged cache stores only real tokens) defines
+`begin_forward(T, attention_mask)`; the model calls it before the first layer with the step's
+token count and the `(B, length + T)` mask (or None: no padding).
 """
 
 from __future__ import annotations

@@ -13,9 +13,13 @@ Blocks come from `kvlib.cache.block_pool.BlockManager`: allocated as tokens arri
 sequence appends into a partly filled block it shares (the copies `BlockManager.copies` lists are
 applied to every layer before the step writes).
 
-Like the dense caches, every sequence of a batch holds the same number of positions (left padding
-is stored and masked, as `kvlib.generate` passes it); the cache never sees token ids, so prefix
-caching (which hashes them) is the serving engine's job (chapter 12).
+**No padding is stored.** The model tells the cache which positions are padding
+(`begin_forward`, before its first layer), and only real tokens get slots: a batch of prompts of
+different lengths holds exactly their tokens (`seq_lens` differ per sequence). For the model's
+left-padded view, the read maps every position of the batch to the sequence's token index
+(`PagedKV.positions`); padding positions read the sequence's first token, which the mask hides.
+The cache never sees token ids, so prefix caching (which hashes them) is the serving engine's job
+(chapter 12).
 """
 
 from __future__ import annotations
@@ -37,22 +41,29 @@ __all__ = ["PagedCache", "PagedKV", "paged_attention"]
 class PagedKV(NamedTuple):
     """What `PagedCache.update` returns for one layer: the pool's `key_cache` and `value_cache`
     `(num_blocks, block_size, H_kv, D)`, `block_tables (B, max_blocks) int64` (entries past a
-    sequence's last block are 0) and `seq_lens (B,) int64`, the tokens each sequence holds
-    (this step's included)."""
+    sequence's last block are 0), `seq_lens (B,) int64`, the tokens each sequence holds (this
+    step's included), and `positions (B, S) int64`: for each of the S positions the attention
+    mask covers, the token index it reads (None: position p reads token p)."""
 
     key_cache: torch.Tensor
     value_cache: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 def gather_kv(paged: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's keys and values in logical order, `(B, H_kv, S, D)` with S = max(seq_lens)
-    (positions past a sequence's length are whatever its last block holds: mask them)."""
+    """Each sequence's keys and values in logical order, `(B, H_kv, S, D)`: S = max(seq_lens), or
+    the width of `paged.positions` (entries for positions a sequence does not hold read its first
+    slots: mask them)."""
     block_size = paged.key_cache.shape[1]
-    length = int(paged.seq_lens.max())
-    positions = torch.arange(length, device=paged.block_tables.device)
-    blocks = paged.block_tables[:, positions // block_size]  # (B, S): physical block per token
+    positions = paged.positions
+    if positions is None:
+        length = int(paged.seq_lens.max())
+        positions = torch.arange(length, device=paged.block_tables.device).expand(
+            paged.block_tables.shape[0], length
+        )
+    blocks = paged.block_tables.gather(1, positions // block_size)  # (B, S): physical blocks
     slots = blocks * block_size + positions % block_size
     flat_k = paged.key_cache.flatten(0, 1)  # (num_blocks * block_size, H_kv, D)
     flat_v = paged.value_cache.flatten(0, 1)
@@ -72,7 +83,8 @@ def paged_attention(
     very numbers a dense cache's reference attention does.
 
     Args:
-        q: (B, H, T, D). kv: a `PagedKV`. mask: (B, T, S) bool, S = max(seq_lens).
+        q: (B, H, T, D). kv: a `PagedKV`. mask: (B, T, S) bool, S = max(seq_lens) or the width
+            of `kv.positions`.
     Returns:
         (B, H, T, D) in q's dtype.
     """
@@ -116,9 +128,10 @@ class PagedCache:
         self.value_cache = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
         ]
-        self.length = 0
+        self.length = 0  # positions of the batch, padding included (what the mask covers)
         self.batch_size: int | None = None  # set by the first update
-        self._step: tuple[torch.Tensor, PagedKV] | None = None  # this step's slots and handle
+        self._mask: torch.Tensor | None = None  # (B, length + T) bool: this step's real tokens
+        self._step: tuple | None = None  # this step's write rows, slots and handle
 
     @classmethod
     def for_model(
@@ -145,39 +158,63 @@ class PagedCache:
 
     @property
     def seq_lens(self) -> torch.Tensor:
-        """(B,) int64: tokens held per sequence (all equal to `length`: padding is stored)."""
-        return torch.full((self.batch_size or 0,), self.length, dtype=torch.int64)
+        """(B,) int64: real tokens held per sequence (padding is not stored)."""
+        manager = self.manager
+        return torch.tensor(
+            [
+                manager.num_tokens(b) if b in manager.block_tables else 0
+                for b in range(self.batch_size or 0)
+            ],
+            dtype=torch.int64,
+        )
+
+    def begin_forward(self, num_tokens: int, attention_mask: torch.Tensor | None) -> None:
+        """Called by the model before its first layer: `attention_mask` (B, length + T), 1 for
+        real tokens, or None (no padding). Only real tokens will get slots."""
+        self._mask = None if attention_mask is None else attention_mask.bool()
 
     def _begin_step(self, batch_size: int, num_tokens: int) -> None:
-        """Allocate this step's slots for every sequence (layer 0's update), apply the block
-        copies copy-on-write asked for, and build the step's block tables."""
-        manager = self.manager
+        """Layer 0's update: give this step's real tokens slots (a new sequence's first real
+        tokens allocate it), apply the block copies copy-on-write asked for, and build the step's
+        block tables and read positions."""
+        manager, device = self.manager, self.key_cache[0].device
         if self.batch_size is None:
             self.batch_size = batch_size
-            for b in range(batch_size):
-                manager.allocate(b, [0] * num_tokens)
-            slots = [[manager.slot(b, t) for t in range(num_tokens)] for b in range(batch_size)]
-        else:
-            if batch_size != self.batch_size:
-                raise ValueError(
-                    f"k: expected batch size {self.batch_size} (the cache's sequences), got "
-                    f"{batch_size}"
-                )
-            slots = [
-                [manager.append_slot(b, 0) for _ in range(num_tokens)] for b in range(batch_size)
-            ]
+        elif batch_size != self.batch_size:
+            raise ValueError(
+                f"k: expected batch size {self.batch_size} (the cache's sequences), got "
+                f"{batch_size}"
+            )
+        end = self.length + num_tokens
+        mask = self._mask
+        if mask is None or mask.shape != (batch_size, end):
+            mask = torch.ones(batch_size, end, dtype=torch.bool)
+        new = mask[:, self.length :].cpu()  # (B, T): which new positions are real tokens
+        rows, slots = [], []
+        for b in range(batch_size):
+            real = new[b].nonzero()[:, 0].tolist()
+            if not real:
+                continue
+            if b not in manager.block_tables:
+                manager.allocate(b, [0] * len(real))
+                written = [manager.slot(b, i) for i in range(len(real))]
+            else:
+                written = [manager.append_slot(b, 0) for _ in real]
+            rows += [b * num_tokens + t for t in real]
+            slots += written
         for src, dst in manager.copies:  # copy-on-write, in every layer, before anyone writes
             for cache in self.key_cache + self.value_cache:
                 cache[dst] = cache[src]
         manager.copies.clear()
-        device = self.key_cache[0].device
-        tables = [manager.block_tables[b] for b in range(batch_size)]
-        width = max(len(t) for t in tables)
+        tables = [manager.block_tables.get(b, []) for b in range(batch_size)]
+        width = max(1, max(len(t) for t in tables))
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
-        seq_lens = torch.full((batch_size,), self.length + num_tokens, device=device)
+        positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0).to(device)  # token index read
+        handle = PagedKV(None, None, block_tables, self.seq_lens.to(device), positions)
         self._step = (
-            torch.tensor(slots, device=device),
-            PagedKV(None, None, block_tables, seq_lens),
+            torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(slots, dtype=torch.long, device=device),
+            handle,
         )
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> PagedKV:
@@ -200,14 +237,11 @@ class PagedCache:
             raise ValueError(
                 f"layer_idx: a step starts at layer 0 (which allocates its slots), got {layer_idx}"
             )
-        slots, handle = self._step
-        flat = slots.flatten()  # (B * T,)
-        self.key_cache[layer_idx].view(-1, self.num_kv_heads, self.head_dim)[flat] = k.transpose(
-            1, 2
-        ).flatten(0, 1)
-        self.value_cache[layer_idx].view(-1, self.num_kv_heads, self.head_dim)[flat] = v.transpose(
-            1, 2
-        ).flatten(0, 1)
+        rows, slots, handle = self._step
+        new_k = k.transpose(1, 2).flatten(0, 1)[rows]  # (real tokens, H_kv, D)
+        new_v = v.transpose(1, 2).flatten(0, 1)[rows]
+        self.key_cache[layer_idx].view(-1, self.num_kv_heads, self.head_dim)[slots] = new_k
+        self.value_cache[layer_idx].view(-1, self.num_kv_heads, self.head_dim)[slots] = new_v
         return handle._replace(
             key_cache=self.key_cache[layer_idx], value_cache=self.value_cache[layer_idx]
         )
@@ -215,7 +249,7 @@ class PagedCache:
     def advance(self, num_tokens: int) -> None:
         """Commit `num_tokens` new tokens (after every layer has written them)."""
         self.length += check_positive_int("num_tokens", num_tokens)
-        self._step = None
+        self._step = self._mask = None
 
     def reorder(self, indices: torch.Tensor) -> None:
         """Keep sequences `indices` (B',) in that order (beam search): each kept beam is forked

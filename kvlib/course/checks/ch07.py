@@ -1,0 +1,122 @@
+"""Chapter 7's graded questions: the slot mapping, appending a token with copy-on-write, and the
+prefix-cache hit of a prompt. Oracles: the formulas written out here and kvlib's BlockManager,
+imported before the grader blocks it."""
+
+from __future__ import annotations
+
+import copy
+
+from kvlib.cache.block_pool import BlockManager, BlockPool, hash_block_tokens
+from kvlib.course.grading import Submission, question
+
+
+def _slots(block_table, positions, block_size):
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+@question(function="slot_mapping")
+def test_slot_mapping(submission: Submission) -> None:
+    slot_mapping = submission.function("slot_mapping")
+    for block_table, positions, block_size in (
+        ([0], [0, 1, 2], 4),
+        ([7, 2, 5], list(range(12)), 4),
+        ([3, 9], [17, 16, 0, 31], 16),
+        ([11, 4, 8, 1], [5, 6, 7], 2),
+    ):
+        got = slot_mapping(list(block_table), list(positions), block_size)
+        expected = _slots(block_table, positions, block_size)
+        assert isinstance(got, list) and all(isinstance(s, int) for s in got), (
+            f"slot_mapping should return a list of ints, got {got!r}"
+        )
+        assert got == expected, (
+            f"block table {block_table}, block size {block_size}, positions {positions}: expected "
+            f"slots {expected} (block_table[t // block_size] * block_size + t % block_size), got "
+            f"{got}"
+        )
+
+
+def _append_token(block_table, num_tokens, ref_cnt, free_blocks, block_size):
+    """The rule written out: a new block at a block boundary; copy-on-write of a shared, partly
+    filled last block; then the slot of token `num_tokens`."""
+    copy_pair = None
+    if num_tokens % block_size == 0:
+        new = free_blocks.pop(0)
+        ref_cnt[new] = 1
+        block_table.append(new)
+    elif ref_cnt[block_table[-1]] > 1:
+        old, new = block_table[-1], free_blocks.pop(0)
+        ref_cnt[old] -= 1
+        ref_cnt[new] = 1
+        block_table[-1] = new
+        copy_pair = (old, new)
+    return _slots(block_table, [num_tokens], block_size)[0], copy_pair
+
+
+_APPEND_CASES = [
+    # (block_table, num_tokens, ref_cnt, free_blocks, block_size, what)
+    ([], 0, {}, [3, 1], 4, "an empty sequence"),
+    ([2], 2, {2: 1}, [0, 5], 4, "room in an unshared last block"),
+    ([2], 2, {2: 3}, [0, 5], 4, "a partly filled last block shared by 3 sequences"),
+    ([2, 6], 8, {2: 2, 6: 2}, [4], 4, "a full, shared last block"),
+    ([1, 0], 5, {1: 1, 0: 2}, [7, 3], 4, "a shared second block"),
+]
+
+
+@question(function="append_token", blocked=("kvlib.cache.block_pool.BlockManager",))
+def test_append_token(submission: Submission) -> None:
+    append_token = submission.function("append_token")
+    for table, num_tokens, ref_cnt, free, block_size, what in _APPEND_CASES:
+        state = (list(table), dict(ref_cnt), list(free))
+        expected_state = copy.deepcopy(state)
+        expected = _append_token(*expected_state[:1], num_tokens, *expected_state[1:], block_size)
+        got = append_token(state[0], num_tokens, state[1], state[2], block_size)
+        assert isinstance(got, tuple) and len(got) == 2, (
+            f"append_token should return (slot, copy), got {got!r}"
+        )
+        assert got == expected, (
+            f"{what} (block table {table}, {num_tokens} tokens, ref_cnt {ref_cnt}, block size "
+            f"{block_size}): expected (slot, copy) = {expected}, got {got} (copy-on-write only "
+            "when the last block is shared and partly filled)"
+        )
+        assert state == expected_state, (
+            f"{what}: after the append expected block table, ref_cnt, free blocks = "
+            f"{expected_state}, got {state}"
+        )
+
+
+def _hit_tokens(token_ids, cached, block_size):
+    pool = BlockPool(1, block_size)
+    pool.cached_blocks = dict.fromkeys(cached, 0)
+    covered, _ = BlockManager(pool).num_cached_prefix_blocks(token_ids)
+    return covered
+
+
+def _chain(tokens, block_size):
+    hashes, parent = [], None
+    for i in range(len(tokens) // block_size):
+        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@question(function="prefix_hit_tokens", blocked=("kvlib.cache.block_pool.BlockManager",))
+def test_prefix_hit_tokens(submission: Submission) -> None:
+    prefix_hit_tokens = submission.function("prefix_hit_tokens")
+    system = list(range(100, 112))  # three blocks of 4
+    cached = set(_chain(system + [1, 2, 3, 4], 4))  # an earlier request: 4 blocks cached
+    other = set(_chain([9, 9, 9, 9] + system[4:8], 4))  # system[4:8] under another parent
+    cases = [
+        (system + [7, 7], cached, "a prompt sharing 3 cached blocks"),
+        (system + [1, 2, 3, 4], cached, "a prompt equal to a cached one (16 tokens)"),
+        (system[:4] + [5, 5, 5, 5] + system[8:], cached, "a miss in the second block"),
+        ([0] * 4 + system[4:8] + [1], other, "a block cached only under another parent"),
+        ([1, 2, 3], cached, "a prompt shorter than a block"),
+    ]
+    for tokens, hashes, what in cases:
+        expected = _hit_tokens(tokens, hashes, 4)
+        got = prefix_hit_tokens(list(tokens), set(hashes), 4)
+        assert got == expected, (
+            f"{what}, {len(tokens)} tokens: expected {expected} cached tokens (whole blocks, each "
+            f"hash chained to its parent's, stopping at the first miss, at most n - 1 tokens), "
+            f"got {got}"
+        )
