@@ -29,7 +29,10 @@ _API = {
     "KVCache": "kvlib.cache",
     "DynamicCache": "kvlib.cache",
     "StaticCache": "kvlib.cache",
+    "LatentCache": "kvlib.cache",
+    "PagedCache": "kvlib.cache",
     "CacheOverflowError": "kvlib.errors",
+    "OutOfBlocksError": "kvlib.errors",
     "UnsupportedConfigError": "kvlib.errors",
 }
 __all__ = ["__version__", "check_shape", *_API]
