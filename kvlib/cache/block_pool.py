@@ -209,27 +209,38 @@ class BlockManager:
         if seq_id in self.block_tables:
             raise ValueError(f"seq_id: {seq_id!r} is already allocated")
 
-    def num_cached_prefix_blocks(self, token_ids: Sequence[int]) -> tuple[int, list[int]]:
-        """How many of `token_ids`' leading full blocks the prefix cache holds, capped so that at
-        least the last token is left to compute; returns (number of tokens covered, block ids)."""
-        hits, parent = [], None
-        usable = (len(token_ids) - 1) // self.block_size  # never the whole prompt
-        for i in range(usable):
-            parent = hash_block_tokens(
-                parent, token_ids[i * self.block_size : (i + 1) * self.block_size]
+    def _cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """The leading full blocks of `token_ids` the prefix cache holds (never the block of the
+        last token), and their chained hashes: ([block ids], [hashes])."""
+        hits, hashes = [], []
+        if not self.pool.enable_prefix_caching:
+            return hits, hashes
+        for i in range((len(token_ids) - 1) // self.block_size):  # never the whole prompt
+            block_hash = hash_block_tokens(
+                hashes[-1] if hashes else None,
+                token_ids[i * self.block_size : (i + 1) * self.block_size],
             )
-            block_id = self.pool.lookup(parent)
+            block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
+            hashes.append(block_hash)
+        return hits, hashes
+
+    def _fits(self, num_tokens: int, hits: list[int]) -> bool:
+        needed = -(-num_tokens // self.block_size) - len(hits)
+        revived = sum(self.pool.blocks[b].ref_cnt == 0 for b in hits)  # leave the free queue
+        return needed <= self.pool.num_free_blocks - revived
+
+    def num_cached_prefix_blocks(self, token_ids: Sequence[int]) -> tuple[int, list[int]]:
+        """How many of `token_ids`' leading full blocks the prefix cache holds, capped so that at
+        least the last token is left to compute; returns (number of tokens covered, block ids)."""
+        hits, _ = self._cached_prefix(token_ids)
         return len(hits) * self.block_size, hits
 
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
         """Whether `allocate` would succeed now (counting cached blocks it would reuse)."""
-        covered, hits = self.num_cached_prefix_blocks(token_ids)
-        needed = -(-len(token_ids) // self.block_size) - len(hits)
-        revived = sum(self.pool.blocks[b].ref_cnt == 0 for b in hits)  # leave the free queue
-        return needed <= self.pool.num_free_blocks - revived
+        return self._fits(len(token_ids), self._cached_prefix(token_ids)[0])
 
     def allocate(self, seq_id, token_ids: Sequence[int]) -> int:
         """Give a new sequence blocks for its prompt `token_ids`, reusing cached blocks of its
@@ -243,23 +254,27 @@ class BlockManager:
         token_ids = [int(t) for t in token_ids]
         if not token_ids:
             raise ValueError("token_ids: expected at least one token")
-        if not self.can_allocate(token_ids):
+        hits, hashes = self._cached_prefix(token_ids)  # hashed once, here
+        if not self._fits(len(token_ids), hits):
             raise OutOfBlocksError(
                 f"allocate: sequence {seq_id!r} needs blocks for {len(token_ids)} tokens, "
                 f"{self.pool.num_free_blocks} of {self.pool.num_blocks} blocks free"
             )
-        covered, hits = self.num_cached_prefix_blocks(token_ids)
         self.pool.touch(hits)
         fresh = self.pool.allocate(-(-len(token_ids) // self.block_size) - len(hits))
         self.block_tables[seq_id] = hits + fresh
         self.token_ids[seq_id] = token_ids
-        self.block_hashes[seq_id] = []
+        self.block_hashes[seq_id] = hashes  # the hit blocks are cached under these already
         self._hash_full_blocks(seq_id)
+        covered = len(hits) * self.block_size
         self.prefix_hits += covered
         return covered
 
     def _hash_full_blocks(self, seq_id) -> None:
-        """Hash and cache every full block of the sequence not hashed yet."""
+        """Hash and cache every full block of the sequence not hashed yet (nothing to do with
+        prefix caching off: no lookup would read the hashes)."""
+        if not self.pool.enable_prefix_caching:
+            return
         tokens, hashes = self.token_ids[seq_id], self.block_hashes[seq_id]
         table = self.block_tables[seq_id]
         while (len(hashes) + 1) * self.block_size <= len(tokens):
