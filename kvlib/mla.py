@@ -49,6 +49,7 @@ __all__ = [
     "convert_to_mla",
     "decoupled_rope_dims",
     "load_course_mla_model",
+    "set_absorb",
 ]
 
 
@@ -364,9 +365,9 @@ def uptraining_point(
         model = convert_kv_heads(model, kv_heads[attention], init="mean")
     steps = 0
     if alpha > 0:
-        _set_absorb(model, False)  # the same numbers; the expanded form trains faster here
+        set_absorb(model, False)  # the same numbers; the expanded form trains faster here
         steps = len(uptrain(model, alpha, progress=progress))
-        _set_absorb(model, True)
+        set_absorb(model, True)
     row = {
         "attention": attention,
         "kv_lora_rank": kv_lora_rank or "",
@@ -392,11 +393,13 @@ def load_course_mla_model(*, absorb: bool = True):
     from kvlib.model import load_hf_checkpoint
 
     model = load_hf_checkpoint(MLA_MODEL_DIR)
-    _set_absorb(model, absorb)
+    set_absorb(model, absorb)
     return model
 
 
-def _set_absorb(model, absorb: bool) -> None:
+def set_absorb(model, absorb: bool) -> None:
+    """Switch every MLA layer of `model` (a `LlamaModel`) to the absorbed (True) or the naive
+    (False) computation; other layers are left alone. Both give the same outputs."""
     for layer in model.model.layers:
         if isinstance(layer.self_attn, MLAttention):
             layer.self_attn.absorb = absorb

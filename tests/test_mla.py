@@ -12,6 +12,7 @@ from kvlib.cache.latent import LatentCache
 from kvlib.errors import UnsupportedConfigError
 from kvlib.generation import generate
 from kvlib.memory import kv_cache_bytes
+from kvlib.mla import set_absorb
 from kvlib.model import (
     LlamaModel,
     ModelConfig,
@@ -40,11 +41,6 @@ MLA = ModelConfig(
 def mla_model(dtype=torch.float32, seed=0, backend="reference") -> LlamaModel:
     # random norms (tiny_model), so that a skipped RMSNorm on the latent cannot hide behind ones
     return tiny_model(MLA, seed, attention_backend=backend).to(dtype)
-
-
-def set_absorb(model, absorb: bool) -> None:
-    for layer in model.model.layers:
-        layer.self_attn.absorb = absorb
 
 
 def layer_inputs(dtype, t=9, seed=1):
