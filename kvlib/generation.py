@@ -79,6 +79,7 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     num_beams: int = 1,
+    num_samples: int = 1,
     prefill_chunk_size: int | None = None,
     block_size: int = 16,
 ) -> torch.Tensor:
@@ -98,10 +99,14 @@ def generate(
         top_k: sample among the k most likely tokens only.
         generator: a torch.Generator, for reproducible sampling.
         num_beams: > 1 for beam search (greedy scoring by total log-probability).
+        num_samples: > 1 for parallel sampling (vLLM's `n`): each prompt is prefilled once and
+            decoded `num_samples` times; the samples start from copies of its cache (with
+            `cache="paged"`, shared blocks, copied on write).
         prefill_chunk_size: prefill the prompt in chunks of this many tokens.
         block_size: token slots per block of the paged cache.
     Returns:
-        (B, T + N) int64: the prompts followed by the generated tokens.
+        (B * num_samples, T + N) int64: the prompts followed by the generated tokens; a prompt's
+        samples are consecutive rows.
     Raises:
         ValueError, TypeError: bad sizes, ids outside the vocabulary, masks or options. The prompts
             are validated here, once; decode steps call the model with `validate=False`, so the
@@ -114,6 +119,7 @@ def generate(
         )
     max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
     num_beams = check_positive_int("num_beams", num_beams)
+    num_samples = check_positive_int("num_samples", num_samples)
     if prefill_chunk_size is not None:
         check_positive_int("prefill_chunk_size", prefill_chunk_size)
     check_positive_int("block_size", block_size)
@@ -134,6 +140,11 @@ def generate(
     elif (attention_mask.sum(dim=1) == 0).any():
         raise ValueError("attention_mask: every prompt needs at least one real token")
     if num_beams > 1:
+        if num_samples > 1:
+            raise ValueError(
+                f"num_samples: beam search returns one sequence per prompt; expected 1 with "
+                f"num_beams={num_beams}, got {num_samples}"
+            )
         if temperature != 0:
             raise ValueError(
                 "temperature: beam search here is deterministic; use temperature=0 with num_beams "
@@ -151,9 +162,19 @@ def generate(
             block_size,
         )
 
-    kv = _new_cache(model, cache, b, t + max_new_tokens, 1, block_size) if use_cache else None
-    logits = _prefill(model, input_ids, attention_mask, kv, prefill_chunk_size)
+    kv = (
+        _new_cache(model, cache, b, t + max_new_tokens, num_samples, block_size)
+        if use_cache
+        else None
+    )
+    logits = _prefill(model, input_ids, attention_mask, kv, prefill_chunk_size)  # once per prompt
     tokens, mask = input_ids, attention_mask
+    if num_samples > 1:  # (B * num_samples) sequences start from copies of each prompt's prefill
+        if kv is not None:
+            kv = kv.repeat(num_samples)
+        logits = logits.repeat_interleave(num_samples, dim=0)
+        tokens = tokens.repeat_interleave(num_samples, dim=0)
+        mask = mask.repeat_interleave(num_samples, dim=0)
     for step in range(max_new_tokens):
         next_tokens = _choose(logits, temperature, top_k, generator)  # (B,)
         tokens = torch.cat([tokens, next_tokens[:, None]], dim=1)

@@ -190,3 +190,23 @@ def test_allocator_invariants_hold_over_10000_random_operations():
     AllocatorMachine.total_ops = 0
     runner().runTest()
     assert AllocatorMachine.total_ops >= 10_000, AllocatorMachine.total_ops
+
+
+def test_pool_snapshots_and_their_animation():
+    from kvlib.course.viz import PoolSnapshot, _filled_slots, block_table_animation
+
+    manager = BlockManager(BlockPool(6, 4))
+    manager.allocate("A", [1, 2, 3, 4, 5])
+    manager.fork("A", "B")
+    first = PoolSnapshot.of(manager, "fork")
+    slot = manager.append_slot("B", 9)  # copy-on-write of A's partial second block
+    second = PoolSnapshot.of(manager, "append", [slot])
+    assert first.block_tables == {"A": [0, 1], "B": [0, 1]} and first.ref_cnt.tolist()[:2] == [2, 2]
+    assert second.block_tables["B"] == [0, 2] and second.written == (9,)  # block 2, offset 1
+    filled = _filled_slots(second)
+    assert filled[4] == ("A", 1) and filled[8] == ("B", 1) and filled[0] == ("A", 2)
+    assert set(filled) == {0, 1, 2, 3, 4, 8, 9}
+    html = block_table_animation([first, second]).to_jshtml()
+    assert html.count("data:image/png;base64") == 2
+    with pytest.raises(ValueError, match="snapshots: expected at least one"):
+        block_table_animation([])

@@ -160,6 +160,22 @@ def test_beam_search_equals_brute_force():
     )
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static", "paged"])
+def test_parallel_sampling_prefills_once_and_samples_like_repeated_prompts(cache):
+    model = tiny_model()
+    ids = prompts(length=7)
+    samples = generate(model, ids, 6, cache=cache, temperature=1.0, num_samples=3,
+                       generator=torch.Generator().manual_seed(5))  # fmt: skip
+    repeated = generate(model, ids.repeat_interleave(3, dim=0), 6, cache=cache, temperature=1.0,
+                        generator=torch.Generator().manual_seed(5))  # fmt: skip
+    assert samples.shape == (6, 13) and torch.equal(samples, repeated)
+    assert len({tuple(row) for row in samples[:3, 7:].tolist()}) > 1  # the samples differ
+    greedy = generate(model, ids, 6, cache=cache, num_samples=2)
+    assert torch.equal(greedy, generate(model, ids, 6, cache=cache).repeat_interleave(2, dim=0))
+    with pytest.raises(ValueError, match="num_samples: beam search returns one sequence"):
+        generate(model, ids, 2, num_beams=2, num_samples=2)
+
+
 def test_rope_matches_complex_rotation():
     x = torch.randn(1, 1, 5, 8)
     positions = torch.arange(3, 8)[None]

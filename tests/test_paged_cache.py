@@ -30,8 +30,14 @@ def ragged_batch(vocab, seed=0):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(
     "options",
-    [{}, {"num_beams": 3}, {"temperature": 1.0, "top_k": 20}, {"prefill_chunk_size": 7}],
-    ids=["greedy", "beam", "sampling", "chunked"],
+    [
+        {},
+        {"num_beams": 3},
+        {"temperature": 1.0, "top_k": 20},
+        {"temperature": 1.0, "num_samples": 3},
+        {"prefill_chunk_size": 7},
+    ],
+    ids=["greedy", "beam", "sampling", "parallel-sampling", "chunked"],
 )
 def test_paged_generation_is_token_identical_to_dense(course_model, block_size, options):
     ids, mask = ragged_batch(course_model.config.vocab_size)

@@ -91,8 +91,7 @@ class DynamicCache(_DenseCache):
 
     def repeat(self, num_copies: int) -> DynamicCache:
         """A new cache in which each sequence is copied `num_copies` times, consecutively (prefill
-        once,
-        decode several samples or beams)."""
+        once, decode several samples or beams)."""
         num_copies = check_positive_int("num_copies", num_copies)
         bigger = copy.copy(self)  # keeps the class (and any subclass's behaviour)
         bigger.keys = [

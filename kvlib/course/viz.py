@@ -119,3 +119,134 @@ def decode_animation(
     draw(0)
     plt.close(fig)  # the animation, not a static copy, is what the notebook shows
     return animation.FuncAnimation(fig, draw, frames=range(num_steps), interval=interval_ms)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSnapshot:
+    """A `kvlib.cache.block_pool.BlockManager` at one moment, for drawing.
+
+    Attributes:
+        caption: what the last operation did.
+        block_size: slots per block.
+        block_tables: sequence name -> its block ids, in logical order.
+        num_tokens: sequence name -> tokens it holds.
+        ref_cnt: (num_blocks,) each block's reference count.
+        cached: (num_blocks,) whether a block carries a prefix-cache hash.
+        written: slots written by the last operation (flattened slot ids).
+    """
+
+    caption: str
+    block_size: int
+    block_tables: dict[str, list[int]]
+    num_tokens: dict[str, int]
+    ref_cnt: np.ndarray
+    cached: np.ndarray
+    written: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, manager, caption: str, written=()) -> PoolSnapshot:
+        """Copy what `manager` (a BlockManager) holds now."""
+        pool = manager.pool
+        return cls(
+            caption,
+            manager.block_size,
+            {str(s): list(t) for s, t in manager.block_tables.items()},
+            {str(s): len(t) for s, t in manager.token_ids.items()},
+            np.array([b.ref_cnt for b in pool.blocks]),
+            np.array([b.block_hash is not None for b in pool.blocks]),
+            tuple(written),
+        )
+
+
+def _filled_slots(snapshot: PoolSnapshot) -> dict[int, tuple[str, int]]:
+    """Physical slot -> (the first sequence holding it, how many sequences hold its block)."""
+    filled: dict[int, tuple[str, int]] = {}
+    for name, table in snapshot.block_tables.items():
+        for t in range(snapshot.num_tokens[name]):
+            block = table[t // snapshot.block_size]
+            slot = block * snapshot.block_size + t % snapshot.block_size
+            filled.setdefault(slot, (name, int(snapshot.ref_cnt[block])))
+    return filled
+
+
+def block_table_animation(
+    snapshots: list[PoolSnapshot], *, interval_ms: int = 1400
+) -> animation.FuncAnimation:
+    """Animate a block pool: left, the physical blocks (one row each, one cell per slot, labelled
+    with its slot id `block * block_size + offset`), coloured by the sequence holding them,
+    shared blocks marked with their reference count; right, each sequence's block table. Render
+    with `.to_jshtml()` to play it in a static page.
+
+    Raises:
+        ValueError: no snapshots.
+    """
+    if not snapshots:
+        raise ValueError("snapshots: expected at least one PoolSnapshot, got none")
+    names = list(dict.fromkeys(n for s in snapshots for n in s.block_tables))
+    colours = dict(zip(names, plt.cm.tab10.colors, strict=False))
+    num_blocks, block_size = len(snapshots[0].ref_cnt), snapshots[0].block_size
+    fig, (ax_pool, ax_tables) = plt.subplots(
+        1, 2, figsize=(10, 0.42 * num_blocks + 1.6), dpi=60, gridspec_kw={"width_ratios": [3, 2]}
+    )
+
+    def draw(index: int) -> None:
+        snap = snapshots[index]
+        filled = _filled_slots(snap)
+        for ax in (ax_pool, ax_tables):
+            ax.clear()
+            ax.set_axis_off()
+        for block in range(num_blocks):
+            for offset in range(block_size):
+                slot = block * block_size + offset
+                owner = filled.get(slot)
+                face = "white" if owner is None else colours[owner[0]]
+                ax_pool.add_patch(
+                    plt.Rectangle(
+                        (offset, block),
+                        1,
+                        1,
+                        facecolor=face,
+                        alpha=0.75 if owner else 1.0,
+                        edgecolor="black",
+                        lw=2.5 if slot in snap.written else 0.5,
+                        hatch="//" if owner and owner[1] > 1 else None,  # a shared block
+                    )
+                )
+                shared = bool(owner and owner[1] > 1)
+                ax_pool.text(
+                    offset + 0.5,
+                    block + 0.5,
+                    str(slot),
+                    ha="center",
+                    va="center",
+                    size=8,
+                    bbox={"facecolor": "white", "lw": 0, "pad": 0.5} if shared else None,
+                )
+            state = (
+                f"ref_cnt {snap.ref_cnt[block]}"
+                if snap.ref_cnt[block]
+                else ("free, cached" if snap.cached[block] else "free")
+            )
+            ax_pool.text(-0.2, block + 0.5, f"block {block}", ha="right", va="center", size=9)
+            ax_pool.text(block_size + 0.2, block + 0.5, state, ha="left", va="center", size=9)
+        ax_pool.set_xlim(-2.2, block_size + 2.6)
+        ax_pool.set_ylim(num_blocks, -0.9)
+        ax_pool.text(block_size / 2, -0.45, "physical blocks (slot ids)", ha="center", size=10)
+        ax_tables.set_xlim(0, 1)
+        ax_tables.set_ylim(num_blocks, -0.9)
+        ax_tables.text(0, -0.45, "block tables (logical order)", size=10)
+        for row, name in enumerate(snap.block_tables):
+            ax_tables.text(
+                0,
+                1 + 1.4 * row,
+                f"{name}: {snap.block_tables[name]}\n    {snap.num_tokens[name]} tokens",
+                color=colours[name],
+                size=11,
+                va="center",
+                family="monospace",
+            )
+        fig.suptitle(f"{index + 1}/{len(snapshots)}: {snap.caption}", size=11)
+
+    draw(0)
+    plt.close(fig)  # the animation, not a static copy, is what the notebook shows
+    return animation.FuncAnimation(fig, draw, frames=range(len(snapshots)), interval=interval_ms)
