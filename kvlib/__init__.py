@@ -31,6 +31,7 @@ _API = {
     "StaticCache": "kvlib.cache",
     "LatentCache": "kvlib.cache",
     "PagedCache": "kvlib.cache",
+    "EvictingCache": "kvlib.cache",
     "CacheOverflowError": "kvlib.errors",
     "OutOfBlocksError": "kvlib.errors",
     "UnsupportedConfigError": "kvlib.errors",

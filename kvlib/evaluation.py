@@ -3,6 +3,9 @@
 - `decode_logits`: teacher-forced decoding through any `kvlib.cache.KVCache`: prefill a prefix,
   then feed the text's true tokens one at a time, collecting each step's logits. Run it with the
   full cache and with a modified one (evicting, quantized, converted) on the same tokens.
+- `streamed_logits`: the same for a batch, every position's logits, fed one token (or one chunk)
+  at a time after a prefill; `recall_by_distance`: the course model's SET/GET recall per distance,
+  streamed through any cache (chapter 8's eviction policies);
 - `agreement`: how far the modified run's next-token distributions are from the full cache's:
   top-1 agreement and the mean KL divergence KL(P_full || P_modified), in nats.
 - `perplexity`: exp(mean next-token cross-entropy) of a model on a text, in one forward pass.
@@ -10,7 +13,9 @@
   Jaggi, 2023, Landmark Attention; used by StreamingLLM, Xiao et al., 2024): a random number is
   hidden at a given depth of filler text and the model is asked for it, through the chat template.
 
-Everything is deterministic: greedy decoding and seeded passkeys.
+`python -m kvlib.evaluation passkey|eviction` runs the long sweeps whose results are committed in
+`results/` (`passkey_smollm2.csv`; chapter 8's `eviction_sweep.csv`). Everything is deterministic:
+greedy decoding and seeded passkeys.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ __all__ = [
     "passkey_prompt",
     "passkey_trial",
     "perplexity",
+    "recall_by_distance",
+    "streamed_logits",
 ]
 
 TEXTS_DIR = Path(__file__).with_name("texts")
@@ -85,6 +92,83 @@ def decode_logits(model, ids: torch.Tensor, prefill_len: int, cache) -> torch.Te
     for t in range(prefill_len, ids.shape[1]):
         rows.append(model(ids[:, t : t + 1], cache=cache, validate=False)[0, -1])
     return torch.stack(rows)
+
+
+@torch.no_grad()
+def streamed_logits(
+    model, ids: torch.Tensor, cache, *, prefill_len: int = 1, chunk_size: int = 1
+) -> torch.Tensor:
+    """Teacher-forced logits for every position of a batch, streamed through `cache`: prefill
+    `ids[:, :prefill_len]` in one forward, then feed the later tokens `chunk_size` at a time (1:
+    one decode step per token), so that an evicting cache is in force after the prefill.
+
+    Args:
+        model: a `kvlib.model.LlamaModel`.
+        ids: (B, T) int64 token ids, unpadded.
+        cache: an empty `kvlib.cache.KVCache` (or None: one full forward, the reference).
+        prefill_len: tokens prefilled at once, 1 <= prefill_len <= T.
+        chunk_size: tokens per later forward (each chunk attends to the cache and causally to
+            itself; an evicting cache evicts after each).
+    Returns:
+        (B, T, V) float32: row t predicts token t + 1.
+    Raises:
+        ValueError: ids that are not (B, T), a prefill length outside [1, T].
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError(f"ids: expected a (B, T) tensor, got {tuple(getattr(ids, 'shape', ()))}")
+    if not isinstance(prefill_len, int) or not 1 <= prefill_len <= ids.shape[1]:
+        raise ValueError(
+            f"prefill_len: expected an int in [1, {ids.shape[1]}], got {prefill_len!r}"
+        )
+    if cache is None:
+        return model(ids)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    rows = [model(ids[:, :prefill_len], cache=cache)]
+    for t in range(prefill_len, ids.shape[1], chunk_size):
+        rows.append(model(ids[:, t : t + chunk_size], cache=cache, validate=False))
+    return torch.cat(rows, dim=1)
+
+
+RECALL_DISTANCES = (8, 32, 64, 128, 192, 240)  # the course model's evaluation distances
+
+
+@torch.no_grad()
+def recall_by_distance(
+    model,
+    distances=RECALL_DISTANCES,
+    *,
+    num_documents: int = 32,
+    cache_factory=None,
+    prefill_len: int = 1,
+    seed: int = 7,
+) -> dict[int, float]:
+    """The course model's recall accuracy (a GET's value predicted from its SET, `distance` tokens
+    earlier) per distance, with every document streamed through a cache from `cache_factory`.
+
+    Args:
+        distances: SET-to-GET distances, each < `kvlib.data.DOC_LEN`.
+        num_documents: documents per distance (`kvlib.data.recall_documents`, 4 facts each); all
+            distances run as one batch.
+        cache_factory: factory(model, batch_size, max_seq_len) -> cache, as `generate`'s `cache`
+            (None: the full cache, one forward).
+        prefill_len: tokens prefilled before streaming (see `streamed_logits`).
+    Returns:
+        {distance: fraction of facts recalled}.
+    """
+    from kvlib import data
+
+    docs = {d: data.recall_documents(d, num_documents, seed) for d in distances}
+    tokens = torch.from_numpy(np.stack([doc.tokens for d in distances for doc in docs[d]]))
+    cache = None if cache_factory is None else cache_factory(model, *tokens.shape)
+    predictions = streamed_logits(model, tokens, cache, prefill_len=prefill_len).argmax(-1)
+    recall, row = {}, 0
+    for d in distances:
+        hits = []
+        for doc in docs[d]:
+            hits += [bool(predictions[row, p - 1] == tokens[row, p]) for p in doc.answer_positions]
+            row += 1
+        recall[d] = sum(hits) / len(hits)
+    return recall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +250,7 @@ def passkey_accuracy(
     seed: int = 0,
     cache_factory=None,
     max_new_tokens: int = 10,
+    prefill_chunk_size: int | None = None,
 ) -> float:
     """Fraction of passkey trials answered correctly (greedy; the 5-digit key appears in the
     answer), over `depths` x `trials_per_depth` seeded keys.
@@ -173,6 +258,8 @@ def passkey_accuracy(
     Args:
         cache_factory: as `kvlib.generation.generate`'s `cache` (None: a dynamic cache), to test a
             modified cache.
+        prefill_chunk_size: prefill the prompt in chunks of this many tokens (an evicting cache
+            then evicts while it reads the haystack, not only after it).
     """
 
     rng = np.random.default_rng(seed)
@@ -185,6 +272,7 @@ def passkey_accuracy(
             int(rng.integers(10_000, 100_000)),
             cache_factory=cache_factory,
             max_new_tokens=max_new_tokens,
+            prefill_chunk_size=prefill_chunk_size,
         )
         for depth in depths
         for _ in range(check_positive_int("trials_per_depth", trials_per_depth))
@@ -194,14 +282,28 @@ def passkey_accuracy(
 
 @torch.no_grad()
 def passkey_trial(
-    model, tokenizer, filler_tokens, depth, passkey, *, cache_factory=None, max_new_tokens=10
+    model,
+    tokenizer,
+    filler_tokens,
+    depth,
+    passkey,
+    *,
+    cache_factory=None,
+    max_new_tokens=10,
+    prefill_chunk_size=None,
 ) -> tuple[bool, int]:
     """One passkey trial: (whether the greedy answer contains the key, the prompt's length in
     tokens)."""
     from kvlib.generation import generate
 
     ids = torch.tensor([passkey_prompt(tokenizer, filler_tokens, depth, passkey)])
-    out = generate(model, ids, max_new_tokens, cache=cache_factory or "dynamic")
+    out = generate(
+        model,
+        ids,
+        max_new_tokens,
+        cache=cache_factory or "dynamic",
+        prefill_chunk_size=prefill_chunk_size,
+    )
     return str(passkey) in tokenizer.decode(out[0, ids.shape[1] :].tolist()), ids.shape[1]
 
 
@@ -246,14 +348,161 @@ def passkey_sweep(out_csv: str, *, seed: int = 0) -> list[dict]:
     return rows
 
 
+def _policies(snapkv_window: int) -> dict:
+    """The sweep's policies, by label: fresh instances (a policy may hold state such as a seed)."""
+    from kvlib.cache import evicting as ev
+
+    return {
+        "StreamingLLM": lambda: (ev.StreamingLLM(4), "original"),
+        "StreamingLLM, cache positions": lambda: (ev.StreamingLLM(4), "cache"),
+        "window only": lambda: (ev.StreamingLLM(0), "original"),
+        "H2O": lambda: (ev.H2O(), "original"),
+        "H2O, normalized": lambda: (ev.H2O(normalize=True), "original"),
+        "TOVA": lambda: (ev.TOVA(), "original"),
+        "SnapKV": lambda: (ev.SnapKV(snapkv_window, 7), "original"),
+        "random": lambda: (ev.RandomEviction(0), "original"),
+    }
+
+
+EVICTION_RECALL_BUDGETS = (32, 64, 128)  # of the course model's 256-token documents
+EVICTION_PASSKEY_BUDGETS = (64, 128, 256)  # of SmolLM2's 613-token passkey prompts
+EVICTION_TEXT_BUDGETS = (48, 64, 128, 256)  # of the 440-token essay (SnapKV needs > 32)
+EVICTION_PASSKEY_FILLER = 560
+EVICTION_CHUNK = 32  # passkey prompts are prefilled in chunks of this many tokens
+TEXT_CHUNK = 16  # the essay is streamed in chunks of this many tokens after a 16-token prefill
+
+
+def eviction_factory(label: str, budget: int | None, *, snapkv_window: int = 32):
+    """The `cache=` factory for sweep policy `label` (see `_policies`) at `budget` (None or
+    "full": no eviction)."""
+    from kvlib.cache.evicting import EvictingCache, StreamingLLM
+
+    if label == "full" or budget is None:
+        return EvictingCache.factory(StreamingLLM(), None)
+    policy, positions = _policies(snapkv_window)[label]()
+    return EvictingCache.factory(policy, budget, positions=positions)
+
+
+def text_under_eviction(model, ids, label, budget) -> dict:
+    """Perplexity, top-1 agreement and mean KL (nats) against the full cache, for the essay
+    streamed through policy `label` at `budget` (prefill 16 tokens, then chunks of 16)."""
+    reference = streamed_logits(model, ids, None)
+    logits = streamed_logits(
+        model,
+        ids,
+        eviction_factory(label, budget)(model, *ids.shape),
+        prefill_len=TEXT_CHUNK,
+        chunk_size=TEXT_CHUNK,
+    )
+    ppl = float(torch.exp(F.cross_entropy(logits[0, :-1], ids[0, 1:])))
+    a = agreement(reference[0, TEXT_CHUNK:], logits[0, TEXT_CHUNK:])
+    return {"perplexity": ppl, "top1_agreement": a.top1, "mean_kl": a.mean_kl}
+
+
+def eviction_sweep(out_csv: str, *, seed: int = 0) -> list[dict]:
+    """Chapter 8's sweep (about 8 minutes on a laptop CPU): every policy at every budget, on
+
+    - the course model's recall by distance (`recall_by_distance`, 32 documents per distance,
+      streamed one token at a time; SnapKV's window is 8 here, since 32 would fill the smallest
+      budget);
+    - SmolLM2's passkey retrieval (filler `EVICTION_PASSKEY_FILLER`, five depths, one seeded key
+      per depth, prefill in chunks of `EVICTION_CHUNK`);
+    - SmolLM2 on the course essay: perplexity, agreement and KL with the full cache.
+
+    Writes one row per measurement to `out_csv` (the committed `results/eviction_sweep.csv`,
+    which a test spot-checks)."""
+    import csv
+    import datetime
+
+    from tqdm import tqdm
+
+    from kvlib.smollm2 import load_smollm2
+    from kvlib.train import load_course_model
+
+    course, (smol, tokenizer) = load_course_model(), load_smollm2()
+    labels = list(_policies(32))
+    essay = torch.tensor([tokenizer.encode(course_text())])
+    rng = np.random.default_rng(seed)
+    passkeys = {d: int(rng.integers(10_000, 100_000)) for d in PASSKEY_DEPTHS}
+    jobs = [("recall", "full", None)] + [
+        ("recall", label, b) for b in EVICTION_RECALL_BUDGETS for label in labels
+    ]
+    jobs += [("passkey", "full", None)] + [
+        ("passkey", label, b)
+        for b in EVICTION_PASSKEY_BUDGETS
+        for label in labels
+        if label not in ("StreamingLLM, cache positions", "H2O, normalized")
+    ]
+    jobs += [("text", label, b) for b in EVICTION_TEXT_BUDGETS for label in labels]
+    rows = []
+    with open(out_csv, "w", newline="") as f:  # written as it goes: a crash keeps its rows
+        writer = csv.DictWriter(f, fieldnames=SWEEP_FIELDS)
+        writer.writeheader()
+        for task, label, budget in tqdm(jobs, desc="eviction sweep", unit="run"):
+            for x, metric, value in _sweep_job(
+                course, smol, tokenizer, essay, passkeys, task, label, budget
+            ):
+                rows.append(
+                    {
+                        "model": "course model" if task == "recall" else "SmolLM2-135M-Instruct",
+                        "task": task,
+                        "policy": label,
+                        "budget": "" if budget is None else budget,
+                        "x": x,
+                        "metric": metric,
+                        "value": value,
+                        "torch": torch.__version__,
+                        "date": datetime.date.today().isoformat(),
+                    }
+                )
+                writer.writerow(rows[-1])
+            f.flush()
+    return rows
+
+
+SWEEP_FIELDS = ["model", "task", "policy", "budget", "x", "metric", "value", "torch", "date"]
+
+
+def _sweep_job(course, smol, tokenizer, essay, passkeys, task, label, budget):
+    """One run of `eviction_sweep`: (x, metric, value) rows."""
+    if task == "recall":
+        factory = eviction_factory(label, budget, snapkv_window=8)
+        return [
+            (d, "recall", value)
+            for d, value in recall_by_distance(course, cache_factory=factory).items()
+        ]
+    if task == "passkey":
+        factory = eviction_factory(label, budget)
+        rows = []
+        for depth, key in passkeys.items():
+            correct, _ = passkey_trial(
+                smol,
+                tokenizer,
+                EVICTION_PASSKEY_FILLER,
+                depth,
+                key,
+                cache_factory=factory,
+                prefill_chunk_size=EVICTION_CHUNK,
+            )
+            rows.append((depth, "correct", int(correct)))
+        return rows
+    return [("", m, v) for m, v in text_under_eviction(smol, essay, label, budget).items()]
+
+
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(
         prog="python -m kvlib.evaluation", description="Quality sweeps on SmolLM2 (CPU)."
     )
-    parser.add_argument("sweep", choices=["passkey"])
-    parser.add_argument("--out", default="results/passkey_smollm2.csv")
+    parser.add_argument("sweep", choices=["passkey", "eviction"])
+    parser.add_argument("--out", help="the CSV to write (default: the committed one)")
     args = parser.parse_args()
-    rows = passkey_sweep(args.out)
-    print(f"wrote {len(rows)} trials to {args.out}: {sum(r['correct'] for r in rows)} correct")
+    if args.sweep == "passkey":
+        out = args.out or "results/passkey_smollm2.csv"
+        rows = passkey_sweep(out)
+        print(f"wrote {len(rows)} trials to {out}: {sum(r['correct'] for r in rows)} correct")
+    else:
+        out = args.out or "results/eviction_sweep.csv"
+        rows = eviction_sweep(out)
+        print(f"wrote {len(rows)} measurements to {out}")

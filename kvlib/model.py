@@ -323,7 +323,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         # (B, H_kv, T, D)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # keys are cached already rotated
+        q = apply_rope(q, cos, sin)
+        if not getattr(cache, "rotates_keys", False):  # a cache that rotates on read gets raw keys
+            k = apply_rope(k, cos, sin)  # keys are cached already rotated
         # the seam: the cache stores K/V and says what attention reads; a backend attends over it
         kv = (k, v) if cache is None else cache.update(self.layer_idx, k, v)
         attend = getattr(cache, "attention_backend", None) or backend
@@ -430,7 +432,8 @@ class LlamaModel(nn.Module):
             cache: a `kvlib.cache.KVCache` holding S0 earlier tokens per sequence (or None).
             attention_mask: (B, S0 + T) 1 for real tokens, 0 for padding (left padding); default all
                 1.
-            position_ids: (B, T) RoPE positions; default: count of real tokens before each one.
+            position_ids: (B, T) RoPE positions; default: the cache's `query_positions(T)` if it
+                has one (`EvictingCache`), else the count of real tokens before each one.
             attention_weights: a list to receive each layer's (B, H, T, S) attention weights
                 (the "reference" backend only).
             validate: check that the ids are in the vocabulary (one host sync: `generate` does it
@@ -465,7 +468,9 @@ class LlamaModel(nn.Module):
                 f"{tuple(attention_mask.shape)}"
             )
         if position_ids is None:
-            if attention_mask is None:
+            if hasattr(cache, "query_positions"):  # a cache that decides positions (eviction)
+                position_ids = cache.query_positions(t).to(input_ids.device).expand(b, t)
+            elif attention_mask is None:
                 position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
             else:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[

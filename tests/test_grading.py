@@ -690,6 +690,81 @@ def prefix_hit_tokens(token_ids, cached, block_size):  # a full hit leaves nothi
 """,
         "at most n - 1 tokens",
     ),
+    (
+        "08_eviction.ipynb",
+        "streaming_keep",
+        """
+def streaming_keep(positions, budget, num_sinks):  # a plain window: forgets the sinks
+    if len(positions) <= budget:
+        return [True] * len(positions)
+    return [i >= len(positions) - budget for i in range(len(positions))]
+""",
+        "keep every token whose position is below num_sinks",
+    ),
+    (
+        "08_eviction.ipynb",
+        "streaming_keep",
+        """
+def streaming_keep(positions, budget, num_sinks):  # sinks by index, not by position
+    if len(positions) <= budget:
+        return [True] * len(positions)
+    n = len(positions)
+    return [i < num_sinks or i >= n - budget + num_sinks for i in range(n)]
+""",
+        "a sink already gone",
+    ),
+    (
+        "08_eviction.ipynb",
+        "h2o_update",
+        """
+def h2o_update(scores, weights):  # sums over every query head, not the group's
+    h_kv = scores.shape[0]
+    s = weights.shape[-1]
+    padded = torch.cat([scores, scores.new_zeros(h_kv, s - scores.shape[1])], dim=1)
+    return padded + weights.sum(dim=(0, 1))[None]
+""",
+        "query heads of its KV head's group",
+    ),
+    (
+        "08_eviction.ipynb",
+        "h2o_update",
+        """
+def h2o_update(scores, weights):  # takes the last query only (TOVA's rule)
+    h_kv = scores.shape[0]
+    h, t, s = weights.shape
+    padded = torch.cat([scores, scores.new_zeros(h_kv, s - scores.shape[1])], dim=1)
+    return padded + weights[:, -1].view(h_kv, h // h_kv, s).sum(dim=1)
+""",
+        "summed over the T queries",
+    ),
+    (
+        "08_eviction.ipynb",
+        "snapkv_select",
+        """
+def snapkv_select(votes, budget, window, kernel_size):  # no pooling
+    h_kv, s = votes.shape
+    if s <= budget:
+        return torch.arange(s).expand(h_kv, s).clone()
+    ranked = votes.clone()
+    ranked[:, s - window :] = float("inf")
+    return ranked.sort(dim=1, descending=True, stable=True).indices[:, :budget].sort(dim=1).values
+""",
+        "max-pool the votes",
+    ),
+    (
+        "08_eviction.ipynb",
+        "snapkv_select",
+        """
+def snapkv_select(votes, budget, window, kernel_size):  # indices in ranking order, not ascending
+    h_kv, s = votes.shape
+    if s <= budget:
+        return torch.arange(s).expand(h_kv, s).clone()
+    pooled = torch.nn.functional.max_pool1d(votes[:, None], kernel_size, 1, kernel_size // 2)[:, 0]
+    pooled[:, s - window :] = float("inf")
+    return pooled.sort(dim=1, descending=True, stable=True).indices[:, :budget]
+""",
+        "ascending order",
+    ),
 ]
 
 

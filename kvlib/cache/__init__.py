@@ -9,16 +9,19 @@
   the slot mapping and read by paged attention (chapter 7);
 - `simulate`: a request trace replayed against contiguous and paged caches, every slot accounted
   for (reserved, internal and external fragmentation; chapter 7);
+- `evicting.EvictingCache`: a dense cache that keeps at most a budget of tokens per KV head,
+  chosen by a policy (`StreamingLLM`, `H2O`, `TOVA`, `SnapKV`, `RandomEviction`; chapter 8);
 - `block_table.shuffled_block_tables`: block tables scattered by a busy allocator, for the paged
   decode kernel of chapter 11.
 
-Later chapters add a module here each (paged, evicting, quantized) and plug it in; the model's
+Later chapters add a module here each (quantized, ...) and plug it in; the model's
 layers do not change.
 """
 
 from kvlib.cache.base import KVCache
 from kvlib.cache.dense import DynamicCache, StaticCache
+from kvlib.cache.evicting import EvictingCache
 from kvlib.cache.latent import LatentCache
 from kvlib.cache.paged import PagedCache
 
-__all__ = ["DynamicCache", "KVCache", "LatentCache", "PagedCache", "StaticCache"]
+__all__ = ["DynamicCache", "EvictingCache", "KVCache", "LatentCache", "PagedCache", "StaticCache"]

@@ -18,7 +18,10 @@ The model calls `cache.attention_backend` if the cache has one, else its own bac
 (`kvlib.ops.attention`), so a new cache plugs in without editing the model's layers. A cache that
 wants to know which positions are padding (the paged cache stores only real tokens) defines
 `begin_forward(T, attention_mask)`; the model calls it before the first layer with the step's
-token count and the `(B, length + T)` mask (or None: no padding).
+token count and the `(B, length + T)` mask (or None: no padding). Two more optional hooks serve a
+cache that decides positions (`evicting.EvictingCache`): `query_positions(T)` gives the RoPE
+positions of the step's queries, and `rotates_keys = True` asks the layer for keys before RoPE (the
+cache rotates them when it reads them).
 """
 
 from __future__ import annotations

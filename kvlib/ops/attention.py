@@ -6,7 +6,8 @@ A backend is a function `backend(q, kv, mask, *, weights_out=None) -> out` with
 - `kv`: what the cache's `update` returned; for the dense backends here, a pair of keys and values
   `(B, H_kv, S, D)` with `H` a multiple of `H_kv` (GQA: query head `h` reads KV head `h // G`,
   `G = H / H_kv`, consecutive heads forming a group as in Hugging Face's `repeat_kv`);
-- `mask`: bool (B or 1, T, S), True where query `i` may attend to key `j`;
+- `mask`: bool (B or 1, T, S), True where query `i` may attend to key `j` (the reference backend
+  also takes (B, H, T, S), one mask per head: a cache that keeps different tokens per head);
 - `weights_out`: a list to append the (B, H, T, S) attention weights to (not SDPA);
 - `scale`: the softmax temperature; None: 1/sqrt(D) with D = q's last dimension. MLA's absorbed
   path passes its own (`kvlib.mla`), because its queries are wider than the heads it scores;
@@ -52,7 +53,8 @@ def reference_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale  # (B, H, T, S)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # fp32, or fp64 if given
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    mask = mask[:, None] if mask.dim() == 3 else mask  # (B or 1, 1 or H, T, S)
+    scores = scores.masked_fill(~mask, float("-inf"))
     weights = scores.softmax(dim=-1).to(q.dtype)  # (B, H, T, S)
     if weights_out is not None:
         weights_out.append(weights.detach())

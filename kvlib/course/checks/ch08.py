@@ -1,0 +1,127 @@
+"""Chapter 8's graded questions: StreamingLLM's keep mask, H2O's score update and SnapKV's
+selection. Oracles: kvlib's policies (imported before the grader blocks them) and the selection
+rule written out here."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvlib.cache.evicting import H2O, LayerState, StreamingLLM
+from kvlib.course.grading import Submission, question
+
+
+def _streaming_keep(positions, budget, num_sinks):
+    if len(positions) <= budget:
+        return [True] * len(positions)
+    state = LayerState(*(None,) * 2, torch.tensor(positions)[None, None], None, None)
+    priority = StreamingLLM(num_sinks).priority(state, None, None)[0, 0]
+    ranked = priority.sort(descending=True, stable=True).indices[:budget]
+    keep = [False] * len(positions)
+    for i in ranked.tolist():
+        keep[i] = True
+    return keep
+
+
+@question(function="streaming_keep", blocked=("kvlib.cache.evicting.StreamingLLM",))
+def test_streaming_keep(submission: Submission) -> None:
+    streaming_keep = submission.function("streaming_keep")
+    for positions, budget, num_sinks, what in (
+        (list(range(10)), 6, 2, "10 tokens, budget 6, 2 sinks"),
+        (list(range(5)), 8, 4, "fewer tokens than the budget"),
+        (list(range(40)), 12, 4, "40 tokens, budget 12, 4 sinks"),
+        ([0, 1, 2, 3, 17, 18, 19, 20, 21], 8, 4, "a cache that has evicted before"),
+        ([0, 5, 9, 10, 11, 12], 4, 2, "a sink already gone (position 1)"),
+        (list(range(9)), 8, 0, "no sinks: a plain window"),
+    ):
+        expected = _streaming_keep(positions, budget, num_sinks)
+        got = streaming_keep(list(positions), budget, num_sinks)
+        assert isinstance(got, list) and all(isinstance(x, bool) for x in got), (
+            f"streaming_keep should return a list of bools, one per position, got {got!r}"
+        )
+        assert got == expected, (
+            f"{what} (positions {positions}): expected keep mask {expected}, got {got} (keep "
+            "every token whose position is below num_sinks, then the most recent tokens up to the "
+            "budget; everything when the budget is not exceeded)"
+        )
+
+
+def _h2o_update(scores, weights):
+    h_kv, s_old = scores.shape
+    h, t, s = weights.shape
+    state = LayerState(
+        None,
+        None,
+        torch.arange(s)[None, None].expand(1, h_kv, s),
+        torch.cat([scores, torch.zeros(h_kv, t)], dim=1)[None].clone(),
+        torch.zeros(1, h_kv, s, dtype=torch.long),
+    )
+    H2O().observe(state, weights.view(1, h_kv, h // h_kv, t, s), torch.arange(s - t, s))
+    return state.scores[0]
+
+
+@question(function="h2o_update", blocked=("kvlib.cache.evicting.H2O",))
+def test_h2o_update(submission: Submission) -> None:
+    h2o_update = submission.function("h2o_update")
+    g = torch.Generator().manual_seed(8)
+    for h, h_kv, s_old, t, what in (
+        (2, 2, 5, 1, "one decode step, one query head per KV head"),
+        (6, 2, 7, 1, "one decode step, groups of 3 (GQA)"),
+        (4, 1, 3, 4, "a 4-token chunk, one KV head (MQA)"),
+        (4, 2, 0, 5, "the first forward (no scores yet)"),
+    ):
+        scores = torch.rand(h_kv, s_old, generator=g)
+        logits = torch.randn(h, t, s_old + t, generator=g)
+        causal = torch.arange(s_old + t)[None] <= torch.arange(s_old, s_old + t)[:, None]
+        weights = logits.masked_fill(~causal, -math.inf).softmax(-1)
+        expected = _h2o_update(scores, weights)
+        got = h2o_update(scores.clone(), weights.clone())
+        assert isinstance(got, torch.Tensor) and got.shape == expected.shape, (
+            f"{what}: expected a tensor of shape {tuple(expected.shape)} (H_kv, S_old + T), got "
+            f"{getattr(got, 'shape', type(got).__name__)}"
+        )
+        assert torch.allclose(got.float(), expected, atol=1e-5), (
+            f"{what}: each token's old score (0 for the new tokens) plus the attention it "
+            "received in this forward, summed over the T queries and the query heads of its KV "
+            f"head's group; expected {expected.numpy().round(3).tolist()}, got "
+            f"{got.detach().float().numpy().round(3).tolist()}"
+        )
+
+
+def _snapkv_select(votes, budget, window, kernel_size):
+    h_kv, s = votes.shape
+    if s <= budget:
+        return torch.arange(s).expand(h_kv, s)
+    pooled = F.max_pool1d(votes[:, None], kernel_size, 1, kernel_size // 2)[:, 0]
+    pooled[:, s - window :] = math.inf
+    ranked = pooled.sort(dim=-1, descending=True, stable=True).indices[:, :budget]
+    return ranked.sort(dim=-1).values
+
+
+@question(function="snapkv_select", blocked=("kvlib.cache.evicting.SnapKV",))
+def test_snapkv_select(submission: Submission) -> None:
+    snapkv_select = submission.function("snapkv_select")
+    g = torch.Generator().manual_seed(3)
+    spiky = torch.zeros(2, 20)
+    spiky[0, 3], spiky[1, 11] = 5.0, 4.0
+    for votes, budget, window, kernel, what in (
+        (torch.rand(1, 12, generator=g), 6, 2, 3, "12 tokens, budget 6, window 2, kernel 3"),
+        (spiky, 8, 3, 5, "one spike per head: its neighbours come with it"),
+        (torch.rand(3, 30, generator=g), 10, 4, 1, "kernel 1 (no pooling)"),
+        (torch.rand(2, 6, generator=g), 8, 2, 3, "fewer tokens than the budget"),
+        (torch.rand(2, 25, generator=g), 12, 4, 7, "SnapKV's kernel of 7"),
+    ):
+        expected = _snapkv_select(votes, budget, window, kernel)
+        got = snapkv_select(votes.clone(), budget, window, kernel)
+        assert isinstance(got, torch.Tensor) and got.shape == expected.shape, (
+            f"{what}: expected indices of shape {tuple(expected.shape)} (H_kv, min(S, budget)), "
+            f"got {getattr(got, 'shape', type(got).__name__)}"
+        )
+        assert torch.equal(got.long(), expected), (
+            f"{what}: max-pool the votes over kernel_size neighbours, always keep the last "
+            "`window` tokens, fill the rest of the budget with the highest pooled votes (ties to "
+            "the older token) and return the indices in ascending order; expected "
+            f"{expected.tolist()}, got {got.tolist()}"
+        )
