@@ -37,7 +37,9 @@ from kvlib.evaluation import (
     text_under_eviction,
 )
 from kvlib.generation import generate
-from kvlib.model import LlamaModel, ModelConfig, apply_rope, rope_cos_sin
+from kvlib.model import LlamaModel, apply_rope, rope_cos_sin
+from tests.test_mla import MLA
+from tests.test_model import TINY, tiny_model
 
 RESULTS = Path(__file__).parent.parent / "results" / "eviction_sweep.csv"
 POLICIES = [
@@ -53,30 +55,20 @@ POLICIES = [
 
 @pytest.fixture(scope="module")
 def gqa_model():
-    torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    return LlamaModel(config).eval()
+    return tiny_model()  # 3 layers, 4 query heads over 2 KV heads (GQA), random norms
 
 
 @pytest.mark.parametrize("make_policy", POLICIES)
 @pytest.mark.parametrize("positions", ["original", "cache"])
 def test_unlimited_budget_is_the_full_cache_exactly(gqa_model, make_policy, positions):
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, TINY.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     factory = EvictingCache.factory(make_policy(), 40, positions=positions)
     for kwargs in ({}, {"prefill_chunk_size": 5}, {"num_beams": 3}, {"num_samples": 2}):
         torch.manual_seed(2)
         expected = generate(gqa_model, ids, 20, cache="dynamic", **kwargs)
         torch.manual_seed(2)
         assert torch.equal(generate(gqa_model, ids, 20, cache=factory, **kwargs), expected), kwargs
-    full = decode_logits(gqa_model, ids[:1], 4, DynamicCache(2))
+    full = decode_logits(gqa_model, ids[:1], 4, DynamicCache(TINY.num_hidden_layers))
     cache = factory(gqa_model, 1, 12)
     assert torch.equal(decode_logits(gqa_model, ids[:1], 4, cache), full)
     assert cache.evicted == 0 and cache.length == 12
@@ -256,32 +248,24 @@ def test_bad_arguments_are_named(gqa_model):
     mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
     with pytest.raises(ValueError, match="padding"):
         generate(gqa_model, ids, 2, attention_mask=mask, cache=EvictingCache.factory(TOVA(), 8))
-    mla = ModelConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        kv_lora_rank=8,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-    )
     with pytest.raises(UnsupportedConfigError, match="MLA"):
-        EvictingCache.for_model(LlamaModel(mla), TOVA(), 8)
+        EvictingCache.for_model(LlamaModel(MLA), TOVA(), 8)
 
 
 def test_streamed_logits_follow_the_full_forward(gqa_model):
-    ids = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, TINY.vocab_size, (3, 20), generator=torch.Generator().manual_seed(4))
     full = streamed_logits(gqa_model, ids, None)
     for prefill, chunk in ((1, 1), (5, 4)):
         got = streamed_logits(
-            gqa_model, ids, DynamicCache(2), prefill_len=prefill, chunk_size=chunk
+            gqa_model,
+            ids,
+            DynamicCache(TINY.num_hidden_layers),
+            prefill_len=prefill,
+            chunk_size=chunk,
         )
         torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="prefill_len"):
-        streamed_logits(gqa_model, ids, DynamicCache(2), prefill_len=21)
+        streamed_logits(gqa_model, ids, DynamicCache(TINY.num_hidden_layers), prefill_len=21)
 
 
 def _recorded(task, policy, budget):

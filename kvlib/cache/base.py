@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["KVCache", "check_kv_update"]
+__all__ = ["KVCache", "check_kv_append", "check_kv_update"]
 
 
 @runtime_checkable
@@ -94,3 +94,32 @@ def check_kv_update(
         raise TypeError(f"k, v: expected dtype {dtype} (the cache's), got {k.dtype} and {v.dtype}")
     if device is not None and (k.device != device or v.device != device):
         raise ValueError(f"k, v: expected device {device} (the cache's), got {k.device}")
+
+
+def check_kv_append(
+    stored: list[torch.Tensor | None], layer_idx: int, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor | None:
+    """`check_kv_update` for a cache that appends to one tensor per layer: `stored[l]` is layer l's
+    keys so far (B, H_kv, S, D), or None before its first update; the new k must match its batch,
+    heads, head size, dtype and device. Returns `stored[layer_idx]`.
+
+    Raises:
+        As `check_kv_update`.
+    """
+    old = (
+        stored[layer_idx]
+        if isinstance(layer_idx, int)
+        and not isinstance(layer_idx, bool)
+        and 0 <= layer_idx < len(stored)
+        else None
+    )
+    check_kv_update(
+        len(stored),
+        layer_idx,
+        k,
+        v,
+        None if old is None else (old.shape[0], old.shape[1], old.shape[3]),
+        None if old is None else old.dtype,
+        None if old is None else old.device,
+    )
+    return old

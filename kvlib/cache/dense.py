@@ -20,7 +20,7 @@ import copy
 import torch
 
 from kvlib._validate import check_positive_int
-from kvlib.cache.base import check_kv_update
+from kvlib.cache.base import check_kv_append, check_kv_update
 from kvlib.errors import CacheOverflowError
 
 __all__ = ["DynamicCache", "StaticCache"]
@@ -60,20 +60,7 @@ class DynamicCache(_DenseCache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append T new rows for layer `layer_idx`; return its (B, H_kv, length + T, D) keys and
         values."""
-        old_k = (
-            self.keys[layer_idx]
-            if isinstance(layer_idx, int) and 0 <= layer_idx < self.num_layers
-            else None
-        )
-        check_kv_update(
-            self.num_layers,
-            layer_idx,
-            k,
-            v,
-            None if old_k is None else (old_k.shape[0], old_k.shape[1], old_k.shape[3]),
-            None if old_k is None else old_k.dtype,
-            None if old_k is None else old_k.device,
-        )
+        old_k = check_kv_append(self.keys, layer_idx, k, v)
         if old_k is None:
             self.keys[layer_idx], self.values[layer_idx] = k, v
         else:

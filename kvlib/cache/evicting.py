@@ -58,8 +58,9 @@ import torch
 import torch.nn.functional as F
 
 from kvlib._validate import check_positive_int
-from kvlib.cache.base import check_kv_update
+from kvlib.cache.base import check_kv_append
 from kvlib.errors import UnsupportedConfigError
+from kvlib.model import apply_rope, rope_cos_sin
 from kvlib.ops.attention import reference_attention
 
 __all__ = [
@@ -132,10 +133,10 @@ class EvictionPolicy:
         """Update `state.scores` from this forward's weights (B, H_kv, G, T, S) (default: no-op)."""
 
     def priority(
-        self, state: LayerState, weights: torch.Tensor, keys: torch.Tensor
+        self, state: LayerState, weights: torch.Tensor, keys: torch.Tensor, budget: int
     ) -> torch.Tensor:
         """(B, H_kv, S) float: how much to keep each token, given this forward's weights (B, H_kv,
-        G, T, S) and the keys (B, H_kv, S, D) attention read (rotated)."""
+        G, T, S), the keys (B, H_kv, S, D) attention read (rotated) and the cache's budget."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -167,7 +168,7 @@ class StreamingLLM(EvictionPolicy):
                 f"recent window), got {budget}"
             )
 
-    def priority(self, state, weights, keys):
+    def priority(self, state, weights, keys, budget):
         recency = state.positions.float()
         return recency.masked_fill(state.positions < self.num_sinks, math.inf)
 
@@ -193,19 +194,15 @@ class H2O(EvictionPolicy):
                 f"recent_fraction: expected a number in [0, 1), got {recent_fraction!r}"
             )
         self.recent_fraction, self.normalize = recent_fraction, normalize
-        self._budget = None
-
-    def check_budget(self, budget: int) -> None:
-        self._budget = budget
 
     def observe(self, state, weights, query_positions):
         state.scores += weights.float().sum(dim=(2, 3))  # (B, H_kv, S): group heads and queries
         sees = state.positions[..., None, :] <= query_positions[:, None]  # (B, H_kv, T, S)
         state.seen += sees.sum(dim=2)
 
-    def priority(self, state, weights, keys):
+    def priority(self, state, weights, keys, budget):
         score = state.scores / state.seen.clamp(min=1) if self.normalize else state.scores.clone()
-        return _most_recent(score, int(self.recent_fraction * self._budget))
+        return _most_recent(score, int(self.recent_fraction * budget))
 
 
 class TOVA(EvictionPolicy):
@@ -216,7 +213,7 @@ class TOVA(EvictionPolicy):
 
     name = "TOVA"
 
-    def priority(self, state, weights, keys):
+    def priority(self, state, weights, keys, budget):
         last = weights[:, :, :, -1].float().mean(dim=(1, 2))  # (B, S): mean over all H heads
         return last[:, None].expand_as(state.positions).clone()
 
@@ -246,7 +243,7 @@ class SnapKV(EvictionPolicy):
                 f"budget: expected more than window={self.window} tokens, got {budget}"
             )
 
-    def priority(self, state, weights, keys):
+    def priority(self, state, weights, keys, budget):
         q = state.queries  # (B, H, W, D): the window's queries, RoPE applied
         b, h_kv, s, d = state.keys.shape
         w = q.shape[2]
@@ -270,7 +267,7 @@ class RandomEviction(EvictionPolicy):
         self.seed = seed
         self._generator = torch.Generator().manual_seed(seed)
 
-    def priority(self, state, weights, keys):
+    def priority(self, state, weights, keys, budget):
         return torch.rand(state.positions.shape, generator=self._generator)
 
 
@@ -384,22 +381,8 @@ class EvictingCache:
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> int:
         """Append layer `layer_idx`'s new keys and values (B, H_kv, T, D); return the handle the
         cache's `attention_backend` reads (the layer index)."""
-        state = (
-            self.layers[layer_idx]
-            if isinstance(layer_idx, int) and 0 <= layer_idx < self.num_layers
-            else None
-        )
-        check_kv_update(
-            self.num_layers,
-            layer_idx,
-            k,
-            v,
-            None
-            if state is None
-            else (state.keys.shape[0], state.keys.shape[1], state.keys.shape[3]),
-            None if state is None else state.keys.dtype,
-            None if state is None else state.keys.device,
-        )
+        stored = [None if s is None else s.keys for s in self.layers]
+        state = None if check_kv_append(stored, layer_idx, k, v) is None else self.layers[layer_idx]
         if self._query_positions is None or self._query_positions.numel() != k.shape[2]:
             self.begin_forward(k.shape[2], None)  # a caller that is not LlamaModel
         b, h_kv, t, _ = k.shape
@@ -428,8 +411,6 @@ class EvictingCache:
         h_kv = state.keys.shape[1]
         keys = state.keys
         if self.positions_mode == "cache":  # rotate every key at its index in the cache
-            from kvlib.model import apply_rope, rope_cos_sin
-
             head_dim, theta, scaling = self.rope
             index = torch.arange(keys.shape[2], device=keys.device)[None]
             keys = apply_rope(keys, *rope_cos_sin(index, head_dim, theta, scaling))
@@ -451,7 +432,7 @@ class EvictingCache:
             recent = q if state.queries is None else torch.cat([state.queries, q], dim=2)
             state.queries = recent[:, :, -window:]
         if self.budget is not None and state.keys.shape[2] > self.budget:
-            priority = self.policy.priority(state, grouped, keys)
+            priority = self.policy.priority(state, grouped, keys, self.budget)
             # the `budget` highest, ties to the older token (a stable sort of columns in text
             # order: max-pooled SnapKV scores tie often), then back in text order
             ranked = priority.sort(dim=-1, descending=True, stable=True).indices
@@ -490,12 +471,8 @@ class EvictingCache:
         """A new cache in which each sequence is copied `num_copies` times, consecutively."""
         num_copies = check_positive_int("num_copies", num_copies)
         bigger = copy.copy(self)
-        index = None
-        for state in self.layers:
-            if state is not None:
-                index = torch.arange(state.keys.shape[0]).repeat_interleave(num_copies)
-                break
-        bigger.layers = [None if s is None else s.index_batch(index) for s in self.layers]
+        batch_size = self.seq_lens.shape[0]
+        bigger.reorder(torch.arange(batch_size).repeat_interleave(num_copies))  # new states
         return bigger
 
     @property
@@ -522,8 +499,6 @@ def rerotate_keys(
     Returns:
         (B, H, S, D) in k's dtype.
     """
-    from kvlib.model import apply_rope, rope_cos_sin
-
     positions = torch.full((k.shape[0], k.shape[2]), shift, device=k.device)
     return apply_rope(k, *rope_cos_sin(positions, head_dim, theta, scaling))
 

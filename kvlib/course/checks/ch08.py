@@ -17,7 +17,7 @@ def _streaming_keep(positions, budget, num_sinks):
     if len(positions) <= budget:
         return [True] * len(positions)
     state = LayerState(*(None,) * 2, torch.tensor(positions)[None, None], None, None)
-    priority = StreamingLLM(num_sinks).priority(state, None, None)[0, 0]
+    priority = StreamingLLM(num_sinks).priority(state, None, None, budget)[0, 0]
     ranked = priority.sort(descending=True, stable=True).indices[:budget]
     keep = [False] * len(positions)
     for i in ranked.tolist():
