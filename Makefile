@@ -47,7 +47,7 @@ nbval-portable: $(STAMP)
 	$(PORTABLE_ENV) $(BIN)/python -m pytest $(NBVAL_FLAGS) $(NOTEBOOKS)
 
 grading: $(STAMP)
-	$(BIN)/python -m pytest tests/test_grading.py
+	$(BIN)/python -m pytest -n auto tests/test_grading.py  # one worker per core
 
 # On a machine with a CUDA GPU: the compiled-kernel tests (bf16, large shapes), then the benchmark.
 test-gpu: $(STAMP)

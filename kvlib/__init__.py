@@ -32,6 +32,7 @@ _API = {
     "LatentCache": "kvlib.cache",
     "PagedCache": "kvlib.cache",
     "EvictingCache": "kvlib.cache",
+    "CompactingPagedCache": "kvlib.cache",
     "CacheOverflowError": "kvlib.errors",
     "OutOfBlocksError": "kvlib.errors",
     "UnsupportedConfigError": "kvlib.errors",

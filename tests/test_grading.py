@@ -765,6 +765,51 @@ def snapkv_select(votes, budget, window, kernel_size):  # indices in ranking ord
 """,
         "ascending order",
     ),
+    (
+        "09_compaction.ipynb",
+        "blocks_freeable",
+        """
+def blocks_freeable(live, block_size):  # counts blocks with any evicted slot
+    blocks = range(0, len(live), block_size)
+    return sum(not all(live[start : start + block_size]) for start in blocks)
+""",
+        "none of its slots holds a survivor",
+    ),
+    (
+        "09_compaction.ipynb",
+        "repack",
+        """
+def repack(slots, live):  # one row at a time, newest first: overwrites survivors before reading
+    survivors = live.nonzero()[:, 0].tolist()
+    copied = 0
+    for k in reversed(range(len(survivors))):
+        if survivors[k] != k:
+            slots[k] = slots[survivors[k]]
+            copied += 1
+    return copied
+""",
+        "read every source before",
+    ),
+    (
+        "09_compaction.ipynb",
+        "repack",
+        """
+def repack(slots, live):  # right rows, but counts every survivor as a copy
+    survivors = live.nonzero()[:, 0]
+    slots[: len(survivors)] = slots[survivors]
+    return len(survivors)
+""",
+        "survivors whose row changed",
+    ),
+    (
+        "09_compaction.ipynb",
+        "positions_after_hole_filling",
+        """
+def positions_after_hole_filling(positions):  # a repack: order kept, so not what the round does
+    return [p for p in positions if p >= 0]
+""",
+        "the last survivor moves into the first hole",
+    ),
 ]
 
 

@@ -11,6 +11,9 @@
   for (reserved, internal and external fragmentation; chapter 7);
 - `evicting.EvictingCache`: a dense cache that keeps at most a budget of tokens per KV head,
   chosen by a policy (`StreamingLLM`, `H2O`, `TOVA`, `SnapKV`, `RandomEviction`; chapter 8);
+- `compaction.CompactingPagedCache`: a paged cache whose sequences evict tokens (a chapter 8
+  policy, one decision per sequence) and get their blocks back by compaction: order-preserving
+  repack or hole-filling with a slot -> position map (chapter 9);
 - `block_table.shuffled_block_tables`: block tables scattered by a busy allocator, for the paged
   decode kernel of chapter 11.
 
@@ -19,9 +22,18 @@ layers do not change.
 """
 
 from kvlib.cache.base import KVCache
+from kvlib.cache.compaction import CompactingPagedCache
 from kvlib.cache.dense import DynamicCache, StaticCache
 from kvlib.cache.evicting import EvictingCache
 from kvlib.cache.latent import LatentCache
 from kvlib.cache.paged import PagedCache
 
-__all__ = ["DynamicCache", "EvictingCache", "KVCache", "LatentCache", "PagedCache", "StaticCache"]
+__all__ = [
+    "CompactingPagedCache",
+    "DynamicCache",
+    "EvictingCache",
+    "KVCache",
+    "LatentCache",
+    "PagedCache",
+    "StaticCache",
+]

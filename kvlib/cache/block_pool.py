@@ -201,6 +201,7 @@ class BlockManager:
         self.block_hashes: dict[object, list[bytes]] = {}  # of the sequence's full blocks
         self.prefix_hits = 0  # tokens whose K/V came from the prefix cache
         self.copies: list[tuple[int, int]] = []  # (src, dst) block copies owed to copy-on-write
+        self.unhashed: set = set()  # sequences that evicted tokens: their new blocks are not hashed
 
     def num_tokens(self, seq_id) -> int:
         return len(self.token_ids[seq_id])
@@ -273,7 +274,7 @@ class BlockManager:
     def _hash_full_blocks(self, seq_id) -> None:
         """Hash and cache every full block of the sequence not hashed yet (nothing to do with
         prefix caching off: no lookup would read the hashes)."""
-        if not self.pool.enable_prefix_caching:
+        if not self.pool.enable_prefix_caching or seq_id in self.unhashed:
             return
         tokens, hashes = self.token_ids[seq_id], self.block_hashes[seq_id]
         table = self.block_tables[seq_id]
@@ -319,13 +320,106 @@ class BlockManager:
         self.block_tables[child_id] = list(table)
         self.token_ids[child_id] = list(self.token_ids[parent_id])
         self.block_hashes[child_id] = list(self.block_hashes[parent_id])
+        if parent_id in self.unhashed:
+            self.unhashed.add(child_id)
 
     def free(self, seq_id) -> None:
         """Release a sequence: its blocks are freed last block first, so that the free queue
         evicts a prefix's tail before its head (vLLM's order)."""
         table = self.block_tables.pop(seq_id)
         del self.token_ids[seq_id], self.block_hashes[seq_id]
+        self.unhashed.discard(seq_id)
         self.pool.free(reversed(table))
+
+    # --- eviction and compaction (chapter 9) ----------------------------------------------------
+
+    def stop_hashing(self, seq_id) -> None:
+        """Hash none of the sequence's blocks from now on: call it when the sequence first evicts
+        a token. Its later tokens' K/V are computed without the evicted tokens, so they are not
+        what a fresh prefill of the same prefix computes, and a prefix hit on them would hand
+        another request wrong K/V. Blocks hashed before keep their hashes (their K/V is intact)."""
+        self.block_tables[seq_id]  # KeyError for an unknown sequence
+        self.unhashed.add(seq_id)
+
+    def _forget_hashes(self, seq_id, from_block: int) -> None:
+        """Drop the sequence's chained hashes from block index `from_block` on, and take the blocks
+        there whose content is about to change out of the prefix cache."""
+        hashes, table = self.block_hashes[seq_id], self.block_tables[seq_id]
+        for i in range(from_block, len(hashes)):
+            block = self.pool.blocks[table[i]]
+            if block.block_hash is not None:
+                if self.pool.cached_blocks.get(block.block_hash) == block.block_id:
+                    del self.pool.cached_blocks[block.block_hash]
+                block.block_hash = None
+        del hashes[from_block:]
+
+    def drop_blocks(self, seq_id, indices: Iterable[int]) -> list[int]:
+        """Remove the blocks at positions `indices` of the sequence's block table (blocks whose
+        slots all hold evicted tokens): no K/V moves; the later slots' indices shift down by
+        `block_size` each, so the caller's slot -> position map must drop the same slots. The
+        blocks' references are freed. Returns the physical block ids removed.
+
+        Raises:
+            ValueError: an index outside the table.
+        """
+        table, tokens = self.block_tables[seq_id], self.token_ids[seq_id]
+        drop = sorted(set(indices))
+        for i in drop:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(table):
+                raise ValueError(f"indices: expected block indices in [0, {len(table)}), got {i!r}")
+        if not drop:
+            return []
+        self._forget_hashes(seq_id, drop[0])  # the chain no longer matches the table after it
+        removed, dropped = [table[i] for i in drop], set(drop)
+        self.block_tables[seq_id] = [b for i, b in enumerate(table) if i not in dropped]
+        self.token_ids[seq_id] = [
+            t for j, t in enumerate(tokens) if j // self.block_size not in dropped
+        ]
+        self.pool.free(reversed(removed))
+        return removed
+
+    def move_slots(self, seq_id, moves: Sequence[tuple[int, int]], num_slots: int) -> list[int]:
+        """The allocator's half of a compaction pass: the token in slot index `src` of the sequence
+        now lives at `dst` (indices into the sequence's slots, not the pool's), for every
+        (src, dst) in `moves` (the caller copies the K/V, all sources read before any
+        destination is written); then the sequence keeps its first `num_slots` slots and its
+        blocks past them are freed. Blocks written to leave the prefix cache. Returns the physical
+        ids of the blocks freed.
+
+        Raises:
+            ValueError: a slot index outside the sequence, `num_slots` out of range, or a
+                destination in a block another sequence also holds (it would change that
+                sequence's K/V: shared blocks are never written in place).
+        """
+        table, tokens = self.block_tables[seq_id], self.token_ids[seq_id]
+        n = len(tokens)
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or not 0 < num_slots <= n:
+            raise ValueError(f"num_slots: expected an int in [1, {n}], got {num_slots!r}")
+        for src, dst in moves:
+            if not (0 <= src < n and 0 <= dst < num_slots):
+                raise ValueError(
+                    f"moves: expected src in [0, {n}) and dst in [0, {num_slots}), got "
+                    f"({src}, {dst})"
+                )
+            block = self.pool.blocks[table[dst // self.block_size]]
+            if block.ref_cnt > 1:
+                raise ValueError(
+                    f"moves: slot {dst} is in block {block.block_id}, which {block.ref_cnt} "
+                    "sequences hold; writing it would change the others' K/V"
+                )
+        if moves:
+            self._forget_hashes(seq_id, min(dst for _, dst in moves) // self.block_size)
+        moved = list(tokens)
+        for src, dst in moves:
+            moved[dst] = tokens[src]
+        del moved[num_slots:]
+        self.token_ids[seq_id] = moved
+        keep = -(-num_slots // self.block_size)
+        self._forget_hashes(seq_id, min(keep, len(self.block_hashes[seq_id])))
+        freed = table[keep:]
+        del table[keep:]
+        self.pool.free(reversed(freed))
+        return freed
 
     def slot(self, seq_id, position: int) -> int:
         """The slot of token `position`: block_table[t // block_size] * block_size + t % block_size.

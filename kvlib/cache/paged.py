@@ -135,10 +135,11 @@ class PagedCache:
 
     @classmethod
     def for_model(
-        cls, model, num_sequences: int, max_seq_len: int, *, block_size: int = 16
+        cls, model, num_sequences: int, max_seq_len: int, *, block_size: int = 16, **options
     ) -> PagedCache:
         """A cache for `model` with room for `num_sequences` sequences of `max_seq_len` tokens
-        each, plus one block per sequence for copy-on-write, in the model's dtype and device."""
+        each, plus one block per sequence for copy-on-write, in the model's dtype and device
+        (`options`: a subclass's extra constructor arguments)."""
         c, weight = model.config, model.lm_head.weight
         if c.is_mla:
             raise ValueError(
@@ -154,6 +155,7 @@ class PagedCache:
             block_size=block_size,
             dtype=weight.dtype,
             device=weight.device,
+            **options,
         )
 
     @property
@@ -268,6 +270,9 @@ class PagedCache:
         manager = self.manager
         for table in (manager.block_tables, manager.token_ids, manager.block_hashes):
             table[new] = table.pop(old)
+        if old in manager.unhashed:
+            manager.unhashed.discard(old)
+            manager.unhashed.add(new)
 
     def repeat(self, num_copies: int) -> PagedCache:
         """The cache with each sequence copied `num_copies` times, consecutively (prefill once,

@@ -250,3 +250,43 @@ def block_table_animation(
     draw(0)
     plt.close(fig)  # the animation, not a static copy, is what the notebook shows
     return animation.FuncAnimation(fig, draw, frames=range(len(snapshots)), interval=interval_ms)
+
+
+def draw_block_table(
+    ax,
+    positions,
+    block_table,
+    block_size: int,
+    *,
+    moved=(),
+    title: str = "",
+) -> None:
+    """Draw one sequence's blocks as rows of slots (chapter 9): each slot shows the text position
+    of the token it holds ("T5"), an evicted slot is grey with a cross, and the slot indices in
+    `moved` (destinations of a compaction pass) are highlighted. `positions` is the slot ->
+    position map (-1: evicted) and `block_table` the physical block ids, in logical order; rows are
+    labelled with them, so a static figure shows the table without running anything."""
+    from matplotlib.patches import Rectangle
+
+    positions = [int(p) for p in positions]
+    moved = set(moved)
+    num_blocks = len(block_table)
+    for i in range(num_blocks * block_size):
+        row, col = divmod(i, block_size)
+        y = num_blocks - 1 - row
+        if i >= len(positions):
+            face, text = "white", ""
+        elif positions[i] < 0:
+            face, text = "0.85", "×"
+        else:
+            face, text = ("#f4a261" if i in moved else "#a8dadc"), f"T{positions[i]}"
+        ax.add_patch(Rectangle((col, y), 1, 1, facecolor=face, edgecolor="black"))
+        ax.text(col + 0.5, y + 0.5, text, ha="center", va="center", fontsize=9)
+    ax.set_xlim(0, block_size)
+    ax.set_ylim(0, max(num_blocks, 1))
+    ax.set_yticks([num_blocks - 1 - r + 0.5 for r in range(num_blocks)])
+    ax.set_yticklabels([f"block {b}" for b in block_table])
+    ax.set_xticks([c + 0.5 for c in range(block_size)])
+    ax.set_xticklabels([f"slot {c}" for c in range(block_size)], fontsize=8)
+    ax.set_title(title)
+    ax.tick_params(length=0)

@@ -1,0 +1,105 @@
+"""Chapter 9's graded questions: the blocks a sequence can free without moving anything, the
+repack's gather and scatter, and the position map after a hole-filling round. Oracles: kvlib's
+plans (`kvlib.cache.compaction`, imported before the grader blocks them)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kvlib.cache.compaction import freeable_blocks, plan_hole_filling, plan_repack
+from kvlib.course.grading import Submission, question
+
+
+def _patterns(seed: int):
+    """(live, block_size, what) cases: the chapter's toy, edge cases, random scatters."""
+    rng = random.Random(seed)
+    yield [t not in (2, 9, 13, 21) for t in range(24)], 4, "the chapter's toy (T2, T9, T13, T21)"
+    yield [not 4 <= t < 12 for t in range(20)], 4, "two whole blocks evicted"
+    yield [t >= 16 for t in range(22)], 8, "the first 16 evicted, a partly filled last block"
+    yield [False] * 6, 4, "everything evicted (a full and a partly filled block)"
+    yield [True] * 9, 4, "nothing evicted"
+    yield [t % 10 == 0 for t in range(160)], 16, "every 10th token kept"
+    for n in (17, 40, 63):
+        yield [rng.random() < 0.4 for _ in range(n)], rng.choice((2, 4, 8)), f"random, {n} slots"
+
+
+@question(function="blocks_freeable", blocked=("kvlib.cache.compaction.freeable_blocks",))
+def test_blocks_freeable(submission: Submission) -> None:
+    blocks_freeable = submission.function("blocks_freeable")
+    for live, block_size, what in _patterns(9):
+        expected = len(freeable_blocks(live, block_size))
+        got = blocks_freeable(list(live), block_size)
+        assert isinstance(got, int) and not isinstance(got, bool), (
+            f"blocks_freeable should return an int, got {type(got).__name__}"
+        )
+        assert got == expected, (
+            f"{what}: a block is freeable only when none of its slots holds a survivor (the last "
+            f"block counts only the slots it has); expected {expected}, got {got} for live="
+            f"{[int(x) for x in live][:24]}{'...' if len(live) > 24 else ''}, block_size "
+            f"{block_size}"
+        )
+
+
+@question(function="repack", blocked=("kvlib.cache.compaction.plan_repack",))
+def test_repack(submission: Submission) -> None:
+    repack = submission.function("repack")
+    for live, _, what in _patterns(10):
+        n = len(live)
+        slots = torch.arange(n * 3, dtype=torch.float32).view(n, 3)  # row i: token i's K (say)
+        original = slots.clone()
+        storage = slots.data_ptr()
+        survivors = [i for i in range(n) if live[i]]
+        got = repack(slots, torch.tensor(live, dtype=torch.bool))
+        expected = len(plan_repack(live))
+        assert slots.data_ptr() == storage and slots.shape == (n, 3), (
+            f"{what}: rewrite `slots` in place (a cache has no second pool), keeping its shape"
+        )
+        assert torch.equal(slots[: len(survivors)], original[survivors]), (
+            f"{what}: after the repack the survivors must fill the first rows in their order; "
+            f"expected rows {survivors[:12]}{'...' if len(survivors) > 12 else ''} first, got "
+            f"{slots[: len(survivors), 0].div(3).long().tolist()[:12]} (read every source before "
+            "writing any destination: a destination can be a later move's source)"
+        )
+        assert isinstance(got, int) and got == expected, (
+            f"{what}: return how many rows were copied (survivors whose row changed), expected "
+            f"{expected}, got {got!r}"
+        )
+
+
+def _positions_after(positions):
+    live = [p >= 0 for p in positions]
+    moved = list(positions)
+    for src, dst in plan_hole_filling(live):
+        moved[dst] = positions[src]
+    return moved[: sum(live)]
+
+
+@question(
+    function="positions_after_hole_filling", blocked=("kvlib.cache.compaction.plan_hole_filling",)
+)
+def test_positions_after_hole_filling(submission: Submission) -> None:
+    positions_after = submission.function("positions_after_hole_filling")
+    rng = random.Random(11)
+    cases = [
+        ([p if p not in (2, 9, 13, 21) else -1 for p in range(24)], "the chapter's toy"),
+        ([0, 1, -1, -1, 4, 5, 6, -1, 8], "holes next to each other"),
+        ([0, 17, 2, -1, 4, 16, -1, 7, 8, 9, 15, 12], "a map already scrambled by an earlier round"),
+        ([0, 1, 2, 3], "nothing evicted"),
+        ([-1, -1, 5, 6], "holes only at the front"),
+        ([0, 1, -1, -1], "holes only at the back"),
+    ]
+    scattered = [p if rng.random() < 0.6 else -1 for p in range(40)]
+    cases.append((scattered, "random, 40 slots"))
+    for positions, what in cases:
+        expected = _positions_after(positions)
+        got = positions_after(list(positions))
+        assert isinstance(got, list) and all(
+            isinstance(p, int) and not isinstance(p, bool) for p in got
+        ), f"positions_after_hole_filling should return a list of ints, got {got!r}"
+        assert got == expected, (
+            f"{what}: the last survivor moves into the first hole, the one before it into the "
+            "next hole, until no hole is in front of a survivor; then the map keeps one entry per "
+            f"survivor; for {positions} expected {expected}, got {got}"
+        )
