@@ -168,10 +168,12 @@ class SlotMap:
 class CompactionReport:
     """What one pass (or a release of empty blocks) did, summed over the batch.
 
+    strategy: "repack", "hole_filling", or "release" (`release_empty_blocks`: no copies);
     blocks_freed: blocks the sequences gave back (free in the pool unless another sequence holds
     them); slots_copied: token slots moved (each one is K and V of every layer); blocks_pinned:
     blocks skipped because another sequence holds them; tokens_held/slots_held: survivors and slots
-    in use after the pass (slots_held - tokens_held are dead slots still held)."""
+    in use after the pass (slots_held - tokens_held are dead slots still held); seconds: the
+    pass's wall time, K/V copies and bookkeeping (0 for a release)."""
 
     strategy: str
     blocks_freed: int = 0
@@ -179,6 +181,7 @@ class CompactionReport:
     blocks_pinned: int = 0
     tokens_held: int = 0
     slots_held: int = 0
+    seconds: float = 0.0
 
 
 class _Read(NamedTuple):
