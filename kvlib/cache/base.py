@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["KVCache", "check_kv_append", "check_kv_update"]
+__all__ = ["KVCache", "check_kv_append", "check_kv_update", "check_unpadded"]
 
 
 @runtime_checkable
@@ -123,3 +123,18 @@ def check_kv_append(
         None if old is None else old.device,
     )
     return old
+
+
+def check_unpadded(attention_mask: torch.Tensor | None, cache_name: str) -> None:
+    """Refuse padding, for a cache that keeps one length for every sequence (it decides positions
+    itself: `EvictingCache`, `CompactingPagedCache`). `attention_mask` is what the model passes to
+    `begin_forward`: (B, length + T), 1 for real tokens, or None.
+
+    Raises:
+        ValueError: a mask with any 0.
+    """
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            f"attention_mask: {cache_name} does not support padding; pass unpadded sequences of "
+            "one length"
+        )

@@ -407,15 +407,14 @@ class BlockManager:
                     f"moves: slot {dst} is in block {block.block_id}, which {block.ref_cnt} "
                     "sequences hold; writing it would change the others' K/V"
                 )
-        if moves:
-            self._forget_hashes(seq_id, min(dst for _, dst in moves) // self.block_size)
+        keep = -(-num_slots // self.block_size)  # blocks the sequence keeps
+        first_written = min((dst // self.block_size for _, dst in moves), default=keep)
+        self._forget_hashes(seq_id, min(first_written, keep))
         moved = list(tokens)
         for src, dst in moves:
             moved[dst] = tokens[src]
         del moved[num_slots:]
         self.token_ids[seq_id] = moved
-        keep = -(-num_slots // self.block_size)
-        self._forget_hashes(seq_id, min(keep, len(self.block_hashes[seq_id])))
         freed = table[keep:]
         del table[keep:]
         self.pool.free(reversed(freed))

@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 
 from kvlib._validate import check_positive_int
+from kvlib.cache.base import check_unpadded
 from kvlib.cache.evicting import EvictionPolicy, LayerState, SnapKV
 from kvlib.cache.paged import PagedCache
 from kvlib.errors import UnsupportedConfigError
@@ -320,11 +321,7 @@ class CompactingPagedCache(PagedCache):
         Raises:
             ValueError: an attention mask with padding (0s).
         """
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError(
-                "attention_mask: CompactingPagedCache does not support padding; pass unpadded "
-                "sequences of one length"
-            )
+        check_unpadded(attention_mask, "CompactingPagedCache")
         super().begin_forward(num_tokens, attention_mask)
 
     def _begin_step(self, batch_size: int, num_tokens: int) -> None:

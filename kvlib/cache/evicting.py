@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlib._validate import check_positive_int
-from kvlib.cache.base import check_kv_append
+from kvlib.cache.base import check_kv_append, check_unpadded
 from kvlib.errors import UnsupportedConfigError
 from kvlib.model import apply_rope, rope_cos_sin
 from kvlib.ops.attention import reference_attention
@@ -371,11 +371,7 @@ class EvictingCache:
         Raises:
             ValueError: an attention mask with padding (0s).
         """
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError(
-                "attention_mask: EvictingCache does not support padding; pass unpadded sequences "
-                "of one length"
-            )
+        check_unpadded(attention_mask, "EvictingCache")
         self._query_positions = torch.arange(self.length, self.length + num_tokens)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> int:
