@@ -13,8 +13,9 @@
   Jaggi, 2023, Landmark Attention; used by StreamingLLM, Xiao et al., 2024): a random number is
   hidden at a given depth of filler text and the model is asked for it, through the chat template.
 
-`python -m kvlib.evaluation passkey|eviction` runs the long sweeps whose results are committed in
-`results/` (`passkey_smollm2.csv`; chapter 8's `eviction_sweep.csv`). Everything is deterministic:
+`python -m kvlib.evaluation passkey|eviction|quant` runs the long sweeps whose results are
+committed in `results/` (`passkey_smollm2.csv`; chapter 8's `eviction_sweep.csv`; chapter 10's
+`quant_sweep.csv`). Everything is deterministic:
 greedy decoding and seeded passkeys.
 """
 
@@ -500,20 +501,154 @@ def _sweep_job(course, smol, tokenizer, essay, passkeys, task, label, budget):
     return [("", m, v) for m, v in metrics.items()]
 
 
+KIVI_GROUP = 32  # G: KIVI's group size (Liu et al., 2024), tokens per key scale, channels per value
+KIVI_RESIDUAL = 128  # R: KIVI's residual length in its experiments
+QUANT_RESIDUALS = (0, 16, 32, 64, 128)  # the R sweep, for 2-bit KIVI
+
+
+def quant_schemes() -> dict:
+    """Chapter 10's schemes, by label: (key scheme, value scheme) for `QuantizedCache`."""
+    from kvlib.quant import QuantScheme as Q
+
+    g = KIVI_GROUP
+
+    def per_token(fmt, symmetric=True):
+        return Q(fmt, symmetric, "channels")
+
+    return {
+        "int8 per-token": (per_token("int8"), per_token("int8")),
+        "fp8 e4m3 per-token": (per_token("fp8_e4m3fn"), per_token("fp8_e4m3fn")),
+        "fp8 e5m2 per-token": (per_token("fp8_e5m2"), per_token("fp8_e5m2")),
+        "int4 per-token": (per_token("int4", False), per_token("int4", False)),
+        "int4 KIVI": (Q("int4", False, "tokens", g), Q("int4", False, "channels", g)),
+        "int2 per-token": (per_token("int2", False), per_token("int2", False)),
+        "int2 KIVI": (Q("int2", False, "tokens", g), Q("int2", False, "channels", g)),
+    }
+
+
+def quant_factory(label: str, residual_length: int = 0):
+    """The `cache=` factory for chapter 10's scheme `label` (see `quant_schemes`; "full": the
+    dynamic cache) with a full-precision residual of `residual_length` tokens."""
+    from kvlib.cache.quantized import QuantizedCache
+
+    if label == "full":
+        return "dynamic"
+    key, value = quant_schemes()[label]
+    return QuantizedCache.factory(key, value, residual_length=residual_length)
+
+
+def quant_sweep(out_csv: str, *, seed: int = 0) -> list[dict]:
+    """Chapter 10's sweep (about 12 minutes on a 2-core laptop CPU): every scheme of
+    `quant_schemes` with no residual, and 2-bit KIVI at every residual length of
+    `QUANT_RESIDUALS`, on the course model's recall by distance (32 documents per distance,
+    streamed a token at a time), SmolLM2's passkey (as chapter 8's sweep) and SmolLM2 on the
+    course essay (perplexity, agreement and KL with the full cache). Rows as `eviction_sweep`'s,
+    `policy` holding the scheme and `budget` the residual length; written to `out_csv` (the
+    committed `results/quant_sweep.csv`, which a test spot-checks)."""
+    jobs = [("full", 0)] + [(label, 0) for label in quant_schemes()]
+    jobs += [("int2 KIVI", r) for r in QUANT_RESIDUALS if r]
+    return _run_sweep(out_csv, jobs, "quantization sweep", quant_factory, seed)
+
+
+def _run_sweep(out_csv, runs, desc, factory, seed) -> list[dict]:
+    """Every (label, parameter) of `runs` on the three tasks, through `factory(label,
+    parameter)`; rows written as they come (a crash keeps them)."""
+    import csv
+    import datetime
+
+    from tqdm import tqdm
+
+    from kvlib.smollm2 import load_smollm2
+    from kvlib.train import load_course_model
+
+    course, (smol, tokenizer) = load_course_model(), load_smollm2()
+    essay = torch.tensor([tokenizer.encode(course_text())])
+    essay_reference = streamed_logits(smol, essay, None)
+    rng = np.random.default_rng(seed)
+    passkeys = {d: int(rng.integers(10_000, 100_000)) for d in PASSKEY_DEPTHS}
+    jobs = [(task, label, p) for label, p in runs for task in ("recall", "text", "passkey")]
+    rows = []
+    with open(out_csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=SWEEP_FIELDS)
+        writer.writeheader()
+        for task, label, parameter in tqdm(jobs, desc=desc, unit="run"):
+            for x, metric, value in _quant_job(
+                course,
+                smol,
+                tokenizer,
+                (essay, essay_reference),
+                passkeys,
+                task,
+                factory(label, parameter),
+            ):
+                rows.append(
+                    {
+                        "model": "course model" if task == "recall" else "SmolLM2-135M-Instruct",
+                        "task": task,
+                        "policy": label,
+                        "budget": parameter,
+                        "x": x,
+                        "metric": metric,
+                        "value": value,
+                        "torch": torch.__version__,
+                        "date": datetime.date.today().isoformat(),
+                    }
+                )
+                writer.writerow(rows[-1])
+            f.flush()
+    return rows
+
+
+def _quant_job(course, smol, tokenizer, essay, passkeys, task, factory):
+    """One run of `quant_sweep`: (x, metric, value) rows for one task through `factory`."""
+    if task == "recall":
+        cache_factory = None if factory == "dynamic" else factory
+        return [
+            (d, "recall", value)
+            for d, value in recall_by_distance(course, cache_factory=cache_factory).items()
+        ]
+    if task == "passkey":
+        rows = []
+        for depth, key in passkeys.items():
+            correct, _ = passkey_trial(
+                smol,
+                tokenizer,
+                EVICTION_PASSKEY_FILLER,
+                depth,
+                key,
+                cache_factory=factory,
+                prefill_chunk_size=EVICTION_CHUNK,
+            )
+            rows.append((depth, "correct", int(correct)))
+        return rows
+    ids, reference = essay
+    cache = None if factory == "dynamic" else factory(smol, *ids.shape)
+    if cache is None:
+        from kvlib.cache import DynamicCache
+
+        cache = DynamicCache(smol.config.num_hidden_layers)
+    metrics = streamed_text_metrics(smol, ids, cache, reference=reference)
+    return [("", m, v) for m, v in metrics.items()]
+
+
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(
         prog="python -m kvlib.evaluation", description="Quality sweeps on SmolLM2 (CPU)."
     )
-    parser.add_argument("sweep", choices=["passkey", "eviction"])
+    parser.add_argument("sweep", choices=["passkey", "eviction", "quant"])
     parser.add_argument("--out", help="the CSV to write (default: the committed one)")
     args = parser.parse_args()
     if args.sweep == "passkey":
         out = args.out or "results/passkey_smollm2.csv"
         rows = passkey_sweep(out)
         print(f"wrote {len(rows)} trials to {out}: {sum(r['correct'] for r in rows)} correct")
-    else:
+    elif args.sweep == "eviction":
         out = args.out or "results/eviction_sweep.csv"
         rows = eviction_sweep(out)
+        print(f"wrote {len(rows)} measurements to {out}")
+    else:
+        out = args.out or "results/quant_sweep.csv"
+        rows = quant_sweep(out)
         print(f"wrote {len(rows)} measurements to {out}")

@@ -14,7 +14,15 @@ decode kernels (Flash-Decoding, Dao et al., 2023; vLLM's and FlashInfer's decode
 - block-table lookups inside the kernel: token t of sequence b lives in physical block
   `block_tables[b, t // block_size]`, slot `t % block_size`.
 
-What it does not do: prefill (T > 1 queries per sequence), write the cache, or quantized caches.
+- quantized caches (chapter 10): with `k_scale`, `v_scale` the pools hold int8 or fp8 codes with
+  one scale per token and KV head (`kvlib.cache.QuantizedPagedCache`'s symmetric per-token
+  layout). The kernel loads the codes, converts them to the query's dtype in registers and applies
+  the scales where they cost least: a key's scale multiplies its score column, a value's scale its
+  probability, so `q·(s_k k)ᵀ = s_k (q·kᵀ)` and `p (s_v v) = (p s_v) v` with no dequantized K/V
+  tile ever written.
+
+What it does not do: prefill (T > 1 queries per sequence), write the cache, or zero points
+(asymmetric codes) and channel-grouped scales.
 
 On a machine without CUDA, importing this module sets `TRITON_INTERPRET=1` before any kernel is
 decorated, so the kernels run (slowly, exactly) on the CPU under Triton's interpreter. Under the
@@ -37,6 +45,7 @@ import triton.language as tl  # noqa: E402
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2_E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # codes with scales
 
 
 @triton.jit
@@ -44,6 +53,8 @@ def _decode_split_kernel(
     q_ptr,  # (B, H, D): one query per sequence and head
     k_cache_ptr,  # (num_blocks, block_size, H_kv, D): paged keys
     v_cache_ptr,  # (num_blocks, block_size, H_kv, D): paged values
+    k_scale_ptr,  # (num_blocks, block_size, H_kv): per-token key scales (QUANTIZED only)
+    v_scale_ptr,  # (num_blocks, block_size, H_kv): per-token value scales (QUANTIZED only)
     block_tables_ptr,  # (B, max_blocks_per_seq) int32: physical block of each logical block
     seq_lens_ptr,  # (B,) int32: tokens in each sequence
     partial_out_ptr,  # (B, H, num_splits, D) fp32: each split's normalised output
@@ -54,6 +65,8 @@ def _decode_split_kernel(
     stride_cb,  # k_cache and v_cache share strides (checked by the wrapper)
     stride_ct,
     stride_ch,
+    stride_sb,  # k_scale and v_scale share strides; their last one is 1
+    stride_st,
     stride_bt_b,
     stride_ob,
     stride_oh,
@@ -69,6 +82,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,  # tokens per tile: a power of two >= 16, a multiple of BLOCK_SIZE
     COMPUTE_FP32: tl.constexpr,  # cast K/V to fp32 before the dots (fp32 inputs, the interpreter)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots (not TF32's 10-bit mantissa), else "tf32"
+    QUANTIZED: tl.constexpr,  # K/V pools hold int8/fp8 codes with per-token scales
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -119,12 +133,20 @@ def _decode_split_kernel(
         )  # [BLOCK_N, BLOCK_D]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if QUANTIZED:  # codes -> q's dtype in registers (exact: int8 and fp8 fit in fp16/bf16)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+            scale_offsets = physical * stride_sb + slot * stride_st + kv_head
+            k_s = tl.load(k_scale_ptr + scale_offsets, mask=token_mask, other=0.0).to(tl.float32)
+            v_s = tl.load(v_scale_ptr + scale_offsets, mask=token_mask, other=0.0).to(tl.float32)
         if COMPUTE_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
         # --- scores in the log2 domain, masked past the end: [BLOCK_G, BLOCK_N] ---
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if QUANTIZED:
+            scores = scores * k_s[None, :]  # each key's scale scales its score column
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
 
         # --- online softmax update (chapter 4), with exp2 ---
@@ -132,6 +154,8 @@ def _decode_split_kernel(
         alpha = tl.exp2(m - m_new)  # rescales what was accumulated against the old max
         p = tl.exp2(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
+        if QUANTIZED:
+            p = p * v_s[None, :]  # each value's scale folded into its probability
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
@@ -202,7 +226,7 @@ def _reduce_splits_kernel(
 
 
 def _check_inputs(
-    q, k_cache, v_cache, block_tables, seq_lens, validate: bool
+    q, k_cache, v_cache, block_tables, seq_lens, validate: bool, k_scale=None, v_scale=None
 ) -> tuple[int, int, int, int]:
     """Validate before launch; returns (B, H, H_kv, D)."""
     for name, tensor in (
@@ -229,7 +253,11 @@ def _check_inputs(
         raise ValueError(
             f"q: H = {num_heads} query heads must be a multiple of H_kv = {num_kv_heads} KV heads"
         )
-    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale, v_scale: expected both (a quantized cache) or neither")
+    if k_scale is not None:
+        _check_scales(q, k_cache, v_cache, k_scale, v_scale)
+    elif q.dtype not in SUPPORTED_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(
             "q, k_cache, v_cache: expected one dtype among float32/float16/bfloat16, got "
             f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
@@ -288,6 +316,35 @@ def _check_inputs(
     return batch, num_heads, num_kv_heads, head_dim
 
 
+def _check_scales(q, k_cache, v_cache, k_scale, v_scale) -> None:
+    """A quantized cache: int8/fp8 codes of one dtype, and per-token scales (num_blocks,
+    block_size, H_kv) float16/float32, contiguous, on the cache's device."""
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q: expected float32/float16/bfloat16, got {q.dtype}")
+    if k_cache.dtype not in QUANTIZED_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise TypeError(
+            f"k_cache, v_cache: with scales, expected codes of one dtype among {QUANTIZED_DTYPES}, "
+            f"got {k_cache.dtype} and {v_cache.dtype}"
+        )
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(scale, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(scale).__name__}")
+        if scale.shape != k_cache.shape[:3] or not scale.is_contiguous():
+            raise ValueError(
+                f"{name}: expected a contiguous (num_blocks, block_size, H_kv) = "
+                f"{tuple(k_cache.shape[:3])} tensor, one scale per token and KV head, got "
+                f"{tuple(scale.shape)}"
+            )
+        if scale.dtype not in (torch.float16, torch.float32):
+            raise TypeError(f"{name}: expected float16 or float32, got {scale.dtype}")
+        if scale.device != k_cache.device:
+            raise ValueError(f"{name}: expected device {k_cache.device}, got {scale.device}")
+    if k_scale.dtype != v_scale.dtype:
+        raise TypeError(
+            f"k_scale, v_scale: expected one dtype, got {k_scale.dtype}, {v_scale.dtype}"
+        )
+
+
 # Launch options frozen from the H100 sweep in results/decode_tuning.csv (`python -m
 # kvlib.course.bench tune`, 7 split counts x 3 BLOCK_N x 2 num_warps x 2 num_stages on 12
 # shapes): at each shape's best split count, this one setting was within 5% of that shape's
@@ -321,13 +378,15 @@ def paged_decode_attention(
     block_n=None,
     num_warps=None,
     num_stages=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Decode attention over a paged KV cache (one new query per sequence and head).
 
     Args:
         q: (B, H, D) float32 / float16 / bfloat16.
         k_cache, v_cache: (num_blocks, block_size, H_kv, D), q's dtype, the same strides; block_size
-            a power of two.
+            a power of two. With scales: int8, float8_e4m3fn or float8_e5m2 codes.
         block_tables: (B, max_blocks_per_seq) int32; row b lists sequence b's physical blocks.
         seq_lens: (B,) int32, each in [1, max_blocks_per_seq * block_size].
         scale: softmax scale, default D ** -0.5.
@@ -337,6 +396,8 @@ def paged_decode_attention(
             max(block_size, 32) on a GPU (`GPU_LAUNCH`), max(block_size, 64) in the interpreter.
         num_warps, num_stages: Triton launch options of the split kernel; default `GPU_LAUNCH`'s
             on a GPU (the interpreter ignores them).
+        k_scale, v_scale: (num_blocks, block_size, H_kv) float16/float32, contiguous: a quantized
+            cache's per-token symmetric scales (`x = scale · code`), both or neither.
     Returns:
         (B, H, D) in q's dtype; accumulation in fp32.
     Raises:
@@ -344,10 +405,11 @@ def paged_decode_attention(
         of H_kv, lengths beyond the block table, block ids outside the cache.
     """
     batch, num_heads, num_kv_heads, head_dim = _check_inputs(
-        q, k_cache, v_cache, block_tables, seq_lens, validate
+        q, k_cache, v_cache, block_tables, seq_lens, validate, k_scale, v_scale
     )
     block_size = k_cache.shape[1]
     group_size = num_heads // num_kv_heads
+    quantized = k_scale is not None
     scale = head_dim**-0.5 if scale is None else float(scale)
     if num_splits is None:
         num_splits = default_num_splits(batch, num_kv_heads, int(seq_lens.max()), q.device)
@@ -383,6 +445,8 @@ def paged_decode_attention(
         q,
         k_cache,
         v_cache,
+        k_scale if quantized else k_cache,  # unused pointers when not quantized
+        v_scale if quantized else v_cache,
         block_tables,
         seq_lens,
         partial_out,
@@ -393,6 +457,8 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        k_scale.stride(0) if quantized else 0,
+        k_scale.stride(1) if quantized else 0,
         block_tables.stride(0),
         partial_out.stride(0),
         partial_out.stride(1),
@@ -410,6 +476,7 @@ def paged_decode_attention(
         # fp32 dots in IEEE fp32: a GPU's default TF32 keeps 10 mantissa bits and misses rtol 1e-5.
         # (For bf16/fp16 inputs "tf32" is the default and changes nothing.)
         DOT_PRECISION="ieee" if compute_fp32 else "tf32",
+        QUANTIZED=quantized,
         **{
             option: value
             for option, value in (("num_warps", num_warps), ("num_stages", num_stages))
@@ -436,18 +503,31 @@ def paged_decode_attention(
 
 
 def paged_decode_attention_ref(
-    q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, validate=True, **launch_options
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale=None,
+    validate=True,
+    k_scale=None,
+    v_scale=None,
+    **launch_options,
 ):
     """Reference for `paged_decode_attention`, same arguments: gather each sequence's K/V through
-    its block table, repeat KV heads for their query groups, and attend in fp32 with plain torch
-    (the kernel's launch options, `num_splits`, `block_n`, `num_warps`, `num_stages`, are accepted
-    and change nothing here).
+    its block table (dequantized, `scale · code`, when scales are given), repeat KV heads for their
+    query groups, and attend in fp32 with plain torch (the kernel's launch options, `num_splits`,
+    `block_n`, `num_warps`, `num_stages`, are accepted and change nothing here).
 
     Returns (B, H, D) in q's dtype.
     """
     batch, num_heads, num_kv_heads, head_dim = _check_inputs(
-        q, k_cache, v_cache, block_tables, seq_lens, validate
+        q, k_cache, v_cache, block_tables, seq_lens, validate, k_scale, v_scale
     )
+    if k_scale is not None:
+        k_cache = k_cache.float() * k_scale.float()[..., None]
+        v_cache = v_cache.float() * v_scale.float()[..., None]
     block_size = k_cache.shape[1]
     scale = head_dim**-0.5 if scale is None else float(scale)
     out = torch.empty_like(q)

@@ -810,6 +810,87 @@ def positions_after_hole_filling(positions):  # a repack: order kept, so not wha
 """,
         "the last survivor moves into the first hole",
     ),
+    (
+        "10_quantized_cache.ipynb",
+        "quantize_int4",
+        """
+def quantize_int4(x):  # no guard: a constant row divides 0 by 0
+    zero = x.amin(dim=1, keepdim=True)
+    scale = (x.amax(dim=1, keepdim=True) - zero) / 15
+    q = ((x - zero) / scale).round().clamp(0, 15).to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4), scale, zero
+""",
+        "max equals its min",
+    ),
+    (
+        "10_quantized_cache.ipynb",
+        "quantize_int4",
+        """
+def quantize_int4(x):  # the first code of each pair in the high nibble
+    zero = x.amin(dim=1, keepdim=True)
+    scale = (x.amax(dim=1, keepdim=True) - zero) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((x - zero) / scale).round().clamp(0, 15).to(torch.uint8)
+    return (q[:, 0::2] << 4) | q[:, 1::2], scale, zero
+""",
+        "nibble order",
+    ),
+    (
+        "10_quantized_cache.ipynb",
+        "quantize_int4",
+        """
+def quantize_int4(x):  # symmetric absmax scale with an offset: not the row's min and max
+    scale = x.abs().amax(dim=1, keepdim=True) / 7
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = -8 * scale
+    q = (x / scale).round().clamp(-8, 7).add(8).to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4), scale, zero
+""",
+        "zero = the row's minimum",
+    ),
+    (
+        "10_quantized_cache.ipynb",
+        "kivi_key_scales",
+        """
+def kivi_key_scales(keys, group_size):  # groups of G channels per token: per-token, not KIVI's
+    s, d = keys.shape
+    groups = keys.reshape(s, d // group_size, group_size)
+    zero = groups.amin(dim=2)
+    return (groups.amax(dim=2) - zero) / 3, zero
+""",
+        "one scale and zero per channel per group of G tokens",
+    ),
+    (
+        "10_quantized_cache.ipynb",
+        "kivi_key_scales",
+        """
+def kivi_key_scales(keys, group_size):  # strided groups: token t joins group t % (S / G)
+    s, d = keys.shape
+    groups = keys.reshape(group_size, s // group_size, d)
+    zero = groups.amin(dim=0)
+    return (groups.amax(dim=0) - zero) / 3, zero
+""",
+        "consecutive tokens",
+    ),
+    (
+        "10_quantized_cache.ipynb",
+        "bytes_per_token",
+        """
+def bytes_per_token(num_layers, num_kv_heads, head_dim, bits, group_size, scale_bytes):
+    per_vector = head_dim * bits / 8 + head_dim / group_size * scale_bytes  # no zero points
+    return num_layers * num_kv_heads * 2 * per_vector
+""",
+        "a scale and a zero point",
+    ),
+    (
+        "10_quantized_cache.ipynb",
+        "bytes_per_token",
+        """
+def bytes_per_token(num_layers, num_kv_heads, head_dim, bits, group_size, scale_bytes):
+    return num_layers * num_kv_heads * 2 * head_dim * bits / 8  # the codes only
+""",
+        "plus, per group of G",
+    ),
 ]
 
 

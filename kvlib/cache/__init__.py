@@ -14,11 +14,14 @@
 - `compaction.CompactingPagedCache`: a paged cache whose sequences evict tokens (a chapter 8
   policy, one decision per sequence) and get their blocks back by compaction: order-preserving
   repack or hole-filling with a slot -> position map (chapter 9);
+- `quantized.QuantizedCache`, `quantized.QuantizedPagedCache`: keys and values stored as
+  `kvlib.quant` codes and scales (int8, fp8, int4, int2; per token, channel or group), dense
+  with a full-precision residual (KIVI) or paged with per-token scales, dequantized next to
+  attention (chapter 10);
 - `block_table.shuffled_block_tables`: block tables scattered by a busy allocator, for the paged
   decode kernel of chapter 11.
 
-Later chapters add a module here each (quantized, ...) and plug it in; the model's
-layers do not change.
+Each chapter adds a module here and plugs it in; the model's layers do not change.
 """
 
 from kvlib.cache.base import KVCache
@@ -27,6 +30,7 @@ from kvlib.cache.dense import DynamicCache, StaticCache
 from kvlib.cache.evicting import EvictingCache
 from kvlib.cache.latent import LatentCache
 from kvlib.cache.paged import PagedCache
+from kvlib.cache.quantized import QuantizedCache, QuantizedPagedCache
 
 __all__ = [
     "CompactingPagedCache",
@@ -35,5 +39,7 @@ __all__ = [
     "KVCache",
     "LatentCache",
     "PagedCache",
+    "QuantizedCache",
+    "QuantizedPagedCache",
     "StaticCache",
 ]

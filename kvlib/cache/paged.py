@@ -35,7 +35,7 @@ from kvlib.cache.base import check_kv_update
 from kvlib.cache.block_pool import BlockManager, BlockPool
 from kvlib.ops.attention import reference_attention
 
-__all__ = ["PagedCache", "PagedKV", "paged_attention"]
+__all__ = ["PagedCache", "PagedKV", "paged_attention", "read_slots"]
 
 
 class PagedKV(NamedTuple):
@@ -56,6 +56,16 @@ def gather_kv(paged: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's keys and values in logical order, `(B, H_kv, S, D)`: S = max(seq_lens), or
     the width of `paged.positions` (entries for positions a sequence does not hold read its first
     slots: mask them)."""
+    slots = read_slots(paged)
+    flat_k = paged.key_cache.flatten(0, 1)  # (num_blocks * block_size, H_kv, D)
+    flat_v = paged.value_cache.flatten(0, 1)
+    return flat_k[slots].transpose(1, 2), flat_v[slots].transpose(1, 2)  # (B, H_kv, S, D)
+
+
+def read_slots(paged) -> torch.Tensor:
+    """(B, S) int64: the pool slot (`block * block_size + offset`, flattened over the pool) each of
+    the S positions of each sequence reads, through its block table: S = max(seq_lens), or the
+    width of `paged.positions`."""
     block_size = paged.key_cache.shape[1]
     positions = paged.positions
     if positions is None:
@@ -64,10 +74,7 @@ def gather_kv(paged: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
             paged.block_tables.shape[0], length
         )
     blocks = paged.block_tables.gather(1, positions // block_size)  # (B, S): physical blocks
-    slots = blocks * block_size + positions % block_size
-    flat_k = paged.key_cache.flatten(0, 1)  # (num_blocks * block_size, H_kv, D)
-    flat_v = paged.value_cache.flatten(0, 1)
-    return flat_k[slots].transpose(1, 2), flat_v[slots].transpose(1, 2)  # (B, H_kv, S, D)
+    return blocks * block_size + positions % block_size
 
 
 def paged_attention(
@@ -123,11 +130,8 @@ class PagedCache:
         self.head_dim = check_positive_int("head_dim", head_dim)
         self.block_size = check_positive_int("block_size", block_size)
         self.manager = BlockManager(BlockPool(num_blocks, block_size, enable_prefix_caching=False))
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.key_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.value_cache = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
+        self.dtype = dtype  # of the keys and values the model writes
+        self._make_pools(num_blocks, torch.device(device))
         self.length = 0  # positions of the batch, padding included (what the mask covers)
         self.batch_size: int | None = None  # set by the first update
         self._mask: torch.Tensor | None = None  # (B, length + T) bool: this step's real tokens
@@ -205,8 +209,8 @@ class PagedCache:
             rows += [b * num_tokens + t for t in real]
             slots += written
         for src, dst in manager.copies:  # copy-on-write, in every layer, before anyone writes
-            for cache in self.key_cache + self.value_cache:
-                cache[dst] = cache[src]
+            for pool in self._pools():
+                pool[dst] = pool[src]
         manager.copies.clear()
         tables = [manager.block_tables.get(b, []) for b in range(batch_size)]
         width = max(1, max(len(t) for t in tables))
@@ -228,7 +232,7 @@ class PagedCache:
             k,
             v,
             (k.shape[0], self.num_kv_heads, self.head_dim),
-            self.key_cache[0].dtype,
+            self.dtype,
             self.key_cache[0].device,
         )
         if v.shape[-1] != self.head_dim:
@@ -242,11 +246,32 @@ class PagedCache:
         rows, slots, handle = self._step
         new_k = k.transpose(1, 2).flatten(0, 1)[rows]  # (real tokens, H_kv, D)
         new_v = v.transpose(1, 2).flatten(0, 1)[rows]
+        return self._write(layer_idx, slots, new_k, new_v, handle)
+
+    def _write(self, layer_idx, slots, new_k, new_v, handle):
+        """Store the step's real tokens' keys and values `(N, H_kv, D)` at pool `slots` `(N,)`;
+        return the layer's handle for `attention_backend` (a subclass stores another layout)."""
         self.key_cache[layer_idx].view(-1, self.num_kv_heads, self.head_dim)[slots] = new_k
         self.value_cache[layer_idx].view(-1, self.num_kv_heads, self.head_dim)[slots] = new_v
         return handle._replace(
             key_cache=self.key_cache[layer_idx], value_cache=self.value_cache[layer_idx]
         )
+
+    def _make_pools(self, num_blocks: int, device: torch.device) -> None:
+        """Allocate every layer's `key_cache` and `value_cache` `(num_blocks, block_size, H_kv,
+        D)` (a subclass storing another layout allocates its own)."""
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.key_cache = [
+            torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)
+        ]
+        self.value_cache = [
+            torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)
+        ]
+
+    def _pools(self) -> list[torch.Tensor]:
+        """Every per-block tensor of every layer (`(num_blocks, block_size, ...)`): what a block
+        copy copies and what a block's bytes count."""
+        return self.key_cache + self.value_cache
 
     def advance(self, num_tokens: int) -> None:
         """Commit `num_tokens` new tokens (after every layer has written them)."""
@@ -298,5 +323,5 @@ class PagedCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the blocks in use (K and V, every layer): the memory the sequences hold."""
-        per_block = sum(c[0].numel() * c.element_size() for c in self.key_cache + self.value_cache)
+        per_block = sum(c[0].numel() * c.element_size() for c in self._pools())
         return self.num_blocks_in_use * per_block

@@ -26,6 +26,7 @@ from kvlib.memory.equation import (
     format_bytes,
     kv_bytes_per_token,
     kv_cache_bytes,
+    quantized_kv_cache_bytes,
 )
 from kvlib.memory.layers import (
     DENSE_ATTENTION,
@@ -60,5 +61,6 @@ __all__ = [
     "memory_budget",
     "normalize_dtype",
     "prefill_activation_bytes",
+    "quantized_kv_cache_bytes",
     "shipped_configs",
 ]

@@ -10,7 +10,7 @@ import math
 from kvlib._validate import check_positive_int
 from kvlib.config import DTYPE_BITS, config_dtype, config_field, load_config, normalize_dtype
 from kvlib.errors import UnsupportedConfigError
-from kvlib.memory.equation import format_bytes, kv_cache_bytes
+from kvlib.memory.equation import format_bytes, kv_cache_bytes, quantized_kv_cache_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,7 @@ def memory_budget(
     gpu_memory_utilization: float = 0.9,
     runtime_overhead_bytes: int = 2 * 2**30,
     prefill_tokens: int = 8192,
+    kv_schemes: tuple | None = None,
 ) -> MemoryBudget:
     """The whole-VRAM equation behind `max_concurrent_sequences`, every term kept.
 
@@ -75,6 +76,9 @@ def memory_budget(
         runtime_overhead_bytes: CUDA context, kernels' workspaces, allocator slack, CUDA graphs
             (default 2 GiB, a round figure; measure it on your system).
         prefill_tokens: the largest prefill chunk the engine runs (vLLM's `max_num_batched_tokens`).
+        kv_schemes: (key_scheme, value_scheme) of a quantized cache (`kvlib.quant.QuantScheme`):
+            sequences are sized by `quantized_kv_cache_bytes`, scales and zero points included
+            (`cache_dtype` is then unused).
     Raises:
         ValueError: the weights and fixed costs do not fit; bad arguments.
     """
@@ -96,7 +100,10 @@ def memory_budget(
             f"{format_bytes(weight_bytes)} + overhead "
             f"{format_bytes(runtime_overhead_bytes)} + activations {format_bytes(activations)}"
         )
-    per_sequence = kv_cache_bytes(config, seq_len, 1, cache_dtype)
+    if kv_schemes is None:
+        per_sequence = kv_cache_bytes(config, seq_len, 1, cache_dtype)
+    else:
+        per_sequence = quantized_kv_cache_bytes(config, seq_len, *kv_schemes)
     return MemoryBudget(
         gpu_memory_bytes,
         usable,

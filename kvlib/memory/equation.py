@@ -9,7 +9,14 @@ import dataclasses
 import math
 
 from kvlib._validate import check_positive_int
-from kvlib.config import DTYPE_BITS, config_dtype, load_config, normalize_dtype
+from kvlib.config import (
+    DTYPE_BITS,
+    attention_geometry,
+    config_dtype,
+    load_config,
+    normalize_dtype,
+)
+from kvlib.errors import UnsupportedConfigError
 from kvlib.memory.layers import LayerSpec, _with_sinks, layer_specs
 
 # A config without a dtype field (the original GPT-2's, for one) loads in float32 in transformers,
@@ -165,6 +172,34 @@ def kv_bytes_per_token(config, cache_dtype: str | None = None) -> int:
     return math.ceil(
         sum(s.elements_per_token for s in layer_specs(config)) * DTYPE_BITS[cache_dtype] / 8
     )
+
+
+def quantized_kv_cache_bytes(
+    config, seq_len: int, key_scheme, value_scheme=None, batch_size: int = 1
+) -> int:
+    """`kv_cache_bytes` for a quantized cache (chapter 10): per attention layer, per token held,
+    `H_kv · (key_scheme.bytes_per_vector(D) + value_scheme.bytes_per_vector(D))`: the codes
+    plus the scales and zero points (`kvlib.quant.QuantScheme`; any object with that method).
+
+    Raises:
+        UnsupportedConfigError: a model with MLA or SSM layers (their caches are not K/V heads);
+        as `kv_cache_bytes` otherwise.
+    """
+    config = load_config(config)
+    seq_len = check_positive_int("seq_len", seq_len, allow_zero=True)
+    batch_size = check_positive_int("batch_size", batch_size)
+    value_scheme = key_scheme if value_scheme is None else value_scheme
+    specs = layer_specs(config)
+    others = sorted({s.kind for s in specs if s.kind not in ("full", "sliding", "chunked")})
+    if others:
+        raise UnsupportedConfigError(
+            f"config: quantized K/V bytes cover attention layers with K/V heads, not {others}"
+        )
+    num_kv_heads, head_dim, _ = attention_geometry(config, config.get("model_type", ""))
+    per_token = num_kv_heads * (
+        key_scheme.bytes_per_vector(head_dim) + value_scheme.bytes_per_vector(head_dim)
+    )
+    return math.ceil(batch_size * per_token * sum(s.tokens_held(seq_len) for s in specs))
 
 
 def format_bytes(num_bytes: float) -> str:

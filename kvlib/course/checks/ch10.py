@@ -1,0 +1,147 @@
+"""Chapter 10's graded questions: asymmetric int4 quantization with packing, KIVI's per-channel key
+scales over groups of tokens, and a quantized cache's bytes per token with its scales. Oracles:
+`kvlib.quant` (imported before the grader blocks it)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlib.course.grading import Submission, question
+from kvlib.quant import QuantScheme, quantize, unpack_bits
+
+
+def _rows(seed: int) -> list[tuple[torch.Tensor, str]]:
+    g = torch.Generator().manual_seed(seed)
+    outlier = torch.randn(6, 16, generator=g)
+    outlier[:, 3] *= 40
+    constant = torch.randn(4, 8, generator=g)
+    constant[1] = 0.0
+    constant[2] = 1.5
+    return [
+        (torch.randn(5, 8, generator=g), "random rows of 8"),
+        (torch.rand(3, 32, generator=g) + 2.0, "all-positive rows (min far from 0)"),
+        (outlier, "rows with an outlier channel"),
+        (constant, "rows whose max equals their min (all 0, all 1.5)"),
+    ]
+
+
+@question(
+    function="quantize_int4",
+    blocked=("kvlib.quant.quantize", "kvlib.quant.pack_bits"),
+)
+def test_quantize_int4(submission: Submission) -> None:
+    quantize_int4 = submission.function("quantize_int4")
+    for x, what in _rows(10):
+        result = quantize_int4(x.clone())
+        assert isinstance(result, tuple) and len(result) == 3, (
+            f"quantize_int4 should return (packed, scale, zero), got {type(result).__name__}"
+        )
+        packed, scale, zero = result
+        n, d = x.shape
+        assert isinstance(packed, torch.Tensor) and packed.dtype == torch.uint8, (
+            f"packed: expected a uint8 tensor, got {getattr(packed, 'dtype', type(packed))}"
+        )
+        assert packed.shape == (n, d // 2), (
+            f"{what}: packed should be (N, D / 2) = {(n, d // 2)}: two 4-bit codes per byte, got "
+            f"{tuple(packed.shape)}"
+        )
+        scale, zero = torch.as_tensor(scale).float(), torch.as_tensor(zero).float()
+        assert scale.shape == (n, 1) and zero.shape == (n, 1), (
+            f"scale, zero: expected (N, 1) each (one per token), got {tuple(scale.shape)} and "
+            f"{tuple(zero.shape)}"
+        )
+        assert (torch.isfinite(scale) & (scale > 0)).all() and torch.isfinite(zero).all(), (
+            f"{what}: a row whose max equals its min has range 0; a scale of 0 divides 0 by 0. "
+            "Give such rows any positive scale (codes 0, x̂ = zero)"
+        )
+        levels = unpack_bits(packed, 4).float()
+        x_hat = levels * scale + zero
+        low = x.amin(dim=1, keepdim=True)
+        assert (zero - low).abs().max() <= 1e-6 * (1 + low.abs().max()), (
+            f"{what}: asymmetric: zero = the row's minimum (x̂ = scale · q + zero), got zero "
+            f"{zero[:3, 0].tolist()} for minima {low[:3, 0].tolist()}"
+        )
+        error = (x - x_hat).abs()
+        allowed = scale / 2 + 1e-5 * (x.abs() + zero.abs() + 1)
+        assert torch.isfinite(x_hat).all() and (error <= allowed).all(), (
+            f"{what}: unpacking low nibble first (the first code of each pair in bits 0-3) and "
+            "computing scale · q + zero should be within scale / 2 of x; the largest error was "
+            f"{float(error.max()):.3g} (check the nibble order, the rounding, and scale = "
+            "(max - min) / 15)"
+        )
+        span = x.amax(dim=1) - x.amin(dim=1)
+        varied = span > 0
+        assert (levels[varied].amax(dim=1) == 15).all(), (
+            f"{what}: each row's maximum should get code 15 (scale = (max - min) / 15 uses all "
+            "16 levels)"
+        )
+
+
+def _keys(seed: int) -> list[tuple[torch.Tensor, int, str]]:
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(64, 16, generator=g)
+    keys[:, 5] *= 30
+    ramp = torch.arange(96, dtype=torch.float32)[:, None] * torch.ones(1, 4)
+    return [
+        (keys[:48], 8, "48 tokens x 16 channels with an outlier channel, G = 8"),
+        (keys, 32, "64 tokens, G = 32"),
+        (ramp, 32, "a ramp: token t holds t in every channel, G = 32"),
+        (torch.randn(16, 8, generator=g), 16, "one group"),
+    ]
+
+
+@question(function="kivi_key_scales", blocked=("kvlib.quant.quantize",))
+def test_kivi_key_scales(submission: Submission) -> None:
+    kivi_key_scales = submission.function("kivi_key_scales")
+    for keys, group, what in _keys(11):
+        oracle = quantize(keys, QuantScheme("int2", False, "tokens", group, torch.float32))
+        result = kivi_key_scales(keys.clone(), group)
+        assert isinstance(result, tuple) and len(result) == 2, (
+            f"kivi_key_scales should return (scale, zero), got {type(result).__name__}"
+        )
+        scale, zero = (torch.as_tensor(t).float() for t in result)
+        expected_shape = (keys.shape[0] // group, keys.shape[1])
+        assert scale.shape == expected_shape and zero.shape == expected_shape, (
+            f"{what}: one scale and zero per channel per group of G tokens: expected "
+            f"{expected_shape} each (S / G, D), got {tuple(scale.shape)} and {tuple(zero.shape)}"
+        )
+        ok = torch.allclose(zero, oracle.zero, rtol=1e-5, atol=1e-6) and torch.allclose(
+            scale, oracle.scale, rtol=1e-5, atol=1e-6
+        )
+        assert ok, (
+            f"{what}: per-channel means the min and max run over groups of G consecutive tokens "
+            "(rows 0..G-1, G..2G-1, ...), separately for each channel; zero = that min, scale = "
+            f"(max - min) / 3 for 2 bits; first group expected zero {oracle.zero[0, :4].tolist()} "
+            f"scale {oracle.scale[0, :4].tolist()}, got {zero[0, :4].tolist()} and "
+            f"{scale[0, :4].tolist()}"
+        )
+
+
+@question(function="bytes_per_token", blocked=("kvlib.memory.quantized_kv_cache_bytes",))
+def test_bytes_per_token(submission: Submission) -> None:
+    bytes_per_token = submission.function("bytes_per_token")
+    cases = [
+        (32, 8, 128, 2, 32, 2, "Llama 3 8B, 2-bit KIVI, fp16 scales"),
+        (30, 3, 64, 4, 32, 2, "SmolLM2, 4-bit KIVI"),
+        (4, 4, 32, 8, 32, 4, "the course model, 8 bits, fp32 scales"),
+        (2, 1, 64, 2, 16, 2, "groups of 16"),
+    ]
+    for layers, heads, head_dim, bits, group, scale_bytes, what in cases:
+        dtype = {2: torch.float16, 4: torch.float32}[scale_bytes]
+        key = QuantScheme(f"int{bits}", False, "tokens", group, dtype)
+        value = QuantScheme(f"int{bits}", False, "channels", group, dtype)
+        codes = head_dim * bits / 8  # one vector's codes
+        decoders = head_dim / group * 2 * scale_bytes  # its share of (scale, zero) pairs
+        expected = layers * heads * 2 * (codes + decoders)
+        assert expected == layers * heads * (
+            key.bytes_per_vector(head_dim) + value.bytes_per_vector(head_dim)
+        )
+        got = bytes_per_token(layers, heads, head_dim, bits, group, scale_bytes)
+        assert isinstance(got, (int, float)) and not isinstance(got, bool), (
+            f"bytes_per_token should return a number, got {type(got).__name__}"
+        )
+        assert abs(got - expected) < 1e-6, (
+            f"{what}: per layer and KV head, a key and a value of D codes at `bits` bits, plus, "
+            "per group of G, a scale and a zero point (asymmetric) of scale_bytes each, for keys "
+            f"and for values; expected {expected:g} bytes, got {got:g}"
+        )
