@@ -401,12 +401,6 @@ def streamed_text_metrics(model, ids, cache, *, reference=None) -> dict:
     return {"perplexity": ppl, "top1_agreement": a.top1, "mean_kl": a.mean_kl}
 
 
-def text_under_eviction(model, ids, label, budget, *, reference=None) -> dict:
-    """`streamed_text_metrics` for sweep policy `label` at `budget`."""
-    cache = eviction_factory(label, budget)(model, *ids.shape)
-    return streamed_text_metrics(model, ids, cache, reference=reference)
-
-
 def eviction_sweep(out_csv: str, *, seed: int = 0) -> list[dict]:
     """Chapter 8's sweep (about 13 minutes on a 2-core laptop CPU): every policy at every budget, on
 
@@ -419,20 +413,7 @@ def eviction_sweep(out_csv: str, *, seed: int = 0) -> list[dict]:
 
     Writes one row per measurement to `out_csv` (the committed `results/eviction_sweep.csv`,
     which a test spot-checks)."""
-    import csv
-    import datetime
-
-    from tqdm import tqdm
-
-    from kvlib.smollm2 import load_smollm2
-    from kvlib.train import load_course_model
-
-    course, (smol, tokenizer) = load_course_model(), load_smollm2()
     labels = list(_policies(32))
-    essay = torch.tensor([tokenizer.encode(course_text())])
-    essay_reference = streamed_logits(smol, essay, None)  # the full cache's logits, once
-    rng = np.random.default_rng(seed)
-    passkeys = {d: int(rng.integers(10_000, 100_000)) for d in PASSKEY_DEPTHS}
     jobs = [("recall", "full", None)] + [
         ("recall", label, b) for b in EVICTION_RECALL_BUDGETS for label in labels
     ]
@@ -443,62 +424,14 @@ def eviction_sweep(out_csv: str, *, seed: int = 0) -> list[dict]:
         if label not in ("StreamingLLM, cache positions", "H2O, normalized")
     ]
     jobs += [("text", label, b) for b in EVICTION_TEXT_BUDGETS for label in labels]
-    rows = []
-    with open(out_csv, "w", newline="") as f:  # written as it goes: a crash keeps its rows
-        writer = csv.DictWriter(f, fieldnames=SWEEP_FIELDS)
-        writer.writeheader()
-        for task, label, budget in tqdm(jobs, desc="eviction sweep", unit="run"):
-            for x, metric, value in _sweep_job(
-                course, smol, tokenizer, (essay, essay_reference), passkeys, task, label, budget
-            ):
-                rows.append(
-                    {
-                        "model": "course model" if task == "recall" else "SmolLM2-135M-Instruct",
-                        "task": task,
-                        "policy": label,
-                        "budget": "" if budget is None else budget,
-                        "x": x,
-                        "metric": metric,
-                        "value": value,
-                        "torch": torch.__version__,
-                        "date": datetime.date.today().isoformat(),
-                    }
-                )
-                writer.writerow(rows[-1])
-            f.flush()
-    return rows
+
+    def factory(task, label, budget):
+        return eviction_factory(label, budget, snapkv_window=8 if task == "recall" else 32)
+
+    return _run_sweep(out_csv, jobs, "eviction sweep", factory, seed)
 
 
 SWEEP_FIELDS = ["model", "task", "policy", "budget", "x", "metric", "value", "torch", "date"]
-
-
-def _sweep_job(course, smol, tokenizer, essay, passkeys, task, label, budget):
-    """One run of `eviction_sweep`: (x, metric, value) rows. `essay`: (ids, the full cache's
-    logits)."""
-    if task == "recall":
-        factory = eviction_factory(label, budget, snapkv_window=8)
-        return [
-            (d, "recall", value)
-            for d, value in recall_by_distance(course, cache_factory=factory).items()
-        ]
-    if task == "passkey":
-        factory = eviction_factory(label, budget)
-        rows = []
-        for depth, key in passkeys.items():
-            correct, _ = passkey_trial(
-                smol,
-                tokenizer,
-                EVICTION_PASSKEY_FILLER,
-                depth,
-                key,
-                cache_factory=factory,
-                prefill_chunk_size=EVICTION_CHUNK,
-            )
-            rows.append((depth, "correct", int(correct)))
-        return rows
-    ids, reference = essay
-    metrics = text_under_eviction(smol, ids, label, budget, reference=reference)
-    return [("", m, v) for m, v in metrics.items()]
 
 
 KIVI_GROUP = 32  # G: KIVI's group size (Liu et al., 2024), tokens per key scale, channels per value
@@ -545,14 +478,19 @@ def quant_sweep(out_csv: str, *, seed: int = 0) -> list[dict]:
     course essay (perplexity, agreement and KL with the full cache). Rows as `eviction_sweep`'s,
     `policy` holding the scheme and `budget` the residual length; written to `out_csv` (the
     committed `results/quant_sweep.csv`, which a test spot-checks)."""
-    jobs = [("full", 0)] + [(label, 0) for label in quant_schemes()]
-    jobs += [("int2 KIVI", r) for r in QUANT_RESIDUALS if r]
-    return _run_sweep(out_csv, jobs, "quantization sweep", quant_factory, seed)
+    runs = [("full", 0)] + [(label, 0) for label in quant_schemes()]
+    runs += [("int2 KIVI", r) for r in QUANT_RESIDUALS if r]
+    jobs = [(task, label, r) for label, r in runs for task in ("recall", "text", "passkey")]
+    return _run_sweep(
+        out_csv, jobs, "quantization sweep", lambda task, label, r: quant_factory(label, r), seed
+    )
 
 
-def _run_sweep(out_csv, runs, desc, factory, seed) -> list[dict]:
-    """Every (label, parameter) of `runs` on the three tasks, through `factory(label,
-    parameter)`; rows written as they come (a crash keeps them)."""
+def _run_sweep(out_csv, jobs, desc, factory_for, seed) -> list[dict]:
+    """Run each (task, label, parameter) of `jobs` through the cache factory
+    `factory_for(task, label, parameter)` (see `_task_rows`) and write one row per measurement
+    to `out_csv` as it goes (a crash keeps the rows so far). `parameter` fills the CSV's `budget`
+    column (None: empty)."""
     import csv
     import datetime
 
@@ -563,30 +501,23 @@ def _run_sweep(out_csv, runs, desc, factory, seed) -> list[dict]:
 
     course, (smol, tokenizer) = load_course_model(), load_smollm2()
     essay = torch.tensor([tokenizer.encode(course_text())])
-    essay_reference = streamed_logits(smol, essay, None)
+    essay_reference = streamed_logits(smol, essay, None)  # the full cache's logits, once
     rng = np.random.default_rng(seed)
     passkeys = {d: int(rng.integers(10_000, 100_000)) for d in PASSKEY_DEPTHS}
-    jobs = [(task, label, p) for label, p in runs for task in ("recall", "text", "passkey")]
+    models = (course, smol, tokenizer, (essay, essay_reference), passkeys)
     rows = []
     with open(out_csv, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=SWEEP_FIELDS)
         writer.writeheader()
         for task, label, parameter in tqdm(jobs, desc=desc, unit="run"):
-            for x, metric, value in _quant_job(
-                course,
-                smol,
-                tokenizer,
-                (essay, essay_reference),
-                passkeys,
-                task,
-                factory(label, parameter),
-            ):
+            factory = factory_for(task, label, parameter)
+            for x, metric, value in _task_rows(models, task, factory):
                 rows.append(
                     {
                         "model": "course model" if task == "recall" else "SmolLM2-135M-Instruct",
                         "task": task,
                         "policy": label,
-                        "budget": parameter,
+                        "budget": "" if parameter is None else parameter,
                         "x": x,
                         "metric": metric,
                         "value": value,
@@ -599,8 +530,12 @@ def _run_sweep(out_csv, runs, desc, factory, seed) -> list[dict]:
     return rows
 
 
-def _quant_job(course, smol, tokenizer, essay, passkeys, task, factory):
-    """One run of `quant_sweep`: (x, metric, value) rows for one task through `factory`."""
+def _task_rows(models, task, factory) -> list[tuple]:
+    """One sweep run: (x, metric, value) rows of `task` ("recall", "passkey" or "text") with
+    caches from `factory` (a `generate` `cache=` factory, or "dynamic": the full cache).
+    `models`: (course model, SmolLM2, its tokenizer, (essay ids, the full cache's logits),
+    {depth: passkey})."""
+    course, smol, tokenizer, (ids, reference), passkeys = models
     if task == "recall":
         cache_factory = None if factory == "dynamic" else factory
         return [
@@ -621,12 +556,12 @@ def _quant_job(course, smol, tokenizer, essay, passkeys, task, factory):
             )
             rows.append((depth, "correct", int(correct)))
         return rows
-    ids, reference = essay
-    cache = None if factory == "dynamic" else factory(smol, *ids.shape)
-    if cache is None:
+    if factory == "dynamic":
         from kvlib.cache import DynamicCache
 
         cache = DynamicCache(smol.config.num_hidden_layers)
+    else:
+        cache = factory(smol, *ids.shape)
     metrics = streamed_text_metrics(smol, ids, cache, reference=reference)
     return [("", m, v) for m, v in metrics.items()]
 

@@ -4,11 +4,9 @@ committed sweep, spot-checked."""
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -25,19 +23,13 @@ from kvlib.cache.evicting import (
 )
 from kvlib.errors import UnsupportedConfigError
 from kvlib.evaluation import (
-    EVICTION_CHUNK,
-    EVICTION_PASSKEY_FILLER,
-    PASSKEY_DEPTHS,
-    course_text,
     decode_logits,
     eviction_factory,
-    passkey_trial,
-    recall_by_distance,
     streamed_logits,
-    text_under_eviction,
 )
 from kvlib.generation import generate
 from kvlib.model import LlamaModel, apply_rope, rope_cos_sin
+from tests.sweeps import spot_check_recall, spot_check_smollm2
 from tests.test_mla import MLA
 from tests.test_model import TINY, tiny_model
 
@@ -268,45 +260,15 @@ def test_streamed_logits_follow_the_full_forward(gqa_model):
         streamed_logits(gqa_model, ids, DynamicCache(TINY.num_hidden_layers), prefill_len=21)
 
 
-def _recorded(task, policy, budget):
-    with open(RESULTS) as f:
-        return [
-            r
-            for r in csv.DictReader(f)
-            if (r["task"], r["policy"], r["budget"]) == (task, policy, str(budget))
-        ]
-
-
 def test_recorded_sweep_spot_check_recall():
-    from kvlib.train import load_course_model
-
-    rows = _recorded("recall", "H2O", 64)
-    assert len(rows) == 6
-    factory = eviction_factory("H2O", 64, snapkv_window=8)
-    got = recall_by_distance(load_course_model(), cache_factory=factory)
-    for row in rows:  # a flipped argmax on another CPU moves a cell by 1/128
-        assert abs(got[int(row["x"])] - float(row["value"])) <= 0.02, row
+    spot_check_recall(RESULTS, "H2O", 64, eviction_factory("H2O", 64, snapkv_window=8))
 
 
 @pytest.mark.slow
 def test_recorded_sweep_spot_check_smollm2(smollm2):
-    model, tokenizer = smollm2
-    essay = torch.tensor([tokenizer.encode(course_text())])
-    got = text_under_eviction(model, essay, "SnapKV", 128)
-    rows = _recorded("text", "SnapKV", 128)
-    assert {r["metric"] for r in rows} == set(got)
-    for row in rows:
-        value = float(row["value"])
-        assert abs(got[row["metric"]] - value) <= 0.05 * abs(value) + 0.01, row
-    (row,) = [r for r in _recorded("passkey", "SnapKV", 256) if float(r["x"]) == 0.5]
-    key = dict(zip(PASSKEY_DEPTHS, np.random.default_rng(0).integers(10_000, 100_000, 5)))[0.5]
-    correct, _ = passkey_trial(
-        model,
-        tokenizer,
-        EVICTION_PASSKEY_FILLER,
-        0.5,
-        int(key),
-        cache_factory=eviction_factory("SnapKV", 256),
-        prefill_chunk_size=EVICTION_CHUNK,
+    spot_check_smollm2(
+        RESULTS,
+        smollm2,
+        text=("SnapKV", 128, eviction_factory("SnapKV", 128)),
+        passkey=("SnapKV", 256, eviction_factory("SnapKV", 256)),
     )
-    assert int(correct) == int(row["value"])

@@ -5,7 +5,6 @@ spot-checked."""
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
@@ -17,14 +16,8 @@ from hypothesis import strategies as st
 import kvlib.memory as memory
 from kvlib.cache import DynamicCache, QuantizedCache, QuantizedPagedCache
 from kvlib.evaluation import (
-    EVICTION_CHUNK,
-    EVICTION_PASSKEY_FILLER,
-    PASSKEY_DEPTHS,
     course_text,
-    passkey_trial,
     quant_factory,
-    recall_by_distance,
-    streamed_text_metrics,
 )
 from kvlib.generation import generate
 from kvlib.quant import (
@@ -37,6 +30,7 @@ from kvlib.quant import (
     round_trip_bound,
     unpack_bits,
 )
+from tests.sweeps import spot_check_recall, spot_check_smollm2
 from tests.test_model import TINY, prompts, tiny_model
 
 RESULTS = Path(__file__).parent.parent / "results" / "quant_sweep.csv"
@@ -479,50 +473,18 @@ def test_smollm2_generates_on_quantized_caches(smollm2):
     assert kivi.shape == full.shape
 
 
-def _recorded(task, label, residual):
-    with open(RESULTS) as f:
-        return [
-            r
-            for r in csv.DictReader(f)
-            if (r["task"], r["policy"], r["budget"]) == (task, label, str(residual))
-        ]
-
-
 def test_recorded_sweep_spot_check_recall():
-    from kvlib.train import load_course_model
-
-    rows = _recorded("recall", "int2 KIVI", 32)
-    assert len(rows) == 6
-    got = recall_by_distance(load_course_model(), cache_factory=quant_factory("int2 KIVI", 32))
-    for row in rows:  # a flipped argmax on another CPU moves a cell by 1/128
-        assert abs(got[int(row["x"])] - float(row["value"])) <= 0.02, row
+    spot_check_recall(RESULTS, "int2 KIVI", 32, quant_factory("int2 KIVI", 32))
 
 
 @pytest.mark.slow
 def test_recorded_sweep_spot_check_smollm2(smollm2):
-    import numpy as np
-
-    model, tokenizer = smollm2
-    essay = torch.tensor([tokenizer.encode(course_text())])
-    cache = quant_factory("int4 KIVI")(model, *essay.shape)
-    got = streamed_text_metrics(model, essay, cache)
-    rows = _recorded("text", "int4 KIVI", 0)
-    assert {r["metric"] for r in rows} == set(got)
-    for row in rows:
-        value = float(row["value"])
-        assert abs(got[row["metric"]] - value) <= 0.05 * abs(value) + 0.01, row
-    (row,) = [r for r in _recorded("passkey", "int2 per-token", 0) if float(r["x"]) == 0.5]
-    key = dict(zip(PASSKEY_DEPTHS, np.random.default_rng(0).integers(10_000, 100_000, 5)))[0.5]
-    correct, _ = passkey_trial(
-        model,
-        tokenizer,
-        EVICTION_PASSKEY_FILLER,
-        0.5,
-        int(key),
-        cache_factory=quant_factory("int2 per-token"),
-        prefill_chunk_size=EVICTION_CHUNK,
+    spot_check_smollm2(
+        RESULTS,
+        smollm2,
+        text=("int4 KIVI", 0, quant_factory("int4 KIVI")),
+        passkey=("int2 per-token", 0, quant_factory("int2 per-token")),
     )
-    assert int(correct) == int(row["value"])
 
 
 def test_cat_quantized_refuses_mixed_parts():

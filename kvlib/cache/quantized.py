@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from kvlib._validate import check_positive_int
-from kvlib.cache.base import check_kv_update
+from kvlib.cache.base import check_kv_append
 from kvlib.cache.paged import PagedCache, read_slots
 from kvlib.ops.attention import reference_attention
 from kvlib.quant import QuantizedTensor, QuantScheme, cat_quantized, dequantize, quantize
@@ -161,20 +161,7 @@ class QuantizedCache:
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> QuantizedKV:
         """Append layer `layer_idx`'s new keys and values `(B, H_kv, T, D)` to the residual,
         quantize what leaves it, and return the layer's `QuantizedKV`."""
-        old = (
-            self.residual_keys[layer_idx]
-            if isinstance(layer_idx, int) and 0 <= layer_idx < self.num_layers
-            else None
-        )
-        check_kv_update(
-            self.num_layers,
-            layer_idx,
-            k,
-            v,
-            None if old is None else (old.shape[0], old.shape[1], old.shape[3]),
-            None if old is None else old.dtype,
-            None if old is None else old.device,
-        )
+        old = check_kv_append(self.residual_keys, layer_idx, k, v)  # the residual (B, H_kv, r, D)
         if old is None:
             res_k, res_v = k, v
         else:

@@ -1,0 +1,67 @@
+"""Spot checks of a committed sweep file (`results/*_sweep.csv`, rows as
+`kvlib.evaluation._run_sweep` writes them): recompute one row of each task and compare."""
+
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import torch
+
+from kvlib.evaluation import (
+    EVICTION_CHUNK,
+    EVICTION_PASSKEY_FILLER,
+    PASSKEY_DEPTHS,
+    course_text,
+    passkey_trial,
+    recall_by_distance,
+    streamed_text_metrics,
+)
+
+
+def recorded(path, task: str, policy: str, budget) -> list[dict]:
+    """The rows of `path` for one task, policy (or scheme) and budget (or residual length)."""
+    with open(path) as f:
+        return [
+            r
+            for r in csv.DictReader(f)
+            if (r["task"], r["policy"], r["budget"]) == (task, policy, str(budget))
+        ]
+
+
+def spot_check_recall(path, policy: str, budget, factory) -> None:
+    """The course model's recall by distance through `factory` matches the recorded row."""
+    from kvlib.train import load_course_model
+
+    rows = recorded(path, "recall", policy, budget)
+    assert len(rows) == 6
+    got = recall_by_distance(load_course_model(), cache_factory=factory)
+    for row in rows:  # a flipped argmax on another CPU moves a cell by 1/128
+        assert abs(got[int(row["x"])] - float(row["value"])) <= 0.02, row
+
+
+def spot_check_smollm2(path, smollm2, text, passkey) -> None:
+    """SmolLM2 on the essay (`text` = (policy, budget, factory)) within 5% of the recorded
+    metrics, and the recorded passkey trial at depth 0.5 (`passkey`, likewise) answered alike."""
+    model, tokenizer = smollm2
+    essay = torch.tensor([tokenizer.encode(course_text())])
+    policy, budget, factory = text
+    got = streamed_text_metrics(model, essay, factory(model, *essay.shape))
+    rows = recorded(path, "text", policy, budget)
+    assert {r["metric"] for r in rows} == set(got)
+    for row in rows:
+        value = float(row["value"])
+        assert abs(got[row["metric"]] - value) <= 0.05 * abs(value) + 0.01, row
+    policy, budget, factory = passkey
+    (row,) = [r for r in recorded(path, "passkey", policy, budget) if float(r["x"]) == 0.5]
+    key = dict(zip(PASSKEY_DEPTHS, np.random.default_rng(0).integers(10_000, 100_000, 5)))[0.5]
+    correct, _ = passkey_trial(
+        model,
+        tokenizer,
+        EVICTION_PASSKEY_FILLER,
+        0.5,
+        int(key),
+        cache_factory=factory,
+        prefill_chunk_size=EVICTION_CHUNK,
+    )
+    assert int(correct) == int(row["value"])
