@@ -436,7 +436,7 @@ SWEEP_FIELDS = ["model", "task", "policy", "budget", "x", "metric", "value", "to
 
 KIVI_GROUP = 32  # G: KIVI's group size (Liu et al., 2024), tokens per key scale, channels per value
 KIVI_RESIDUAL = 128  # R: KIVI's residual length in its experiments
-QUANT_RESIDUALS = (0, 16, 32, 64, 128)  # the R sweep, for 2-bit KIVI
+QUANT_RESIDUALS = (0, 16, 32, 64, KIVI_RESIDUAL)  # the R sweep, for 2-bit KIVI
 
 
 def quant_schemes() -> dict:

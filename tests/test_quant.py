@@ -23,6 +23,9 @@ from kvlib.generation import generate
 from kvlib.quant import (
     FORMATS,
     QuantScheme,
+    _expand,
+    _grouped,
+    _squeeze_shape,
     cat_quantized,
     dequantize,
     pack_bits,
@@ -85,8 +88,8 @@ def test_every_scheme_against_a_float64_reference(scheme):
     step = 2.0**-24  # float16 subnormal spacing: e5m2 scales (max|x| / 57344) can be that small
     assert (scale[nonzero] <= need[nonzero] * (1 + 2**-9) + step).all()
     # codes: what a float64 restatement of the formula gives, with the stored scale and zero
-    s = _broadcast(scale, x.shape, scheme)
-    z = 0 if q.zero is None else _broadcast(q.zero.double(), x.shape, scheme)
+    s = _expand(scale, x.shape, scheme)
+    z = 0 if q.zero is None else _expand(q.zero.double(), x.shape, scheme)
     exact = (x.double() - z) / s
     if fmt.is_float:
         reference = exact.to(fmt.dtype).double()
@@ -104,32 +107,14 @@ def test_every_scheme_against_a_float64_reference(scheme):
     assert float((error / round_trip_bound(q, x)).max()) > 0.25
 
 
-def _groups(t, scheme):
-    from kvlib.quant import _grouped
-
-    return _grouped(t, scheme)
-
-
 def _reduce_max(t, scheme):
-    grouped, dims = _groups(t, scheme)
-    return grouped.amax(dim=dims, keepdim=True).reshape(_scale_shape(t.shape, scheme))
+    grouped, dims = _grouped(t, scheme)
+    return grouped.amax(dim=dims, keepdim=True).reshape(_squeeze_shape(t.shape, scheme))
 
 
 def _reduce_min(t, scheme):
-    grouped, dims = _groups(t, scheme)
-    return grouped.amin(dim=dims, keepdim=True).reshape(_scale_shape(t.shape, scheme))
-
-
-def _scale_shape(shape, scheme):
-    from kvlib.quant import _squeeze_shape
-
-    return _squeeze_shape(shape, scheme)
-
-
-def _broadcast(t, shape, scheme):
-    from kvlib.quant import _expand
-
-    return _expand(t, shape, scheme)
+    grouped, dims = _grouped(t, scheme)
+    return grouped.amin(dim=dims, keepdim=True).reshape(_squeeze_shape(t.shape, scheme))
 
 
 @settings(max_examples=60, deadline=None)
@@ -308,26 +293,14 @@ def test_paged_quantized_cache_equals_the_dense_one_with_padding_beams_and_sampl
     mask[0, :4] = 0  # left padding: per-token scales make pad tokens harmless
     scheme = QuantScheme("int8")
 
-    def paged(model, batch, max_len):
-        return QuantizedPagedCache.for_model(
-            model, 4 * batch, max_len, block_size=4, key_scheme=scheme
-        )
-
+    paged = QuantizedPagedCache.factory(block_size=4, copies_per_sequence=4, key_scheme=scheme)
     dense = QuantizedCache.factory(scheme)
     for options in ({}, {"num_beams": 2}):
         a = generate(model, ids, 7, attention_mask=mask, cache=paged, **options)
         b = generate(model, ids, 7, attention_mask=mask, cache=dense, **options)
         assert torch.equal(a, b), options
-    x = torch.randn(1, 4, 7, 16)
-    assert torch.equal(
-        quantize(x, QuantScheme("int8")).codes, quantize(x, QuantScheme("int8")).codes
-    )
     asym = QuantScheme("int4", False, "channels", 8)
-
-    def paged_asym(model, batch, max_len):
-        return QuantizedPagedCache.for_model(
-            model, 4 * batch, max_len, block_size=4, key_scheme=asym
-        )
+    paged_asym = QuantizedPagedCache.factory(block_size=4, copies_per_sequence=4, key_scheme=asym)
 
     kwargs = {"num_samples": 2, "temperature": 1.0}
     a = generate(
@@ -465,9 +438,7 @@ def test_smollm2_generates_on_quantized_caches(smollm2):
     int8 = generate(model, ids, 12, cache=quant_factory("int8 per-token"))
     assert torch.equal(int8, full)
 
-    def paged(model, batch, max_len):
-        return QuantizedPagedCache.for_model(model, batch, max_len, key_scheme=QuantScheme("int8"))
-
+    paged = QuantizedPagedCache.factory(key_scheme=QuantScheme("int8"))
     assert torch.equal(generate(model, ids, 12, cache=paged), int8)
     kivi = generate(model, ids, 12, cache=quant_factory("int4 KIVI", 32))
     assert kivi.shape == full.shape

@@ -162,6 +162,16 @@ class PagedCache:
             **options,
         )
 
+    @classmethod
+    def factory(cls, *, block_size: int = 16, copies_per_sequence: int = 1, **options):
+        """`generate`'s `cache=` argument: factory(model, batch_size, max_seq_len) -> a cache from
+        `for_model` with room for `copies_per_sequence` copies of each sequence (beams or samples
+        that diverge; `options`: a subclass's extra constructor arguments)."""
+        copies = check_positive_int("copies_per_sequence", copies_per_sequence)
+        return lambda model, batch_size, max_seq_len: cls.for_model(
+            model, batch_size * copies, max_seq_len, block_size=block_size, **options
+        )
+
     @property
     def seq_lens(self) -> torch.Tensor:
         """(B,) int64: real tokens held per sequence (padding is not stored)."""

@@ -25,12 +25,14 @@ then `kvlib.ops.attention.reference_attention`, the torch reference a fused kern
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import NamedTuple
 
 import torch
 
 from kvlib._validate import check_positive_int
 from kvlib.cache.base import check_kv_append
+from kvlib.cache.dense import _DenseCache
 from kvlib.cache.paged import PagedCache, read_slots
 from kvlib.ops.attention import reference_attention
 from kvlib.quant import QuantizedTensor, QuantScheme, cat_quantized, dequantize, quantize
@@ -81,7 +83,7 @@ def _check_scheme(name: str, scheme) -> QuantScheme:
     return scheme
 
 
-class QuantizedCache:
+class QuantizedCache(_DenseCache):
     """A dense quantized cache with a full-precision residual (see the module docstring).
 
     Args:
@@ -151,12 +153,8 @@ class QuantizedCache:
 
         return make
 
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        """(B,) int64: tokens held per sequence, all `length`."""
-        reference = self.residual_keys[0]
-        batch = 0 if reference is None else reference.shape[0]
-        return torch.full((batch,), self.length, dtype=torch.int64)
+    def _batch_size(self) -> int:
+        return 0 if self.residual_keys[0] is None else self.residual_keys[0].shape[0]
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> QuantizedKV:
         """Append layer `layer_idx`'s new keys and values `(B, H_kv, T, D)` to the residual,
@@ -210,17 +208,11 @@ class QuantizedCache:
                 else torch.cat([dequantize(store[layer_idx], res.dtype), res], dim=2)
             )
             if scheme.reduce == "tokens":  # the whole history is one group of tokens
-                scheme = QuantScheme(
-                    scheme.format, scheme.symmetric, "tokens", None, scheme.scale_dtype
-                )
+                scheme = dataclasses.replace(scheme, group_size=None)
             store[layer_idx] = quantize(whole, scheme)
             self.requantized_tokens += whole.shape[2]
         self.residual_keys[layer_idx] = res_k[:, :, :0]
         self.residual_values[layer_idx] = res_v[:, :, :0]
-
-    def advance(self, num_tokens: int) -> None:
-        """Commit `num_tokens` new tokens (after every layer has written them)."""
-        self.length += check_positive_int("num_tokens", num_tokens)
 
     def _map(self, fn) -> None:
         """Apply `fn` (a batch-axis gather) to every per-sequence tensor: codes, scales, zero
