@@ -36,6 +36,8 @@ _API = {
     "QuantizedCache": "kvlib.cache",
     "QuantizedPagedCache": "kvlib.cache",
     "QuantScheme": "kvlib.quant",
+    "LLMEngine": "kvlib.engine",
+    "SamplingParams": "kvlib.engine",
     "CacheOverflowError": "kvlib.errors",
     "OutOfBlocksError": "kvlib.errors",
     "UnsupportedConfigError": "kvlib.errors",

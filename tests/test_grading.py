@@ -891,6 +891,139 @@ def bytes_per_token(num_layers, num_kv_heads, head_dim, bits, group_size, scale_
 """,
         "plus, per group of G",
     ),
+    (
+        "12_serving_engine.ipynb",
+        "schedule_step",
+        """
+def schedule_step(running, waiting, token_budget, max_num_seqs):  # waiting requests first
+    plan, budget = [], token_budget
+    for request_id, left in waiting[: max(0, max_num_seqs - len(running))] + running:
+        if budget == 0:
+            break
+        plan.append((request_id, min(left, budget)))
+        budget -= min(left, budget)
+    return plan
+""",
+        "running requests first",
+    ),
+    (
+        "12_serving_engine.ipynb",
+        "schedule_step",
+        """
+def schedule_step(running, waiting, token_budget, max_num_seqs):  # no chunking: whole prompts
+    plan, budget = [], token_budget
+    for request_id, left in running:
+        if budget <= 0:
+            break
+        plan.append((request_id, left))
+        budget -= left
+    for request_id, left in waiting:
+        if budget <= 0 or len(running) + len(plan) >= max_num_seqs:
+            break
+        plan.append((request_id, left))
+        budget -= left
+    return plan
+""",
+        "min(tokens left, budget left)",
+    ),
+    (
+        "12_serving_engine.ipynb",
+        "schedule_step",
+        """
+def schedule_step(running, waiting, token_budget, max_num_seqs):  # the limit counts only admissions
+    plan, budget = [], token_budget
+    for request_id, left in running:
+        if budget == 0:
+            break
+        plan.append((request_id, min(left, budget)))
+        budget -= min(left, budget)
+    for request_id, left in waiting[:max_num_seqs]:
+        if budget == 0:
+            break
+        plan.append((request_id, min(left, budget)))
+        budget -= min(left, budget)
+    return plan
+""",
+        "fewer than max_num_seqs run",
+    ),
+    (
+        "12_serving_engine.ipynb",
+        "preemption_victims",
+        """
+def preemption_victims(running, index, blocks_needed, free_blocks, blocks_held):  # oldest first
+    preempted = []
+    for victim in running:
+        if free_blocks >= blocks_needed:
+            break
+        preempted.append(victim)
+        free_blocks += blocks_held[victim]
+    return preempted
+""",
+        "the newest running request first",
+    ),
+    (
+        "12_serving_engine.ipynb",
+        "preemption_victims",
+        """
+def preemption_victims(running, index, blocks_needed, free_blocks, blocks_held):  # never stops
+    running, preempted = list(running), []
+    while free_blocks < blocks_needed and running:
+        victim = running.pop()
+        preempted.append(victim)
+        free_blocks += blocks_held[victim]
+    return preempted
+""",
+        "it has been preempted itself",
+    ),
+    (
+        "12_serving_engine.ipynb",
+        "first_step",
+        """
+def first_step(token_ids, cached_hashes, block_size, token_budget):  # may cover the last token
+    cached, parent = 0, None
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+        if parent not in cached_hashes:
+            break
+        cached += block_size
+    new = min(len(token_ids) - cached, token_budget)
+    return cached, new, -(-(cached + new) // block_size) - cached // block_size
+""",
+        "leaving at least the last token",
+    ),
+    (
+        "12_serving_engine.ipynb",
+        "first_step",
+        """
+def first_step(token_ids, cached_hashes, block_size, token_budget):  # cached blocks allocated too
+    cached, parent = 0, None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+        if parent not in cached_hashes:
+            break
+        cached += block_size
+    new = min(len(token_ids) - cached, token_budget)
+    return cached, new, -(-(cached + new) // block_size)
+""",
+        "beyond the cached ones",
+    ),
+    (
+        "12_serving_engine.ipynb",
+        "first_step",
+        """
+def first_step(token_ids, cached_hashes, block_size, token_budget):  # each block hashed alone
+    cached = 0
+    for i in range((len(token_ids) - 1) // block_size):
+        if hash_block_tokens(None, token_ids[i * block_size : (i + 1) * block_size]) not in (
+            cached_hashes
+        ):
+            break
+        cached += block_size
+    new = min(len(token_ids) - cached, token_budget)
+    return cached, new, -(-(cached + new) // block_size) - cached // block_size
+""",
+        "chained hashes",
+    ),
 ]
 
 

@@ -1,0 +1,32 @@
+"""A small serving engine (chapter 12): continuous batching over the paged cache, with chunked
+prefill, preemption by recomputation, prefix caching, and optional quantized or evicting caches.
+
+Modules, named as vLLM v1 and nano-vllm name theirs:
+
+- `request`: `SamplingParams`, `Request` (token ids, computed tokens, status), `RequestOutput`;
+- `scheduler`: waiting and running queues, the per-step token budget, preemption, eviction;
+- `runner`: the flattened batch and its attention metadata (positions, slot mapping, block tables,
+  sequence lengths), one forward of the course's model, sampling;
+- `llm_engine`: `LLMEngine` (`add_request`, `step`, `generate`) and its metrics;
+- `workload`: a synthetic serving workload, the comparison chapter 12 measures, and
+  `python -m kvlib.engine.workload`, which records it (`results/serving.csv`).
+
+The block allocator itself is chapter 7's `kvlib.cache.block_pool`.
+"""
+
+from kvlib.engine.llm_engine import EngineConfig, LLMEngine, StepStats
+from kvlib.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from kvlib.engine.scheduler import Scheduler, SchedulerConfig, StreamingEviction
+
+__all__ = [
+    "EngineConfig",
+    "FinishReason",
+    "LLMEngine",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "StepStats",
+    "StreamingEviction",
+]

@@ -1,0 +1,333 @@
+"""`LLMEngine` (chapter 12): requests in, tokens out, one scheduler step at a time; named as
+vLLM's `LLMEngine` (`add_request`, `step`, `has_unfinished_requests`) and `LLM.generate`.
+
+Each `step()` asks the scheduler for a plan, runs it through the model runner, hands the sampled
+tokens back to the scheduler, and returns a `RequestOutput` for every request that produced a
+token (streaming). The engine owns the KV memory: one `BlockPool` of `num_blocks` blocks
+(`kvlib.cache.block_pool`, with prefix caching if asked) and the pools behind it (a `PagedCache`,
+or a `QuantizedPagedCache` when `kv_scheme` is given). It records per-step statistics
+(`StepStats`) and per-request metrics (`request_metrics`): time to first token (TTFT), time per
+output token (TPOT), latency, preemptions, prefix hits; `summary()` adds throughput.
+
+Clock: a step's time is its wall time; the engine's clock is the sum of the steps' times, so time
+spent idle between arrivals is not counted, and a request added before step s arrives at the
+clock's value then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Sequence
+
+from kvlib._validate import check_positive_int
+from kvlib.cache.block_pool import BlockManager, BlockPool
+from kvlib.cache.paged import PagedCache
+from kvlib.cache.quantized import QuantizedPagedCache
+from kvlib.engine.request import Request, RequestOutput, SamplingParams
+from kvlib.engine.runner import ModelRunner
+from kvlib.engine.scheduler import Scheduler, SchedulerConfig, StreamingEviction
+from kvlib.quant import QuantScheme
+
+__all__ = ["EngineConfig", "LLMEngine", "StepStats"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Args:
+    num_blocks: the KV pool's blocks (its memory: `LLMEngine.block_bytes` each).
+    block_size: token slots per block.
+    enable_prefix_caching: reuse cached full blocks of a prompt's prefix (chapter 7).
+    kv_scheme: a per-token `kvlib.quant.QuantScheme` to store K/V quantized (chapter 10), or None.
+    The `SchedulerConfig` fields: max_num_seqs, max_num_batched_tokens, policy, max_model_len,
+    eviction, hash_evicted_blocks.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = False
+    kv_scheme: QuantScheme | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 64
+    policy: str = "continuous"
+    max_model_len: int = 512
+    eviction: StreamingEviction | None = None
+    hash_evicted_blocks: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive_int("num_blocks", self.num_blocks)
+        check_positive_int("block_size", self.block_size)
+        if self.kv_scheme is not None and not isinstance(self.kv_scheme, QuantScheme):
+            raise TypeError(
+                f"kv_scheme: expected a kvlib.quant.QuantScheme or None, got "
+                f"{type(self.kv_scheme).__name__}"
+            )
+        _ = self.scheduler_config  # validates the scheduler's fields
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        names = [f.name for f in dataclasses.fields(SchedulerConfig)]
+        return SchedulerConfig(**{name: getattr(self, name) for name in names})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """One step: its index and wall time (s), the engine's clock at its end (s), requests running
+    and waiting after it, tokens computed (prefill and decode), KV blocks in use, preemptions,
+    and the prefix-cache lookups of the requests admitted (tokens hit, tokens looked up);
+    `scheduled`: (request id, tokens computed) for each request in the step, in batch order."""
+
+    step: int
+    seconds: float
+    clock: float
+    num_running: int
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_blocks_in_use: int
+    num_preemptions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    scheduled: tuple[tuple[str, int], ...] = ()
+
+
+class LLMEngine:
+    """A continuous-batching engine over the paged cache (see the module docstring).
+
+    Args:
+        model: a `kvlib.model.LlamaModel` (not MLA; no sliding window).
+        **config: `EngineConfig`'s fields.
+
+    Raises:
+        ValueError, TypeError: a bad config field (named); an MLA or sliding-window model.
+    """
+
+    def __init__(self, model, **config):
+        self.config = EngineConfig(**config)
+        c = model.config
+        if c.is_mla or c.sliding_window is not None:
+            raise ValueError(
+                "model: the engine serves K/V-head models with full attention; got "
+                f"{'an MLA model' if c.is_mla else f'sliding_window={c.sliding_window}'}"
+            )
+        self.model = model
+        kw = dict(num_blocks=self.config.num_blocks, block_size=self.config.block_size)
+        if self.config.kv_scheme is not None:
+            storage_class, kw["key_scheme"] = QuantizedPagedCache, self.config.kv_scheme
+        else:
+            storage_class = PagedCache
+        weight = model.lm_head.weight
+        self.storage = storage_class(
+            c.num_hidden_layers,
+            c.num_key_value_heads,
+            c.head_dim,
+            dtype=weight.dtype,
+            device=weight.device,
+            **kw,
+        )
+        pool = BlockPool(
+            self.config.num_blocks,
+            self.config.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
+        self.storage.manager = self.manager = BlockManager(pool)  # the engine decides the slots
+        self.scheduler = Scheduler(self.config.scheduler_config, self.manager)
+        self.runner = ModelRunner(model, self.storage, self.manager)
+        self.requests: dict[str, Request] = {}
+        self.stats: list[StepStats] = []
+        self.clock = 0.0
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: K and V (codes, scales and zero points if quantized), every
+        layer."""
+        return sum(pool[0].numel() * pool.element_size() for pool in self.storage._pools())
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+    ) -> None:
+        """Queue a request; it may be scheduled from the next `step()`.
+
+        Raises:
+            ValueError: a request id in use, an empty prompt, ids outside the vocabulary, a
+                prompt + max_tokens longer than max_model_len, or needing more blocks than the
+                pool has (without eviction).
+        """
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"sampling_params: expected SamplingParams, got {type(params).__name__}"
+            )
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        ids = [int(t) for t in prompt_token_ids]
+        vocab = self.model.config.vocab_size
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt_token_ids: expected 1+ ids in [0, {vocab}), got {ids[:8]}...")
+        if len(ids) + params.max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
+                f"exceed max_model_len {self.config.max_model_len}"
+            )
+        held = len(ids) + params.max_tokens - 1  # the last token is sampled, never cached
+        if self.config.eviction is None and -(-held // self.config.block_size) > len(
+            self.manager.pool.blocks
+        ):
+            raise ValueError(
+                f"prompt_token_ids: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
+                f"need {-(-held // self.config.block_size)} blocks, more than the pool's "
+                f"{self.config.num_blocks}: the request could never run"
+            )
+        request = Request(
+            str(request_id), ids, params, arrival_step=len(self.stats), arrival_time=self.clock
+        )
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; return the outputs of the requests that produced a
+        token in it."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        sampled = self.runner.execute(plan.scheduled)
+        self.scheduler.update_from_output(plan, sampled)
+        seconds = time.perf_counter() - start
+        self.clock += seconds
+        step = len(self.stats)
+        outputs = []
+        for request_id, token in sampled.items():
+            request = self.requests[request_id]
+            if request.first_token_step is None:
+                request.first_token_step, request.first_token_time = step, self.clock
+            if request.is_finished:
+                request.finish_step, request.finish_time = step, self.clock
+            outputs.append(
+                RequestOutput(
+                    request_id,
+                    request.prompt_token_ids,
+                    list(request.output_token_ids),
+                    [token],
+                    request.is_finished,
+                    request.finish_reason,
+                )
+            )
+        decode = sum(
+            n for r, n in plan.scheduled if r.num_computed_tokens > len(r.prompt_token_ids)
+        )
+        self.stats.append(
+            StepStats(
+                step=step,
+                seconds=seconds,
+                clock=self.clock,
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                num_prefill_tokens=plan.num_scheduled_tokens - decode,
+                num_decode_tokens=decode,
+                num_blocks_in_use=self.storage.num_blocks_in_use,
+                num_preemptions=len(plan.preempted),
+                prefix_hit_tokens=plan.prefix_hit_tokens,
+                prefix_query_tokens=plan.prefix_query_tokens,
+                scheduled=tuple((r.request_id, n) for r, n in plan.scheduled),
+            )
+        )
+        return outputs
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Serve `prompts` (lists of token ids) to completion; return their final outputs in
+        prompt order. `sampling_params`: one for all, or one per prompt. A progress bar counts
+        finished requests (`use_tqdm`)."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"sampling_params: expected one or {len(prompts)} (one per prompt), got "
+                f"{len(sampling_params)}"
+            )
+        first = len(self.requests)
+        ids = [f"request-{first + i}" for i in range(len(prompts))]
+        for request_id, prompt, params in zip(ids, prompts, sampling_params):
+            self.add_request(request_id, prompt, params)
+        final: dict[str, RequestOutput] = {}
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm) as bar:
+            while self.has_unfinished_requests():
+                for output in self.step():
+                    if output.finished:
+                        final[output.request_id] = output
+                        bar.update(1)
+        return [final[i] for i in ids]
+
+    # --- metrics ---------------------------------------------------------------------------------
+
+    def request_metrics(self) -> list[dict]:
+        """Per finished request: arrival, first-token and finish steps; TTFT, TPOT (mean time
+        between its output tokens) and latency in seconds; prompt and output tokens; prefix-hit
+        tokens at its admission; preemptions."""
+        rows = []
+        for r in self.requests.values():
+            if not r.is_finished:
+                continue
+            n = len(r.output_token_ids)
+            rows.append(
+                dict(
+                    request_id=r.request_id,
+                    arrival_step=r.arrival_step,
+                    first_token_step=r.first_token_step,
+                    finish_step=r.finish_step,
+                    ttft_s=r.first_token_time - r.arrival_time,
+                    tpot_s=(r.finish_time - r.first_token_time) / (n - 1) if n > 1 else 0.0,
+                    latency_s=r.finish_time - r.arrival_time,
+                    prompt_tokens=len(r.prompt_token_ids),
+                    output_tokens=n,
+                    cached_tokens=r.num_cached_tokens,
+                    preemptions=r.num_preemptions,
+                )
+            )
+        return rows
+
+    def summary(self) -> dict:
+        """The run in numbers: steps, busy seconds, **output** tokens per second (generated tokens
+        only: prompt tokens are work, not output), mean and 90th-percentile TTFT and TPOT (s),
+        peak KV blocks in use and their bytes, preemptions, prefix hit rate (tokens hit / tokens
+        looked up)."""
+        rows, stats = self.request_metrics(), self.stats
+        busy = sum(s.seconds for s in stats)
+        out_tokens = sum(r["output_tokens"] for r in rows)
+        queries = sum(s.prefix_query_tokens for s in stats)
+
+        def p90(values):
+            return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+
+        ttft, tpot = [r["ttft_s"] for r in rows], [r["tpot_s"] for r in rows]
+        peak = max((s.num_blocks_in_use for s in stats), default=0)
+        return dict(
+            requests=len(rows),
+            steps=len(stats),
+            busy_s=busy,
+            output_tokens=out_tokens,
+            prompt_tokens=sum(r["prompt_tokens"] for r in rows),
+            output_tokens_per_s=out_tokens / busy if busy else math.nan,
+            mean_ttft_s=statistics.fmean(ttft) if ttft else math.nan,
+            p90_ttft_s=p90(ttft) if ttft else math.nan,
+            mean_tpot_s=statistics.fmean(tpot) if tpot else math.nan,
+            p90_tpot_s=p90(tpot) if tpot else math.nan,
+            peak_blocks=peak,
+            peak_kv_bytes=peak * self.block_bytes,
+            preemptions=sum(s.num_preemptions for s in stats),
+            prefix_hit_rate=sum(s.prefix_hit_tokens for s in stats) / queries if queries else 0.0,
+        )

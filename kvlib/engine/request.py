@@ -1,0 +1,138 @@
+"""Requests and their sampling parameters (chapter 12), named as vLLM v1 names them.
+
+A `Request` is one prompt being served: its token ids (prompt, then the tokens generated so far),
+how many of them have K/V in the cache (`num_computed_tokens`), its status, its sampling
+parameters and its own random generator, and the steps and times that make up its latency
+metrics. The scheduler moves it between the waiting and running queues; a preempted request goes
+back to waiting with `num_computed_tokens = 0` and keeps its generated tokens, so recomputing it is
+a prefill of prompt + output (preemption by recomputation, vLLM's default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus", "SamplingParams"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How a request picks its next token, and when it stops (vLLM's `SamplingParams`).
+
+    Args:
+        temperature: 0 for greedy (argmax); > 0 samples from softmax(logits / temperature).
+        top_k: sample among the k most likely tokens only (None: all).
+        top_p: nucleus sampling: the smallest set of most likely tokens whose probability sums to
+            at least top_p (Holtzman et al., 2020, "The Curious Case of Neural Text
+            Degeneration"); None or 1.0: all.
+        seed: seeds the request's own generator, so its samples do not depend on which other
+            requests share its batches (None: seed 0).
+        max_tokens: tokens to generate, at most (>= 1).
+        stop_token_ids: generating one of these ends the request (it is kept in the output). Left
+            empty, every request generates exactly `max_tokens` tokens: the fixed output lengths
+            a benchmark needs.
+
+    Raises:
+        ValueError, TypeError: a value outside the ranges above, naming the argument.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, int | float) or not self.temperature >= 0:
+            raise ValueError(f"temperature: expected a number >= 0, got {self.temperature!r}")
+        for name, low in (("top_k", 1), ("max_tokens", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if value is None and name != "max_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+        if self.top_p is not None and not (
+            isinstance(self.top_p, int | float) and 0 < self.top_p <= 1
+        ):
+            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+        stops = tuple(self.stop_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in stops):
+            raise ValueError(f"stop_token_ids: expected ints >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (its K/V freed)
+    RUNNING = "running"  # holds blocks; scheduled every step until it finishes
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # generated max_tokens
+    STOP = "stop"  # generated a stop token
+
+
+@dataclasses.dataclass
+class Request:
+    """One request and its progress. Steps count engine steps (`LLMEngine.step` calls); times are
+    seconds on the engine's clock (the sum of the wall times of the steps so far)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_step: int = 0
+    arrival_time: float = 0.0
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache (prefix hits included)
+    num_cached_tokens: int = 0  # of those, tokens first found in the prefix cache
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    first_token_step: int | None = None
+    first_token_time: float | None = None
+    finish_step: int | None = None
+    finish_time: float | None = None
+    generator: torch.Generator = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(self.sampling_params.seed or 0)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        """Add a generated token; finish the request if it is a stop token or the last one."""
+        self.output_token_ids.append(token_id)
+        params = self.sampling_params
+        if token_id in params.stop_token_ids:
+            self.status, self.finish_reason = RequestStatus.FINISHED, FinishReason.STOP
+        elif len(self.output_token_ids) >= params.max_tokens:
+            self.status, self.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """What `LLMEngine.step` streams for a request that produced tokens (and what `generate`
+    returns once it has finished): `new_token_ids` are this step's, `output_token_ids` all so
+    far."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    new_token_ids: Sequence[int]
+    finished: bool
+    finish_reason: FinishReason | None

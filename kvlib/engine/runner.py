@@ -1,0 +1,182 @@
+"""The model runner (chapter 12): one batched forward for whatever the scheduler planned.
+
+A step mixes requests at different stages: one computes 64 tokens of its prompt, fifteen decode
+one token each. The runner lays their new tokens end to end, `N` tokens in one `(1, N)` row, so
+the projections and MLP compute exactly the tokens planned and no padding, and builds the
+**attention metadata** vLLM's runner builds:
+
+- `positions (N,)`: each token's RoPE position in its own sequence;
+- `slot_mapping (N,)`: the pool slot each token's K/V is written to;
+- `query_start_loc (n + 1,)`: where each of the n sequences' tokens start in the row
+  (FlashAttention's `cu_seqlens_q`);
+- `seq_lens (n,)` and `block_tables (n, max_blocks)`: the tokens each sequence holds after this
+  step, and where.
+
+The model is the course's `LlamaModel`, unchanged: the runner hands it a cache object for the step
+(`BatchKV`), through the same seam every cache of the course uses. Its `update` writes the step's
+K/V through the slot mapping (into the pools of a `PagedCache` or a `QuantizedPagedCache`, so the
+quantized cache of chapter 10 plugs in), and its attention regroups the queries per sequence and
+calls that cache's own paged attention with a mask built from the metadata: query j of a
+sequence that held `c` tokens before the step sees its slots 0 .. c + j.
+
+Sampling (`sample`) is per request, with the request's own generator, so a request's tokens do not
+depend on which others share its steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvlib.cache.block_pool import BlockManager
+from kvlib.cache.paged import PagedCache, PagedKV
+from kvlib.engine.request import Request, SamplingParams
+
+__all__ = ["BatchKV", "ModelInput", "ModelRunner", "prepare_inputs", "sample"]
+
+
+@dataclasses.dataclass
+class ModelInput:
+    """One step's flattened batch (see the module docstring); `sample_indices` are the rows of the
+    requests that produce a token this step (their last token; a request still prefilling
+    produces none), `sample_requests` those requests."""
+
+    input_ids: torch.Tensor  # (N,) int64
+    positions: torch.Tensor  # (N,) int64
+    slot_mapping: torch.Tensor  # (N,) int64
+    query_start_loc: torch.Tensor  # (n + 1,) int64
+    seq_lens: torch.Tensor  # (n,) int64
+    block_tables: torch.Tensor  # (n, max_blocks) int64; 0 past a sequence's last block
+    sample_indices: torch.Tensor  # (m,) int64
+    sample_requests: list[Request]
+
+
+def prepare_inputs(
+    scheduled: list[tuple[Request, int]], manager: BlockManager, device="cpu"
+) -> ModelInput:
+    """The flattened batch for `scheduled` (request, new tokens), after the scheduler allocated
+    their slots: token t of a request that now holds `held` slots and computes `n` tokens this
+    step is its token `num_computed_tokens + t`, at RoPE position `num_computed_tokens + t` and
+    slot index `held - n + t` (they differ once a sequence has evicted tokens)."""
+    ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
+    sample_indices, sample_requests = [], []
+    for request, num_new in scheduled:
+        rid, start = request.request_id, request.num_computed_tokens
+        held = manager.num_tokens(rid)
+        ids += request.all_token_ids[start : start + num_new]
+        positions += range(start, start + num_new)
+        slots += [manager.slot(rid, held - num_new + t) for t in range(num_new)]
+        starts.append(starts[-1] + num_new)
+        seq_lens.append(held)
+        tables.append(manager.block_tables[rid])
+        if start + num_new == request.num_tokens:  # its last token: logits for the next one
+            sample_indices.append(starts[-1] - 1)
+            sample_requests.append(request)
+    width = max(len(t) for t in tables)
+
+    def tensor(values):
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return ModelInput(
+        input_ids=tensor(ids),
+        positions=tensor(positions),
+        slot_mapping=tensor(slots),
+        query_start_loc=tensor(starts),
+        seq_lens=tensor(seq_lens),
+        block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
+        sample_indices=tensor(sample_indices),
+        sample_requests=sample_requests,
+    )
+
+
+class BatchKV:
+    """The cache the model sees for one step (`kvlib.cache.base`'s seam): writes go through the
+    slot mapping into `storage`'s pools, attention reads through the block tables with
+    `storage`'s own paged attention. `storage` is a `PagedCache` (or a subclass storing another
+    layout, such as `QuantizedPagedCache`) used for its pools only; the engine's `BlockManager`
+    decides the slots."""
+
+    length = 0  # the model's inputs carry no padding and no past: positions come from metadata
+
+    def __init__(self, storage: PagedCache, batch: ModelInput):
+        self.storage, self.batch = storage, batch
+        self.num_layers = storage.num_layers
+        query_lens = batch.query_start_loc.diff()  # (n,)
+        n, device = len(query_lens), batch.input_ids.device
+        self.max_query_len = int(query_lens.max())
+        max_len = int(batch.seq_lens.max())
+        # each flattened row's sequence and its index among that sequence's new tokens
+        self.row_seq = torch.repeat_interleave(torch.arange(n, device=device), query_lens)
+        self.row_token = (
+            torch.arange(len(batch.input_ids), device=device)
+            - (batch.query_start_loc[:-1][self.row_seq])
+        )
+        key = torch.arange(max_len, device=device)  # (S,)
+        past = (batch.seq_lens - query_lens)[:, None]  # (n, 1): slots held before the step
+        query = torch.arange(self.max_query_len, device=device)[None]  # (1, T)
+        last = past + torch.minimum(query, query_lens[:, None] - 1)  # padding rows repeat the last
+        self.mask = key[None, None, :] <= last[:, :, None]  # (n, T, S)
+        positions = torch.minimum(key[None], batch.seq_lens[:, None] - 1)  # (n, S)
+        self.handle = PagedKV(None, None, batch.block_tables, batch.seq_lens, positions)
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """k, v: (1, H_kv, N, D), the step's new keys and values: written at the slot mapping."""
+        new_k, new_v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, H_kv, D)
+        return self.storage._write(layer_idx, self.batch.slot_mapping, new_k, new_v, self.handle)
+
+    def attention_backend(self, q, kv, mask, *, weights_out=None):
+        """q (1, H, N, D) -> (1, H, N, D): regroup the rows per sequence (n, H, T, D), attend with
+        the storage's paged attention and this step's mask (the model's own `mask`, for an
+        unbatched causal row, does not apply), and flatten back."""
+        n, h, d = len(self.batch.seq_lens), q.shape[1], q.shape[-1]
+        grouped = q.new_zeros(n, h, self.max_query_len, d)
+        grouped[self.row_seq, :, self.row_token] = q[0].transpose(0, 1)
+        out = self.storage.attention_backend(grouped, kv, self.mask, weights_out=weights_out)
+        return out[self.row_seq, :, self.row_token].transpose(0, 1)[None]
+
+    def advance(self, num_tokens: int) -> None:
+        """Nothing to commit: the scheduler already counted the tokens."""
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from `logits (V,)`: argmax at temperature 0; else softmax(logits / temperature)
+    restricted to the top k and to the top-p nucleus, sampled with `generator`."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / params.temperature
+    if params.top_k is not None:
+        kth = logits.topk(min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if params.top_p is not None and params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs  # probability of the tokens ranked higher
+        sorted_probs[before >= params.top_p] = 0  # the smallest set reaching top_p stays
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class ModelRunner:
+    """Runs a step: `prepare_inputs`, one forward of the model over a `BatchKV`, then `sample`
+    for each request that produces a token. Returns {request id: token}."""
+
+    def __init__(self, model, storage: PagedCache, manager: BlockManager):
+        self.model, self.storage, self.manager = model, storage, manager
+        self.device = model.lm_head.weight.device
+
+    @torch.no_grad()
+    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
+        if not scheduled:
+            return {}
+        batch = prepare_inputs(scheduled, self.manager, self.device)
+        logits = self.model(
+            batch.input_ids[None],
+            cache=BatchKV(self.storage, batch),
+            position_ids=batch.positions[None],
+            validate=False,  # the engine checked every prompt when it was added
+        )[0, batch.sample_indices]  # (m, V)
+        return {
+            request.request_id: sample(row, request.sampling_params, request.generator)
+            for request, row in zip(batch.sample_requests, logits)
+        }

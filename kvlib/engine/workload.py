@@ -1,0 +1,230 @@
+"""The serving comparison of chapter 12: a synthetic workload, served by four engines at the same
+KV memory budget, and the command that records it.
+
+The workload (`make_workload`): requests arrive as a Poisson process (exponential gaps, measured
+in engine steps: the engine's clock is its steps, see `kvlib.engine.llm_engine`), with prompt and
+output lengths uniform in stated ranges, and a shared system prompt in front of a stated fraction
+of the prompts. Output lengths are fixed per request (no stop tokens), so every configuration
+generates exactly the same tokens, and the schedule (steps, preemptions, blocks, prefix hits)
+depends only on the lengths: it is the same on every machine; only the seconds differ.
+
+The configurations (`CONFIGS`), each given the same bytes of KV memory:
+
+- `static`: static batching with a contiguous reservation of `max_model_len` tokens per request;
+- `continuous`: continuous batching over the paged cache, chunked prefill under a token budget;
+- `prefix`: the same with prefix caching;
+- `prefix+int8`: the same with the cache stored as int8 with per-token scales (chapter 10), so
+  the same bytes hold more blocks.
+
+`python -m kvlib.engine.workload --out results/serving.csv` runs them on the course model and on
+SmolLM2-135M-Instruct and writes one summary row per (model, configuration) and the per-step trace
+(`serving_steps.csv` beside it): three interleaved repeats, the median run kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import os
+import platform
+
+import numpy as np
+import torch
+
+from kvlib.engine.llm_engine import LLMEngine
+from kvlib.engine.request import SamplingParams
+
+__all__ = [
+    "CONFIGS",
+    "WORKLOADS",
+    "Workload",
+    "WorkloadRequest",
+    "engine_for",
+    "make_workload",
+    "run_workload",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadRequest:
+    arrival_step: int
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A synthetic workload's distributions (see the module docstring). Token ids are drawn
+    uniformly from [token_low, token_high); lengths are inclusive ranges; `arrival_rate` is in
+    requests per step; the KV budget is `budget_blocks` blocks of the full-precision cache."""
+
+    num_requests: int
+    arrival_rate: float
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    system_prompt_len: int
+    shared_fraction: float
+    token_low: int
+    token_high: int
+    budget_blocks: int
+    max_num_batched_tokens: int
+    seed: int = 0
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request the workload can make: what a contiguous cache reserves."""
+        return self.system_prompt_len + self.prompt_len[1] + self.output_len[1]
+
+
+WORKLOADS = {
+    "course": Workload(
+        num_requests=48,
+        arrival_rate=1.0,
+        prompt_len=(16, 96),
+        output_len=(8, 96),
+        system_prompt_len=64,
+        shared_fraction=0.5,
+        token_low=0,
+        token_high=128,
+        budget_blocks=96,
+        max_num_batched_tokens=64,
+    ),
+    "smollm2": Workload(
+        num_requests=24,
+        arrival_rate=1.0,
+        prompt_len=(16, 64),
+        output_len=(8, 48),
+        system_prompt_len=64,
+        shared_fraction=0.5,
+        token_low=100,
+        token_high=40_000,
+        budget_blocks=48,
+        max_num_batched_tokens=64,
+    ),
+}
+
+# configuration -> LLMEngine options (besides num_blocks and the workload's budget)
+CONFIGS = {
+    "static": dict(policy="static"),
+    "continuous": dict(),
+    "prefix": dict(enable_prefix_caching=True),
+    "prefix+int8": dict(enable_prefix_caching=True, kv_scheme="int8"),
+}
+
+
+def make_workload(workload: Workload) -> list[WorkloadRequest]:
+    """The workload's requests, in arrival order (seeded: the same on every machine)."""
+    rng = np.random.default_rng(workload.seed)
+    system = rng.integers(workload.token_low, workload.token_high, workload.system_prompt_len)
+    gaps = rng.exponential(1 / workload.arrival_rate, workload.num_requests)
+    arrivals = np.floor(np.cumsum(gaps) - gaps[0]).astype(int)  # the first arrives at step 0
+    requests = []
+    for arrival in arrivals:
+        length = int(rng.integers(workload.prompt_len[0], workload.prompt_len[1] + 1))
+        prompt = rng.integers(workload.token_low, workload.token_high, length)
+        if rng.random() < workload.shared_fraction:
+            prompt = np.concatenate([system, prompt])
+        max_tokens = int(rng.integers(workload.output_len[0], workload.output_len[1] + 1))
+        requests.append(WorkloadRequest(int(arrival), prompt.tolist(), max_tokens))
+    return requests
+
+
+def engine_for(model, workload: Workload, config: str, **overrides) -> LLMEngine:
+    """An engine for `config` (a name in `CONFIGS`) holding the workload's KV budget in bytes."""
+    from kvlib.quant import QuantScheme
+
+    options = dict(CONFIGS[config])
+    if options.get("kv_scheme") == "int8":
+        options["kv_scheme"] = QuantScheme("int8")
+    options = dict(
+        max_model_len=workload.max_model_len,
+        max_num_batched_tokens=workload.max_num_batched_tokens,
+        **options,
+        **overrides,
+    )
+    full = LLMEngine(model, num_blocks=workload.budget_blocks, **options)
+    if "kv_scheme" not in options:
+        return full
+    budget = workload.budget_blocks * LLMEngine(model, num_blocks=1).block_bytes
+    return LLMEngine(model, num_blocks=budget // full.block_bytes, **options)
+
+
+def run_workload(engine: LLMEngine, requests: list[WorkloadRequest]) -> LLMEngine:
+    """Serve `requests`: before step s, add those that arrived by s; when the engine is idle,
+    the next arrival comes at once (idle steps are not counted). Returns the engine (its
+    `stats`, `request_metrics()` and `summary()` hold the run)."""
+    pending = list(requests)
+    while pending or engine.has_unfinished_requests():
+        step = len(engine.stats)
+        if not engine.has_unfinished_requests() and pending[0].arrival_step > step:
+            step = pending[0].arrival_step  # idle until then: skip ahead
+        while pending and pending[0].arrival_step <= step:
+            r = pending.pop(0)
+            engine.add_request(
+                f"request-{len(engine.requests)}",
+                r.prompt_token_ids,
+                SamplingParams(max_tokens=r.max_tokens),
+            )
+        engine.step()
+    return engine
+
+
+def record(out_csv: str, repeats: int = 3) -> None:
+    """Run every configuration on both models `repeats` times (interleaved rounds, so a busy
+    machine slows every configuration alike); keep, per configuration, the run with the median
+    busy time. Write the summaries to `out_csv` and those runs' per-step traces to
+    `serving_steps.csv` in the same folder."""
+    from tqdm.auto import tqdm
+
+    from kvlib.smollm2 import load_smollm2
+    from kvlib.train import load_course_model
+
+    torch.manual_seed(0)
+    models = {"course": load_course_model(), "smollm2": load_smollm2()[0]}
+    facts = dict(
+        device=platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        repeats=repeats,
+        date=datetime.date.today().isoformat(),
+    )
+    jobs = [(m, c) for m in models for c in CONFIGS]
+    runs = {job: [] for job in jobs}
+    with tqdm(total=repeats * len(jobs), desc="serving runs") as bar:
+        for _ in range(repeats):
+            for model_name, config in jobs:
+                workload = WORKLOADS[model_name]
+                engine = engine_for(models[model_name], workload, config)
+                runs[model_name, config].append(run_workload(engine, make_workload(workload)))
+                bar.update(1)
+    summaries, traces = [], []
+    for (model_name, config), engines in runs.items():
+        engine = sorted(engines, key=lambda e: e.summary()["busy_s"])[len(engines) // 2]
+        row = dict(model=model_name, config=config, num_blocks=engine.config.num_blocks)
+        row.update(block_bytes=engine.block_bytes, **engine.summary(), **facts)
+        summaries.append(row)
+        for s in engine.stats:
+            step = dataclasses.asdict(s)
+            del step["scheduled"]  # the per-request plan stays out of the CSV
+            traces.append(dict(model=model_name, config=config, **step))
+    for path, rows in ((out_csv, summaries), (_steps_path(out_csv), traces)):
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def _steps_path(out_csv: str) -> str:
+    return os.path.join(os.path.dirname(out_csv), "serving_steps.csv")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="results/serving.csv")
+    record(parser.parse_args(argv).out)
+
+
+if __name__ == "__main__":
+    main()
