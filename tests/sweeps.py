@@ -12,6 +12,7 @@ from kvlib.evaluation import (
     EVICTION_CHUNK,
     EVICTION_PASSKEY_FILLER,
     PASSKEY_DEPTHS,
+    RECALL_DISTANCES,
     course_text,
     passkey_trial,
     recall_by_distance,
@@ -29,15 +30,18 @@ def recorded(path, task: str, policy: str, budget) -> list[dict]:
         ]
 
 
-def spot_check_recall(path, policy: str, budget, factory) -> None:
-    """The course model's recall by distance through `factory` matches the recorded row."""
+def spot_check_recall(path, policy: str, budget, factory, distances=(8, 240)) -> None:
+    """The course model's recall through `factory` at the shortest and longest distances matches
+    the recorded rows (the documents of each distance are rows of their own in the batch, so two
+    distances reproduce what the six-distance sweep computed for them)."""
     from kvlib.train import load_course_model
 
     rows = recorded(path, "recall", policy, budget)
-    assert len(rows) == 6
-    got = recall_by_distance(load_course_model(), cache_factory=factory)
+    assert sorted(int(r["x"]) for r in rows) == list(RECALL_DISTANCES)
+    got = recall_by_distance(load_course_model(), distances, cache_factory=factory)
     for row in rows:  # a flipped argmax on another CPU moves a cell by 1/128
-        assert abs(got[int(row["x"])] - float(row["value"])) <= 0.02, row
+        if int(row["x"]) in distances:
+            assert abs(got[int(row["x"])] - float(row["value"])) <= 0.02, row
 
 
 def spot_check_smollm2(path, smollm2, text, passkey) -> None:

@@ -425,7 +425,11 @@ def _grade_question(notebook: Path, q: Question, timeout_s: float) -> QuestionRe
     test_file = importlib.import_module(f"kvlib.course.checks.{q.chapter}").__file__
     with tempfile.TemporaryDirectory(prefix="kvlib-grade-") as tmp:
         result_path = Path(tmp) / "result.json"
-        env = dict(os.environ, MPLBACKEND="Agg", PYTHONHASHSEED="0")
+        # PYTEST_DISABLE_PLUGIN_AUTOLOAD: only the grader's plugin; installed ones (hypothesis,
+        # nbval, xdist, ...) cost about 1.5 s of imports per question and grade nothing
+        env = dict(
+            os.environ, MPLBACKEND="Agg", PYTHONHASHSEED="0", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"
+        )
         env.update(
             {
                 ENV_SUBMISSION: str(notebook),

@@ -29,6 +29,7 @@ from kvlib.cache.quantized import QuantizedPagedCache
 from kvlib.engine.request import Request, RequestOutput, SamplingParams
 from kvlib.engine.runner import ModelRunner
 from kvlib.engine.scheduler import Scheduler, SchedulerConfig, StreamingEviction
+from kvlib.errors import OutOfBlocksError
 from kvlib.quant import QuantScheme
 
 __all__ = ["EngineConfig", "LLMEngine", "StepStats"]
@@ -194,9 +195,21 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step; return the outputs of the requests that produced a
-        token in it."""
+        token in it.
+
+        Raises:
+            OutOfBlocksError: nothing runs and the first waiting request cannot be admitted into
+                an empty pool (possible only with eviction, where `add_request` cannot bound a
+                request's blocks); the engine is left as it was.
+        """
         start = time.perf_counter()
         plan = self.scheduler.schedule()
+        if not plan.scheduled and not self.scheduler.running and self.scheduler.waiting:
+            request = self.scheduler.waiting[0]
+            raise OutOfBlocksError(
+                f"request {request.request_id!r}: its first chunk does not fit in an empty pool "
+                f"of {self.config.num_blocks} blocks; nothing can run"
+            )
         sampled = self.runner.execute(plan.scheduled)
         self.scheduler.update_from_output(plan, sampled)
         seconds = time.perf_counter() - start
