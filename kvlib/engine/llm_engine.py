@@ -28,36 +28,32 @@ from kvlib.cache.paged import PagedCache
 from kvlib.cache.quantized import QuantizedPagedCache
 from kvlib.engine.request import Request, RequestOutput, SamplingParams
 from kvlib.engine.runner import ModelRunner
-from kvlib.engine.scheduler import Scheduler, SchedulerConfig, StreamingEviction
+from kvlib.engine.scheduler import Scheduler, SchedulerConfig
 from kvlib.errors import OutOfBlocksError
 from kvlib.quant import QuantScheme
 
 __all__ = ["EngineConfig", "LLMEngine", "StepStats"]
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Args:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig(SchedulerConfig):
+    """The scheduler's fields (`SchedulerConfig`: max_num_seqs, max_num_batched_tokens, policy,
+    max_model_len, eviction, hash_evicted_blocks), and the KV memory's:
+
+    Args:
     num_blocks: the KV pool's blocks (its memory: `LLMEngine.block_bytes` each).
     block_size: token slots per block.
     enable_prefix_caching: reuse cached full blocks of a prompt's prefix (chapter 7).
     kv_scheme: a per-token `kvlib.quant.QuantScheme` to store K/V quantized (chapter 10), or None.
-    The `SchedulerConfig` fields: max_num_seqs, max_num_batched_tokens, policy, max_model_len,
-    eviction, hash_evicted_blocks.
     """
 
     num_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = False
     kv_scheme: QuantScheme | None = None
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 64
-    policy: str = "continuous"
-    max_model_len: int = 512
-    eviction: StreamingEviction | None = None
-    hash_evicted_blocks: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive_int("num_blocks", self.num_blocks)
         check_positive_int("block_size", self.block_size)
         if self.kv_scheme is not None and not isinstance(self.kv_scheme, QuantScheme):
@@ -65,12 +61,6 @@ class EngineConfig:
                 f"kv_scheme: expected a kvlib.quant.QuantScheme or None, got "
                 f"{type(self.kv_scheme).__name__}"
             )
-        _ = self.scheduler_config  # validates the scheduler's fields
-
-    @property
-    def scheduler_config(self) -> SchedulerConfig:
-        names = [f.name for f in dataclasses.fields(SchedulerConfig)]
-        return SchedulerConfig(**{name: getattr(self, name) for name in names})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +124,9 @@ class LLMEngine:
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
         self.storage.manager = self.manager = BlockManager(pool)  # the engine decides the slots
-        self.scheduler = Scheduler(self.config.scheduler_config, self.manager)
+        self.scheduler = Scheduler(
+            self.config, self.manager
+        )  # an EngineConfig is a SchedulerConfig
         self.runner = ModelRunner(model, self.storage, self.manager)
         self.requests: dict[str, Request] = {}
         self.stats: list[StepStats] = []

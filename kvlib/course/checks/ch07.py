@@ -84,14 +84,17 @@ def test_append_token(submission: Submission) -> None:
         )
 
 
-def _hit_tokens(token_ids, cached, block_size):
+def cached_prefix_tokens(token_ids, cached, block_size):
+    """Tokens of `token_ids` a prefix cache holding the hashes `cached` covers (BlockManager's
+    lookup: whole blocks, chained, stopping at the first miss, at most n - 1 tokens)."""
     pool = BlockPool(1, block_size)
     pool.cached_blocks = dict.fromkeys(cached, 0)
     covered, _ = BlockManager(pool).num_cached_prefix_blocks(token_ids)
     return covered
 
 
-def _chain(tokens, block_size):
+def chained_block_hashes(tokens, block_size):
+    """The chained hashes of the full blocks of `tokens` (what a prefix cache stores)."""
     hashes, parent = [], None
     for i in range(len(tokens) // block_size):
         parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size])
@@ -103,8 +106,9 @@ def _chain(tokens, block_size):
 def test_prefix_hit_tokens(submission: Submission) -> None:
     prefix_hit_tokens = submission.function("prefix_hit_tokens")
     system = list(range(100, 112))  # three blocks of 4
-    cached = set(_chain(system + [1, 2, 3, 4], 4))  # an earlier request: 4 blocks cached
-    other = set(_chain([9, 9, 9, 9] + system[4:8], 4))  # system[4:8] under another parent
+    # an earlier request left 4 blocks cached; `other` holds system[4:8] under another parent
+    cached = set(chained_block_hashes(system + [1, 2, 3, 4], 4))
+    other = set(chained_block_hashes([9, 9, 9, 9] + system[4:8], 4))
     cases = [
         (system + [7, 7], cached, "a prompt sharing 3 cached blocks"),
         (system + [1, 2, 3, 4], cached, "a prompt equal to a cached one (16 tokens)"),
@@ -113,7 +117,7 @@ def test_prefix_hit_tokens(submission: Submission) -> None:
         ([1, 2, 3], cached, "a prompt shorter than a block"),
     ]
     for tokens, hashes, what in cases:
-        expected = _hit_tokens(tokens, hashes, 4)
+        expected = cached_prefix_tokens(tokens, hashes, 4)
         got = prefix_hit_tokens(list(tokens), set(hashes), 4)
         assert got == expected, (
             f"{what}, {len(tokens)} tokens: expected {expected} cached tokens (whole blocks, each "

@@ -1,11 +1,11 @@
 """Chapter 12's graded questions: one scheduler step under a token budget, the preemption victims
 when blocks run out, and a new request's first step (prefix hit, chunk, blocks). Oracles: the
-rules of `kvlib.engine.scheduler` written out here, and chapter 7's BlockManager for the prefix
-hit (imported before the grader blocks it)."""
+rules of `kvlib.engine.scheduler` written out here, and chapter 7's prefix-hit oracle (its
+BlockManager, imported before the grader blocks it)."""
 
 from __future__ import annotations
 
-from kvlib.cache.block_pool import BlockManager, BlockPool, hash_block_tokens
+from kvlib.course.checks.ch07 import cached_prefix_tokens, chained_block_hashes
 from kvlib.course.grading import Submission, question
 
 _BLOCKED = ("kvlib.engine.scheduler.Scheduler",)
@@ -95,18 +95,8 @@ def test_preemption_victims(submission: Submission) -> None:
         )
 
 
-def _chain(tokens, block_size):
-    hashes, parent = [], None
-    for i in range(len(tokens) // block_size):
-        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size])
-        hashes.append(parent)
-    return hashes
-
-
 def _first_step(token_ids, cached, block_size, token_budget):
-    pool = BlockPool(1, block_size)
-    pool.cached_blocks = dict.fromkeys(cached, 0)
-    hit, _ = BlockManager(pool).num_cached_prefix_blocks(token_ids)
+    hit = cached_prefix_tokens(token_ids, cached, block_size)
     new = min(len(token_ids) - hit, token_budget)
     return hit, new, -(-(hit + new) // block_size) - hit // block_size
 
@@ -118,7 +108,7 @@ def _first_step(token_ids, cached, block_size, token_budget):
 def test_first_step(submission: Submission) -> None:
     first_step = submission.function("first_step")
     system = list(range(100, 116))  # a 16-token system prompt: four blocks of 4
-    cached = set(_chain(system + [1, 2, 3, 4], 4))  # an earlier request's five blocks
+    cached = set(chained_block_hashes(system + [1, 2, 3, 4], 4))  # an earlier request's five blocks
     cases = [
         (system + [7, 7, 7], 64, "a prompt behind the cached system prompt"),
         (system + [7] * 30, 8, "a long prompt chunked by the budget"),
