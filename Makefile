@@ -1,8 +1,10 @@
 # KV Cache from Scratch: set-up, tests and the book.
 #   make book   builds the HTML book into _build/html (warnings are errors)
-#   make test   lint, kvlib's unit tests, nbval on every notebook, and the grading tests
+#   make test   lint, kvlib's unit tests, nbval on every chapter notebook, and the grading tests
+#               (which execute and grade every solution notebook)
 # Both create .venv and install the pinned requirements first (once; again when they change).
-# CI (.ci/run) also runs `make nbval-portable`: nbval again under numerically different settings.
+# CI (.ci/run) also runs `make nbval-portable`: nbval again, on the chapters and the solutions'
+# stored outputs, under numerically different settings.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -40,8 +42,10 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not gpu" --ignore=tests/test_grading.py
 
+# The solutions' outputs are compared by nbval-portable (CI); `make test` grades them instead, which
+# executes each one question by question, so comparing them here too would run them twice.
 nbval: $(STAMP)
-	$(BIN)/python -m pytest $(NBVAL_FLAGS) $(NOTEBOOKS)
+	$(BIN)/python -m pytest $(NBVAL_FLAGS) notebooks
 
 nbval-portable: $(STAMP)
 	$(PORTABLE_ENV) $(BIN)/python -m pytest $(NBVAL_FLAGS) $(NOTEBOOKS)
