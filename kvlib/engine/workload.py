@@ -144,11 +144,11 @@ def engine_for(model, workload: Workload, config: str, **overrides) -> LLMEngine
         **options,
         **overrides,
     )
-    full = LLMEngine(model, num_blocks=workload.budget_blocks, **options)
     if "kv_scheme" not in options:
-        return full
+        return LLMEngine(model, num_blocks=workload.budget_blocks, **options)
     budget = workload.budget_blocks * LLMEngine(model, num_blocks=1).block_bytes
-    return LLMEngine(model, num_blocks=budget // full.block_bytes, **options)
+    per_block = LLMEngine(model, num_blocks=1, **options).block_bytes  # one block: just its bytes
+    return LLMEngine(model, num_blocks=budget // per_block, **options)
 
 
 def run_workload(engine: LLMEngine, requests: list[WorkloadRequest]) -> LLMEngine:
