@@ -2,6 +2,9 @@
 (marked `gpu`) compiled on a CUDA GPU with bf16 and large shapes."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -240,3 +243,68 @@ def test_shuffled_block_tables_give_each_sequence_distinct_blocks_of_the_pool():
         shuffled_block_tables([4, 0], block_size)
     with pytest.raises(ValueError, match="block_size"):
         shuffled_block_tables([4], 0)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK_TRITON = """
+import sys
+
+
+class BlockTriton:  # what a machine without Triton (macOS, native Windows) looks like
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
+sys.meta_path.insert(0, BlockTriton())
+"""
+
+
+def test_without_triton_the_reference_works_and_the_kernel_says_what_to_use():
+    code = BLOCK_TRITON + (
+        "import torch\n"
+        "import kvlib.cache, kvlib.engine, kvlib.quant, kvlib.course.bench\n"
+        "import kvlib.kernels as K\n"
+        "from kvlib import paged_decode_attention\n"
+        "from tests.test_kernels import make_paged_cache\n"
+        "assert not K.triton_available()\n"
+        "inputs = make_paged_cache([5, 20], 4, 2, 16, 16, torch.float32)\n"
+        "print('reference', tuple(K.paged_decode_attention_ref(*inputs).shape))\n"
+        "try:\n"
+        "    paged_decode_attention(*inputs)\n"
+        "except K.TritonUnavailableError as error:\n"
+        "    assert isinstance(error, ImportError)\n"
+        "    print('kernel:', error)\n"
+        "try:\n"
+        "    K._decode_split_kernel\n"
+        "except K.TritonUnavailableError:\n"
+        "    print('kernel source: unavailable')\n"
+        "assert 'triton' not in sys.modules\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "reference (2, 4, 16)"
+    assert lines[1].startswith("kernel: paged_decode_attention launches a Triton kernel")
+    for needed in ("No module named 'triton'", "Linux", "pip install triton", "_ref"):
+        assert needed in lines[1], needed
+    assert lines[2] == "kernel source: unavailable"
+
+
+def test_with_triton_importing_kvlib_kernels_still_sets_the_interpreter_without_cuda():
+    code = (
+        "import os, sys, torch, kvlib.kernels as K\n"
+        "assert 'triton' not in sys.modules\n"  # imported on first launch only
+        "print(K.triton_available(), K.INTERPRETED, os.environ.get('TRITON_INTERPRET'))\n"
+        "print(type(K._decode_split_kernel).__name__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    expected = "False None" if torch.cuda.is_available() else "True 1"
+    kernel_type = "JITFunction" if torch.cuda.is_available() else "InterpretedFunction"
+    assert result.stdout.splitlines() == [f"True {expected}", kernel_type]
