@@ -36,10 +36,15 @@ checks and `paged_decode_attention_ref` work, and `paged_decode_attention` raise
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
+
+from kvlib._validate import check_positive_int
+from kvlib.ops.launch import choose_num_splits
 
 if not torch.cuda.is_available():  # must happen before any @triton.jit decorator runs
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -100,9 +105,10 @@ def _next_power_of_2(n: int) -> int:
 
 
 def _check_inputs(
-    q, k_cache, v_cache, block_tables, seq_lens, validate: bool, k_scale=None, v_scale=None
+    q, k_cache, v_cache, block_tables, seq_lens, k_scale=None, v_scale=None
 ) -> tuple[int, int, int, int]:
-    """Validate before launch; returns (B, H, H_kv, D)."""
+    """Check shapes, dtypes, devices and strides (metadata: no host sync); returns
+    (B, H, H_kv, D)."""
     for name, tensor in (
         ("q", q),
         ("k_cache", k_cache),
@@ -121,6 +127,8 @@ def _check_inputs(
         )
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if batch < 1:
+        raise ValueError(f"q: expected at least one sequence, got shape {tuple(q.shape)}")
     if cache_dim != head_dim:
         raise ValueError(f"k_cache: expected head dim D = {head_dim} (from q), got {cache_dim}")
     if num_heads % num_kv_heads:
@@ -168,26 +176,32 @@ def _check_inputs(
             f"k_cache, v_cache: expected the same strides, got {k_cache.stride()} and "
             f"{v_cache.stride()}"
         )
-    if validate:  # one host sync for all value checks
-        capacity = block_tables.shape[1] * block_size
-        lengths_ok, blocks_low, blocks_high = torch.stack(
-            [
-                ((seq_lens >= 1) & (seq_lens <= capacity)).all(),
-                (block_tables >= 0).all() | (block_tables.numel() == 0),
-                (block_tables < num_blocks).all() | (block_tables.numel() == 0),
-            ]
-        ).tolist()
-        if not lengths_ok:
-            raise ValueError(
-                f"seq_lens: expected every length in [1, {capacity}] (block table capacity), got "
-                f"{seq_lens.tolist()}"
-            )
-        if not (blocks_low and blocks_high):
-            raise ValueError(
-                f"block_tables: expected block ids in [0, {num_blocks}), got min "
-                f"{int(block_tables.min())}, max {int(block_tables.max())}"
-            )
     return batch, num_heads, num_kv_heads, head_dim
+
+
+def _check_values(block_tables, seq_lens, num_blocks: int, block_size: int) -> int:
+    """Check lengths and block ids on their device with one host sync; returns the longest
+    length (so that choosing a split count costs no second sync)."""
+    capacity = block_tables.shape[1] * block_size
+    lengths_ok, blocks_low, blocks_high, longest = torch.stack(
+        [
+            ((seq_lens >= 1) & (seq_lens <= capacity)).all().long(),
+            (block_tables >= 0).all().long(),  # True for an empty table
+            (block_tables < num_blocks).all().long(),
+            seq_lens.max().long(),
+        ]
+    ).tolist()  # the one sync
+    if not lengths_ok:
+        raise ValueError(
+            f"seq_lens: expected every length in [1, {capacity}] (block table capacity), got "
+            f"{seq_lens.tolist()}"
+        )
+    if not (blocks_low and blocks_high):
+        raise ValueError(
+            f"block_tables: expected block ids in [0, {num_blocks}), got min "
+            f"{int(block_tables.min())}, max {int(block_tables.max())}"
+        )
+    return longest
 
 
 def _check_scales(q, k_cache, v_cache, k_scale, v_scale) -> None:
@@ -227,68 +241,125 @@ def _check_scales(q, k_cache, v_cache, k_scale, v_scale) -> None:
 GPU_LAUNCH = {"block_n": 32, "num_warps": 4, "num_stages": 3}
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device, queried once per device."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def default_num_splits(
     batch_size: int, num_kv_heads: int, max_seq_len: int, device: torch.device
 ) -> int:
-    """Split count that fills the device's SMs (`ops.launch.choose_num_splits`); 1 on CPU."""
-    from kvlib.ops.launch import choose_num_splits
-
+    """Split count that fills the device's SMs (`ops.launch.choose_num_splits`); 1 on CPU. The SM
+    count is queried once per device and cached."""
+    device = torch.device(device)
     if device.type != "cuda":
         return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return choose_num_splits(batch_size, num_kv_heads, max_seq_len, num_sms=num_sms)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return choose_num_splits(batch_size, num_kv_heads, max_seq_len, num_sms=_num_sms(index))
 
 
-def paged_decode_attention(
-    q,
-    k_cache,
-    v_cache,
-    block_tables,
-    seq_lens,
-    *,
-    scale=None,
-    num_splits=None,
-    validate=True,
-    block_n=None,
-    num_warps=None,
-    num_stages=None,
-    k_scale=None,
-    v_scale=None,
-):
-    """Decode attention over a paged KV cache (one new query per sequence and head).
+class DecodeWorkspace(NamedTuple):
+    """Scratch buffers of the split kernel, which a caller may allocate once and pass to every
+    call (`paged_decode_attention(..., workspace=ws)`): one partial output and one log2-sum-exp2
+    per (sequence, query head, split), in fp32. Any batch up to `max_batch` and split count up to
+    `max_splits` fits (the kernel addresses them by strides; nothing is sliced or copied)."""
 
-    Args:
-        q: (B, H, D) float32 / float16 / bfloat16.
-        k_cache, v_cache: (num_blocks, block_size, H_kv, D), q's dtype, the same strides; block_size
-            a power of two. With scales: int8, float8_e4m3fn or float8_e5m2 codes.
-        block_tables: (B, max_blocks_per_seq) int32; row b lists sequence b's physical blocks.
-        seq_lens: (B,) int32, each in [1, max_blocks_per_seq * block_size].
-        scale: softmax scale, default D ** -0.5.
-        num_splits: split-K factor; default fills the GPU's SMs (`default_num_splits`).
-        validate: check lengths and block ids on the device first (one host sync).
-        block_n: tokens per tile: a power of two >= 16 and a multiple of block_size; default
-            max(block_size, 32) on a GPU (`GPU_LAUNCH`), max(block_size, 64) in the interpreter.
-        num_warps, num_stages: Triton launch options of the split kernel; default `GPU_LAUNCH`'s
-            on a GPU (the interpreter ignores them).
-        k_scale, v_scale: (num_blocks, block_size, H_kv) float16/float32, contiguous: a quantized
-            cache's per-token symmetric scales (`x = scale · code`), both or neither.
-    Returns:
-        (B, H, D) in q's dtype; accumulation in fp32.
-    Raises:
-        TypeError, ValueError: inputs that disagree in shape, dtype or device, H not a multiple
-        of H_kv, lengths beyond the block table, block ids outside the cache.
-    """
-    batch, num_heads, num_kv_heads, head_dim = _check_inputs(
-        q, k_cache, v_cache, block_tables, seq_lens, validate, k_scale, v_scale
+    partial_out: torch.Tensor  # (max_batch, H, max_splits, D) float32
+    partial_lse: torch.Tensor  # (max_batch, H, max_splits) float32
+
+    @classmethod
+    def allocate(
+        cls, max_batch: int, num_heads: int, head_dim: int, *, max_splits: int = 64, device="cpu"
+    ) -> DecodeWorkspace:
+        """Uninitialised buffers for batches of up to `max_batch` sequences of `num_heads` query
+        heads of width `head_dim`, and up to `max_splits` splits (`choose_num_splits`'s cap is
+        64)."""
+        for name, value in (
+            ("max_batch", max_batch),
+            ("num_heads", num_heads),
+            ("head_dim", head_dim),
+            ("max_splits", max_splits),
+        ):
+            check_positive_int(name, value)
+        return cls(
+            torch.empty(
+                max_batch, num_heads, max_splits, head_dim, dtype=torch.float32, device=device
+            ),
+            torch.empty(max_batch, num_heads, max_splits, dtype=torch.float32, device=device),
+        )
+
+
+class _Plan(NamedTuple):
+    """What a launch derives from its inputs' metadata alone, checked and computed once per
+    distinct metadata (`_PLANS`)."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    block_size: int
+    quantized: bool
+    qk_scale: float  # the default scale D**-0.5, times log2(e)
+    fixed_strides: tuple  # q, cache, scale and block-table strides, in the kernel's order
+    workspace_splits: int  # splits the caller's workspace holds (0: none given)
+    workspace_strides: tuple  # its partial_out and partial_lse strides (() without one)
+    split_options: dict  # constexprs and launch options of the split kernel
+    reduce_options: dict  # constexprs of the reduce kernel (BLOCK_S comes per call)
+
+
+_PLANS: dict = {}  # metadata key -> _Plan; bounded by _MAX_PLANS
+_MAX_PLANS = 256
+_KERNELS = None  # kvlib.ops.triton_decode, once imported
+
+
+def _metadata(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _plan(
+    q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, workspace, launch
+) -> _Plan:
+    """The launch plan of these inputs: from the cache when the same metadata (shapes, strides,
+    dtypes, devices) and launch options were seen before, else checked (`_check_inputs`) and
+    computed."""
+    try:
+        key = (
+            _metadata(q),
+            _metadata(k_cache),
+            _metadata(v_cache),
+            _metadata(block_tables),
+            _metadata(seq_lens),
+            _metadata(k_scale),
+            _metadata(v_scale),
+            _metadata(out),
+            None if workspace is None else (type(workspace), *map(_metadata, workspace)),
+            launch,
+        )
+        plan = _PLANS.get(key)
+    except (AttributeError, TypeError):  # not tensors: _check_inputs says which
+        key = plan = None
+    if plan is not None:
+        return plan
+    plan = _make_plan(
+        q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, workspace, launch
     )
-    block_size = k_cache.shape[1]
-    group_size = num_heads // num_kv_heads
-    quantized = k_scale is not None
-    scale = head_dim**-0.5 if scale is None else float(scale)
-    if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, int(seq_lens.max()), q.device)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits: expected an int >= 1, got {num_splits!r}")
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _make_plan(
+    q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, workspace, launch
+) -> _Plan:
+    batch, num_heads, num_kv_heads, head_dim = _check_inputs(
+        q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale
+    )
+    num_blocks, block_size = k_cache.shape[:2]
+    block_n, num_warps, num_stages = launch
     on_gpu = q.device.type == "cuda" and not INTERPRETED
     if block_n is None:
         block_n = max(block_size, GPU_LAUNCH["block_n"] if on_gpu else 64)
@@ -306,45 +377,50 @@ def paged_decode_attention(
             f"block_n: expected a power of two >= 16 and a multiple of block_size {block_size}, "
             f"got {block_n!r}"
         )
-
-    partial_out = torch.empty(
-        batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
-    )
-    partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+        if (out.shape, out.dtype, out.device) != (q.shape, q.dtype, q.device) or (
+            out.stride(-1) != 1
+        ):
+            raise ValueError(
+                f"out: expected a {tuple(q.shape)} {q.dtype} tensor on {q.device} with a "
+                f"contiguous last dimension, got {tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+    workspace_splits, workspace_strides = 0, ()
+    if workspace is not None:
+        if not isinstance(workspace, DecodeWorkspace):
+            raise TypeError(
+                f"workspace: expected a DecodeWorkspace, got {type(workspace).__name__}"
+            )
+        partial_out, partial_lse = workspace
+        if (
+            partial_out.dim() != 4
+            or partial_lse.shape != partial_out.shape[:3]
+            or partial_out.shape[0] < batch
+            or tuple(partial_out.shape[1:4:2]) != (num_heads, head_dim)
+            or {partial_out.dtype, partial_lse.dtype} != {torch.float32}
+            or {partial_out.device, partial_lse.device} != {q.device}
+            or partial_out.stride(-1) != 1
+            or partial_lse.stride(-1) != 1
+        ):
+            raise ValueError(
+                f"workspace: expected float32 buffers on {q.device} for at least {batch} "
+                f"sequences, {num_heads} heads and D = {head_dim} "
+                f"(DecodeWorkspace.allocate), got {tuple(partial_out.shape)} and "
+                f"{tuple(partial_lse.shape)}"
+            )
+        workspace_splits = partial_out.shape[2]
+        workspace_strides = (*partial_out.stride()[:3], *partial_lse.stride()[:2])
+    quantized = k_scale is not None
     # tl.dot's K dimension on a GPU is >= 16; masks cover the padding
     block_d = max(16, _next_power_of_2(head_dim))
     compute_fp32 = INTERPRETED or q.dtype == torch.float32
-    kernels = _triton_kernels()  # raises TritonUnavailableError where Triton is missing
-    kernels._decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        k_scale if quantized else k_cache,  # unused pointers when not quantized
-        v_scale if quantized else v_cache,
-        block_tables,
-        seq_lens,
-        partial_out,
-        partial_lse,
-        scale * LOG2_E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        k_scale.stride(0) if quantized else 0,
-        k_scale.stride(1) if quantized else 0,
-        block_tables.stride(0),
-        partial_out.stride(0),
-        partial_out.stride(1),
-        partial_out.stride(2),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
-        num_splits,
-        GROUP_SIZE=group_size,
+    split_options = dict(
+        GROUP_SIZE=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, _next_power_of_2(group_size)),
+        BLOCK_G=max(16, _next_power_of_2(num_heads // num_kv_heads)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         COMPUTE_FP32=compute_fp32,
@@ -352,29 +428,174 @@ def paged_decode_attention(
         # (For bf16/fp16 inputs "tf32" is the default and changes nothing.)
         DOT_PRECISION="ieee" if compute_fp32 else "tf32",
         QUANTIZED=quantized,
-        **{
-            option: value
-            for option, value in (("num_warps", num_warps), ("num_stages", num_stages))
-            if value is not None
-        },
     )
-    kernels._reduce_splits_kernel[(batch, num_heads)](
+    if num_warps is not None:
+        split_options["num_warps"] = num_warps
+    if num_stages is not None:
+        split_options["num_stages"] = num_stages
+    return _Plan(
+        batch=batch,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        quantized=quantized,
+        qk_scale=head_dim**-0.5 * LOG2_E,
+        fixed_strides=(
+            q.stride(0),
+            q.stride(1),
+            *k_cache.stride()[:3],
+            *(k_scale.stride()[:2] if quantized else (0, 0)),
+            block_tables.stride(0),
+        ),
+        workspace_splits=workspace_splits,
+        workspace_strides=workspace_strides,
+        split_options=split_options,
+        reduce_options=dict(HEAD_DIM=head_dim, BLOCK_D=block_d),
+    )
+
+
+def paged_decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    *,
+    scale=None,
+    num_splits=None,
+    max_seq_len=None,
+    validate=True,
+    block_n=None,
+    num_warps=None,
+    num_stages=None,
+    k_scale=None,
+    v_scale=None,
+    out=None,
+    workspace=None,
+):
+    """Decode attention over a paged KV cache (one new query per sequence and head).
+
+    Args:
+        q: (B, H, D) float32 / float16 / bfloat16.
+        k_cache, v_cache: (num_blocks, block_size, H_kv, D), q's dtype, the same strides; block_size
+            a power of two. With scales: int8, float8_e4m3fn or float8_e5m2 codes.
+        block_tables: (B, max_blocks_per_seq) int32; row b lists sequence b's physical blocks.
+        seq_lens: (B,) int32, each in [1, max_blocks_per_seq * block_size].
+        scale: softmax scale (a Python number), default D ** -0.5.
+        num_splits: split-K factor; default fills the GPU's SMs (`default_num_splits`), from
+            `max_seq_len`.
+        max_seq_len: the longest length in `seq_lens`, when the caller knows it on the host (an
+            engine does); it only chooses the default split count, the kernel reads the lengths
+            from `seq_lens`. Without it (and without `num_splits`), the count needs
+            `seq_lens.max()` on the host.
+        validate: check lengths and block ids on the device first. That costs one blocking
+            device-to-host copy per call: on a GPU the host waits for all queued work, so the
+            next launches cannot be queued behind the running ones, and a CUDA graph cannot
+            capture the call. It is the default because a wrong length or block id would
+            otherwise read another sequence's memory silently.
+        block_n: tokens per tile: a power of two >= 16 and a multiple of block_size; default
+            max(block_size, 32) on a GPU (`GPU_LAUNCH`), max(block_size, 64) in the interpreter.
+        num_warps, num_stages: Triton launch options of the split kernel; default `GPU_LAUNCH`'s
+            on a GPU (the interpreter ignores them).
+        k_scale, v_scale: (num_blocks, block_size, H_kv) float16/float32, contiguous: a quantized
+            cache's per-token symmetric scales (`x = scale · code`), both or neither.
+        out: a (B, H, D) tensor of q's dtype to write the result into (else one is allocated).
+        workspace: a `DecodeWorkspace` of at least B sequences and `num_splits` splits (else its
+            two buffers are allocated per call).
+    Returns:
+        (B, H, D) in q's dtype (`out` if given); accumulation in fp32.
+    Raises:
+        TypeError, ValueError: inputs that disagree in shape, dtype or device, H not a multiple
+        of H_kv, lengths beyond the block table, block ids outside the cache (with `validate`).
+        TritonUnavailableError: Triton cannot be imported here (use `paged_decode_attention_ref`).
+
+    The hot path, `validate=False` with `num_splits` (or `max_seq_len`) given, makes no host
+    sync: shapes and strides are checked once per distinct metadata and the launch plan cached
+    (`_PLANS`), the SM count is cached, and with `out` and `workspace` nothing is allocated.
+    """
+    plan = _plan(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        k_scale,
+        v_scale,
+        out,
+        workspace,
+        (block_n, num_warps, num_stages),
+    )
+    longest = (
+        _check_values(block_tables, seq_lens, plan.num_blocks, plan.block_size)
+        if validate
+        else None
+    )
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max()) if longest is None else longest  # a host sync
+        num_splits = default_num_splits(plan.batch, plan.num_kv_heads, max_seq_len, q.device)
+    elif not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits: expected an int >= 1, got {num_splits!r}")
+    if workspace is None:
+        shape = (plan.batch, plan.num_heads, num_splits)
+        partial_out = torch.empty(*shape, plan.head_dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
+        head_stride = num_splits * plan.head_dim
+        partial_strides = (
+            plan.num_heads * head_stride,
+            head_stride,
+            plan.head_dim,
+            plan.num_heads * num_splits,
+            num_splits,
+        )
+    else:
+        if num_splits > plan.workspace_splits:
+            raise ValueError(
+                f"workspace: holds {plan.workspace_splits} splits, num_splits is {num_splits}"
+            )
+        partial_out, partial_lse = workspace
+        partial_strides = plan.workspace_strides
+    if out is None:
+        out = torch.empty_like(q)
+    kernels = _KERNELS or _load_kernels()
+    qk_scale = plan.qk_scale if scale is None else float(scale) * LOG2_E
+    kernels._decode_split_kernel[(plan.batch, plan.num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        k_scale if plan.quantized else k_cache,  # unused pointers when not quantized
+        v_scale if plan.quantized else v_cache,
+        block_tables,
+        seq_lens,
+        partial_out,
+        partial_lse,
+        qk_scale,
+        *plan.fixed_strides,
+        *partial_strides,
+        num_splits,
+        **plan.split_options,
+    )
+    kernels._reduce_splits_kernel[(plan.batch, plan.num_heads)](
         partial_out,
         partial_lse,
         out,
-        partial_out.stride(0),
-        partial_out.stride(1),
-        partial_out.stride(2),
-        partial_lse.stride(0),
-        partial_lse.stride(1),
+        *partial_strides,
         out.stride(0),
         out.stride(1),
         num_splits,
-        HEAD_DIM=head_dim,
         BLOCK_S=_next_power_of_2(num_splits),
-        BLOCK_D=block_d,
+        **plan.reduce_options,
     )
     return out
+
+
+def _load_kernels():
+    """Import the kernels once (`_triton_kernels`) and keep them for the next calls."""
+    global _KERNELS
+    _KERNELS = _triton_kernels()
+    return _KERNELS
 
 
 def paged_decode_attention_ref(
@@ -398,8 +619,10 @@ def paged_decode_attention_ref(
     Returns (B, H, D) in q's dtype.
     """
     batch, num_heads, num_kv_heads, head_dim = _check_inputs(
-        q, k_cache, v_cache, block_tables, seq_lens, validate, k_scale, v_scale
+        q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale
     )
+    if validate:
+        _check_values(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
     if k_scale is not None:
         k_cache = k_cache.float() * k_scale.float()[..., None]
         v_cache = v_cache.float() * v_scale.float()[..., None]

@@ -9,11 +9,13 @@ Determinism). GPU benchmarks use
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -298,7 +300,9 @@ def decode_benchmark(
     """Time `paged_decode_attention` and SDPA on every case that fits; write and return the rows.
 
     Each case: bf16, D = 128, block size 16, shuffled block tables. Time: `triton.testing.do_bench`
-    median (it clears the L2 cache before each run). GB/s: `kv_bytes_read` / time.
+    median (it clears the L2 cache before each run). GB/s: `kv_bytes_read` / time, the bytes of the
+    sequences' own tokens for both contenders (`bytes_read`); `bytes_loaded` is what each loads:
+    SDPA's contiguous cache of a ragged batch is padded to its longest sequence.
     """
     import datetime
     import functools
@@ -307,7 +311,7 @@ def decode_benchmark(
     from tqdm import tqdm
     from triton.testing import do_bench
 
-    from kvlib.kernels import default_num_splits, paged_decode_attention
+    from kvlib.kernels import DecodeWorkspace, default_num_splits, paged_decode_attention
 
     facts = _device_facts()
     copy_gbps = copy_bandwidth_gbps()
@@ -325,11 +329,19 @@ def decode_benchmark(
         num_splits = default_num_splits(len(lengths), case["num_kv_heads"], max(lengths), q.device)
         # validates once
         paged_decode_attention(*inputs, num_splits=num_splits)
-        paged = functools.partial(
+        paged = functools.partial(  # the hot path: no sync, no allocation
             paged_decode_attention,
             *inputs,
             num_splits=num_splits,
             validate=False,
+            out=torch.empty_like(q),
+            workspace=DecodeWorkspace.allocate(
+                len(lengths),
+                case["num_heads"],
+                case["head_dim"],
+                max_splits=num_splits,
+                device="cuda",
+            ),
         )  # binds the tensors now, so the `del` below frees them once timed
         timings = {
             "triton_paged": (
@@ -371,6 +383,13 @@ def decode_benchmark(
                     "mean_len": round(float(np.mean(lengths)), 1),
                     "time_us": round(time_ms * 1e3, 2),
                     "bytes_read": case["cache_bytes"],
+                    "bytes_loaded": (
+                        case["cache_bytes"]
+                        if kernel == "triton_paged"
+                        else kv_bytes_read(
+                            [max(lengths)] * len(lengths), case["num_kv_heads"], case["head_dim"], 2
+                        )
+                    ),
                     "gbps": round(gbps, 1),
                     "pct_of_peak": round(100 * gbps / facts["peak_gbps"], 1),
                     "copy_gbps": round(copy_gbps, 1),
@@ -379,6 +398,78 @@ def decode_benchmark(
             )
         torch.cuda.empty_cache()
     return _write_rows(out_csv, rows)
+
+
+class _FakeLaunch:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **options)` does nothing, so a
+    CPU timer sees only the wrapper's own Python path."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: None
+
+
+def decode_host_time_us(
+    device: str = "cpu",
+    *,
+    fake_launch: bool = False,
+    calls: int = 1000,
+    rounds: int = 5,
+    validate: bool = False,
+    preallocated: bool = True,
+) -> float:
+    """Host time of one `paged_decode_attention` call on the hot path, in µs: the least over
+    `rounds` of a CPU timer around `calls` calls, divided by `calls` (issue 36's measure).
+
+    The hot path: `validate=False`, `num_splits` given, and (`preallocated`) the caller's `out`
+    and `DecodeWorkspace`. The shape is a small decode step (batch 1, 32/8 heads, D = 128, 16
+    tokens), so that on a GPU each call's kernels take less time than its host path and the
+    timer measures the host. On a GPU the device is synchronized before and after each round,
+    never inside it. `fake_launch` replaces the two Triton launches with no-ops: what remains is
+    the wrapper's own Python (checks, plan cache, allocations), which a CPU can measure.
+    """
+    import torch
+
+    import kvlib.kernels as kernels
+
+    calls = check_positive_int("calls", calls)
+    rounds = check_positive_int("rounds", rounds)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 32, 128, generator=generator).to(device, torch.bfloat16)
+    k_cache = torch.randn(4, 16, 8, 128, generator=generator).to(device, torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.tensor([[2, 0]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([16], dtype=torch.int32, device=device)
+    options = dict(validate=validate, num_splits=1)
+    if preallocated:
+        options["out"] = torch.empty_like(q)
+        options["workspace"] = kernels.DecodeWorkspace.allocate(1, 32, 128, device=device)
+    saved = kernels._KERNELS
+    if fake_launch:
+        kernels._KERNELS = SimpleNamespace(
+            _decode_split_kernel=_FakeLaunch(), _reduce_splits_kernel=_FakeLaunch()
+        )
+    try:
+
+        def call():
+            kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, **options)
+
+        def synchronize():
+            if q.device.type == "cuda":
+                torch.cuda.synchronize()
+
+        for _ in range(min(calls, 100)):  # compile, fill the plan cache, warm up
+            call()
+        best = float("inf")
+        for _ in range(rounds):
+            synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            best = min(best, time.perf_counter() - start)
+            synchronize()
+    finally:
+        kernels._KERNELS = saved
+    return best / calls * 1e6
 
 
 TUNE_SHAPES = [  # (batch, H, H_kv, context): few, many and very many (sequence, KV head) pairs
@@ -403,7 +494,7 @@ def tune_decode(out_csv: str) -> list[dict]:
     from tqdm import tqdm
     from triton.testing import do_bench
 
-    from kvlib.kernels import paged_decode_attention
+    from kvlib.kernels import DecodeWorkspace, paged_decode_attention
 
     facts = {**_device_facts(), "date": datetime.date.today().isoformat()}
     copy_gbps = copy_bandwidth_gbps()
@@ -414,6 +505,8 @@ def tune_decode(out_csv: str) -> list[dict]:
         lengths = [context] * batch
         inputs = paged_decode_inputs(lengths, num_heads, num_kv_heads, 128, 16)
         cache_bytes = kv_bytes_read(lengths, num_kv_heads, 128, 2)
+        out = torch.empty_like(inputs[0])
+        workspace = DecodeWorkspace.allocate(batch, num_heads, 128, device="cuda")  # 64 splits
         for num_splits, block_n, num_warps, num_stages in grid:
             run = functools.partial(
                 paged_decode_attention,
@@ -423,6 +516,8 @@ def tune_decode(out_csv: str) -> list[dict]:
                 num_warps=num_warps,
                 num_stages=num_stages,
                 validate=False,
+                out=out,
+                workspace=workspace,
             )
             time_ms = do_bench(run, warmup=10, rep=40, return_mode="median")
             gbps = cache_bytes / (time_ms * 1e-3) / 1e9
@@ -443,13 +538,154 @@ def tune_decode(out_csv: str) -> list[dict]:
                     "pct_of_copy": round(100 * gbps / copy_gbps, 1),
                 }
             )
-        del inputs, run
+        del inputs, run, out, workspace
         torch.cuda.empty_cache()
     return _write_rows(out_csv, rows)
 
 
+# --- A/B of the kernel at two commits: `python -m kvlib.course.bench ab --base e40ecea` ---------
+
+# (batch, H, H_kv, context), uniform: issue 36's regressed shapes and its missed targets
+AB_SHAPES = [
+    (1, 32, 8, 4096),
+    (1, 32, 8, 65536),
+    (1, 32, 4, 65536),
+    (8, 32, 8, 16384),
+    (8, 32, 8, 32768),
+    (8, 32, 4, 16384),
+    (8, 32, 32, 32768),
+    (64, 32, 8, 16384),
+]
+
+
+def load_kernels_at(rev: str, workdir: str):
+    """`kvlib/kernels.py` as of git revision `rev`, imported as its own module (`kernels_<rev>`)
+    from a detached `git worktree` under `workdir` (the caller removes it with
+    `remove_worktree`). Its own `kvlib.*` imports resolve to the current package, so pass
+    `num_splits` explicitly (old versions chose it through modules since moved)."""
+    import importlib.util
+    import subprocess
+
+    root = subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    tree = os.path.join(workdir, f"kvlib-{rev}")
+    subprocess.run(
+        ["git", "-C", root, "worktree", "add", "--detach", tree, rev],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    spec = importlib.util.spec_from_file_location(
+        f"kernels_{rev}", os.path.join(tree, "kvlib", "kernels.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # @triton.jit reads the source through inspect
+    spec.loader.exec_module(module)
+    module.WORKTREE = tree
+    return module
+
+
+def remove_worktree(module) -> None:
+    """Remove the worktree `load_kernels_at` made for `module`."""
+    import subprocess
+
+    subprocess.run(
+        ["git", "worktree", "remove", "--force", module.WORKTREE], capture_output=True, text=True
+    )
+
+
+def ab_decode(out_csv: str, base: str = "e40ecea", *, rounds: int = 5) -> list[dict]:
+    """The kernel at `base` against the working tree's, interleaved on one GPU in one run, with
+    the same inputs and the same split counts (the working tree's `default_num_splits`).
+
+    Per shape, version and round: GPU time from CUDA-graph replay
+    (`triton.testing.do_bench_cudagraph`: no host cost), `do_bench`'s time (what
+    `results/decode_bench.csv` recorded), and host time (a CPU timer over 1,000 calls of
+    `validate=False` with `num_splits` given, the device synchronized only around them). Rows
+    hold each round's numbers; compare medians. Outputs of the two versions are checked equal
+    first (bf16 tolerance).
+    """
+    import datetime
+    import subprocess
+    import tempfile
+
+    import torch
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    import kvlib.kernels as head
+    from kvlib.testing import assert_close
+
+    facts = {**_device_facts(), "date": datetime.date.today().isoformat()}
+    head_rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
+    head_label = head_rev + ("+dirty" if dirty.stdout.strip() else "")
+    copy_gbps = copy_bandwidth_gbps()
+    rows = []
+    with tempfile.TemporaryDirectory() as workdir:
+        old = load_kernels_at(base, workdir)
+        try:
+            for batch, num_heads, num_kv_heads, context in AB_SHAPES:
+                lengths = [context] * batch
+                inputs = paged_decode_inputs(lengths, num_heads, num_kv_heads, 128, 16)
+                num_splits = head.default_num_splits(batch, num_kv_heads, context, "cuda")
+                cache_bytes = kv_bytes_read(lengths, num_kv_heads, 128, 2)
+                versions = {
+                    base: functools.partial(
+                        old.paged_decode_attention, *inputs, num_splits=num_splits, validate=False
+                    ),
+                    head_label: functools.partial(
+                        head.paged_decode_attention, *inputs, num_splits=num_splits, validate=False
+                    ),
+                }
+                assert_close(
+                    versions[head_label](),
+                    versions[base](),
+                    name=f"{head_label} vs {base}",
+                    rtol=2e-2,
+                    atol=2e-2,
+                )
+                for round_ in range(rounds):
+                    for version, fn in versions.items():
+                        graph_ms = do_bench_cudagraph(fn, rep=50, return_mode="median")
+                        bench_ms = do_bench(fn, warmup=10, rep=50, return_mode="median")
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        for _ in range(1000):
+                            fn()
+                        host_us = (time.perf_counter() - start) * 1e3  # per call: / 1000
+                        torch.cuda.synchronize()
+                        rows.append(
+                            {
+                                **facts,
+                                "version": version,
+                                "round": round_,
+                                "batch": batch,
+                                "heads_q": num_heads,
+                                "heads_kv": num_kv_heads,
+                                "context": context,
+                                "num_splits": num_splits,
+                                "graph_us": round(graph_ms * 1e3, 2),
+                                "do_bench_us": round(bench_ms * 1e3, 2),
+                                "host_us": round(host_us, 2),
+                                "graph_pct_of_copy": round(
+                                    100 * cache_bytes / (graph_ms * 1e-3) / 1e9 / copy_gbps, 1
+                                ),
+                                "copy_gbps": round(copy_gbps, 1),
+                            }
+                        )
+                del inputs, versions
+                torch.cuda.empty_cache()
+        finally:
+            remove_worktree(old)
+    return _write_rows(out_csv, rows)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvlib.course.bench decode [--out CSV] [--quick] [--dry-run]`."""
+    """`python -m kvlib.course.bench decode [--out CSV] [--quick] [--dry-run]`, `tune [--out CSV]`,
+    `ab [--base REV] [--out CSV]`, `host [--calls N]`."""
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -472,7 +708,45 @@ def main(argv: list[str] | None = None) -> int:
     )
     tune = sub.add_parser("tune", help="sweep the kernel's launch options on a few shapes")
     tune.add_argument("--out", default="results/decode_tuning.csv", help="CSV to write")
+    ab = sub.add_parser("ab", help="the kernel at a base commit against the working tree's")
+    ab.add_argument("--base", default="e40ecea", help="git revision to compare against")
+    ab.add_argument("--out", default="decode_ab.csv", help="CSV to write (every round's numbers)")
+    host = sub.add_parser(
+        "host", help="host time of one hot call (a fake launch on a CPU, real on a GPU)"
+    )
+    host.add_argument("--calls", type=int, default=1000)
     args = parser.parse_args(argv)
+    if args.benchmark == "host":
+        import torch
+
+        fake = decode_host_time_us("cpu", fake_launch=True, calls=args.calls)
+        print(f"wrapper's Python path, launches faked, CPU: {fake:.1f} us per call")
+        if torch.cuda.is_available():
+            real = decode_host_time_us("cuda", calls=args.calls)
+            print(f"host time per call on {torch.cuda.get_device_name()}: {real:.1f} us")
+        return 0
+    if args.benchmark == "ab":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("ab needs a CUDA GPU")
+        rows = ab_decode(args.out, args.base)
+        for version in dict.fromkeys(r["version"] for r in rows):
+            print(version)
+            for shape in dict.fromkeys(AB_SHAPES):
+                mine = [
+                    r
+                    for r in rows
+                    if r["version"] == version
+                    and (r["batch"], r["heads_q"], r["heads_kv"], r["context"]) == shape
+                ]
+                median = {
+                    key: float(np.median([r[key] for r in mine]))
+                    for key in ("graph_us", "do_bench_us", "host_us", "graph_pct_of_copy")
+                }
+                print(f"  {shape}: " + ", ".join(f"{k} {v:.1f}" for k, v in median.items()))
+        print(f"wrote {len(rows)} rows to {args.out}")
+        return 0
     if args.benchmark == "tune":
         import pathlib
 

@@ -26,6 +26,7 @@ depend on which others share its steps.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -33,7 +34,15 @@ from kvlib.cache.block_pool import BlockManager
 from kvlib.cache.paged import PagedCache, PagedKV
 from kvlib.engine.request import Request, SamplingParams
 
-__all__ = ["BatchKV", "ModelInput", "ModelRunner", "prepare_inputs", "sample"]
+__all__ = [
+    "BatchKV",
+    "KernelBatchKV",
+    "ModelInput",
+    "ModelRunner",
+    "kernel_supports",
+    "prepare_inputs",
+    "sample",
+]
 
 
 @dataclasses.dataclass
@@ -50,6 +59,7 @@ class ModelInput:
     block_tables: torch.Tensor  # (n, max_blocks) int64; 0 past a sequence's last block
     sample_indices: torch.Tensor  # (m,) int64
     sample_requests: list[Request]
+    query_lens: list[int] | None = None  # (n,) on the host: new tokens per sequence
 
 
 def prepare_inputs(
@@ -87,6 +97,7 @@ def prepare_inputs(
         block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
         sample_indices=tensor(sample_indices),
         sample_requests=sample_requests,
+        query_lens=[num_new for _, num_new in scheduled],
     )
 
 
@@ -139,6 +150,140 @@ class BatchKV:
         """Nothing to commit: the scheduler already counted the tokens."""
 
 
+def _subset(batch: ModelInput, seqs: list[int]) -> ModelInput:
+    """The rows and metadata of sequences `seqs` of `batch` (no sampling)."""
+    device = batch.input_ids.device
+    starts = batch.query_start_loc.tolist()
+    rows = torch.tensor(
+        [r for i in seqs for r in range(starts[i], starts[i + 1])], dtype=torch.int64, device=device
+    )
+    lens = [starts[i + 1] - starts[i] for i in seqs]
+    index = torch.tensor(seqs, dtype=torch.int64, device=device)
+    return ModelInput(
+        input_ids=batch.input_ids[rows],
+        positions=batch.positions[rows],
+        slot_mapping=batch.slot_mapping[rows],
+        query_start_loc=torch.tensor(
+            [0, *itertools.accumulate(lens)], dtype=torch.int64, device=device
+        ),
+        seq_lens=batch.seq_lens[index],
+        block_tables=batch.block_tables[index],
+        sample_indices=rows[:0],
+        sample_requests=[],
+        query_lens=lens,
+    )
+
+
+def kernel_supports(storage: PagedCache, dtype: torch.dtype) -> bool:
+    """Whether `paged_decode_attention` can read `storage`'s pools for queries of `dtype`: a
+    `PagedCache` of that dtype, or a `QuantizedPagedCache` of int8/fp8 codes with one symmetric
+    float16/float32 scale per token and KV head (no channel groups, no zero points)."""
+    from kvlib.cache.quantized import QuantizedPagedCache
+    from kvlib.kernels import QUANTIZED_DTYPES, SUPPORTED_DTYPES
+
+    if dtype not in SUPPORTED_DTYPES:
+        return False
+    if type(storage) is PagedCache:
+        return storage.key_cache[0].dtype == dtype
+    if type(storage) is QuantizedPagedCache:
+        return (
+            storage.key_zero is None
+            and storage.value_zero is None
+            and all(
+                codes[0].dtype in QUANTIZED_DTYPES
+                and codes[0].shape[-1] == storage.head_dim
+                and scale[0].shape[-1] == 1
+                and scale[0].dtype in (torch.float16, torch.float32)
+                for codes, scale in (
+                    (storage.key_cache, storage.key_scale),
+                    (storage.value_cache, storage.value_scale),
+                )
+            )
+            and storage.key_scale[0].dtype == storage.value_scale[0].dtype
+            and storage.key_cache[0].dtype == storage.value_cache[0].dtype
+        )
+    return False
+
+
+class KernelBatchKV(BatchKV):
+    """`BatchKV` whose decode rows, the sequences computing one new token this step, attend
+    through chapter 11's Triton kernel (`kvlib.kernels.paged_decode_attention`) straight from the
+    pools, with no gathered K/V and no mask; a quantized cache's codes and per-token scales are
+    read by the kernel's int8/fp8 path. The rows of sequences still prefilling (several new
+    tokens) take `BatchKV`'s path, restricted to those sequences. Only for storage that
+    `kernel_supports`.
+
+    Each decode row's result depends on its own sequence only: the kernel runs one program per
+    (sequence, KV head, split), and the split count is the runner's, fixed for its lifetime (not
+    chosen per batch), so a sequence's partial sums do not change with its batch.
+    """
+
+    def __init__(
+        self, storage: PagedCache, batch: ModelInput, *, num_splits: int = 1, workspace=None
+    ):
+        self.storage, self.batch = storage, batch
+        self.num_layers = storage.num_layers
+        self.num_splits, self.workspace = num_splits, workspace
+        query_lens = batch.query_lens
+        if query_lens is None:
+            query_lens = batch.query_start_loc.diff().tolist()
+        device = batch.input_ids.device
+        starts = [0, *itertools.accumulate(query_lens)]
+        decode = [i for i, n in enumerate(query_lens) if n == 1]
+        prefill = [i for i, n in enumerate(query_lens) if n > 1]
+        # what update hands the storage: it only writes through the slot mapping and returns the
+        # layer's pools with these fields
+        self.handle = PagedKV(None, None, batch.block_tables, batch.seq_lens, None)
+        self.decode_rows = torch.tensor(
+            [starts[i] for i in decode], dtype=torch.int64, device=device
+        )
+        index = torch.tensor(decode, dtype=torch.int64, device=device)
+        self.decode_tables = batch.block_tables[index].to(torch.int32)  # the kernel's int32
+        self.decode_lens = batch.seq_lens[index].to(torch.int32)
+        self.prefill = BatchKV(storage, _subset(batch, prefill)) if prefill else None
+        self.prefill_rows = torch.tensor(
+            [r for i in prefill for r in range(starts[i], starts[i + 1])],
+            dtype=torch.int64,
+            device=device,
+        )
+
+    def attention_backend(self, q, kv, mask, *, weights_out=None):
+        """q (1, H, N, D) -> (1, H, N, D): decode rows through the kernel, prefill rows as
+        `BatchKV` attends them."""
+        from kvlib.kernels import paged_decode_attention
+
+        if weights_out is not None:
+            raise ValueError("weights_out: the decode kernel never forms attention weights")
+        out = torch.empty_like(q)
+        if len(self.decode_rows):
+            scales = {}
+            if hasattr(kv, "key_scale"):  # a quantized cache: (num_blocks, block_size, H_kv, 1)
+                scales = dict(k_scale=kv.key_scale.squeeze(-1), v_scale=kv.value_scale.squeeze(-1))
+            decoded = paged_decode_attention(
+                q[0].index_select(1, self.decode_rows).transpose(0, 1),  # (n_decode, H, D)
+                kv.key_cache,
+                kv.value_cache,
+                self.decode_tables,
+                self.decode_lens,
+                num_splits=self.num_splits,
+                validate=False,  # the scheduler's block tables and lengths
+                workspace=self.workspace,
+                **scales,
+            )
+            out[0, :, self.decode_rows] = decoded.transpose(0, 1)
+        if self.prefill is not None:
+            handle = self.prefill.handle
+            prefill_kv = kv._replace(
+                block_tables=handle.block_tables,
+                seq_lens=handle.seq_lens,
+                positions=handle.positions,
+            )
+            out[:, :, self.prefill_rows] = self.prefill.attention_backend(
+                q[:, :, self.prefill_rows], prefill_kv, mask
+            )
+        return out
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """One token from `logits (V,)`: argmax at temperature 0; else softmax(logits / temperature)
     restricted to the top k and to the top-p nucleus, sampled with `generator`."""
@@ -159,11 +304,64 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
 
 class ModelRunner:
     """Runs a step: `prepare_inputs`, one forward of the model over a `BatchKV`, then `sample`
-    for each request that produces a token. Returns {request id: token}."""
+    for each request that produces a token. Returns {request id: token}.
 
-    def __init__(self, model, storage: PagedCache, manager: BlockManager):
+    `decode_kernel`: attend decode rows through chapter 11's Triton kernel (`KernelBatchKV`).
+    None (the default) uses it on a CUDA device where Triton is installed and the storage's
+    layout suits it (`kernel_supports`); True asks for it anywhere it is supported (on a CPU it
+    runs under Triton's interpreter: exact and slow, for tests), False never uses it.
+    """
+
+    def __init__(
+        self,
+        model,
+        storage: PagedCache,
+        manager: BlockManager,
+        *,
+        decode_kernel: bool | None = None,
+    ):
         self.model, self.storage, self.manager = model, storage, manager
         self.device = model.lm_head.weight.device
+        self.decode_kernel = decode_kernel
+        self.num_splits = 1
+        self._workspace = None
+
+    def _use_kernel(self) -> bool:
+        from kvlib.kernels import triton_available
+
+        dtype = self.model.lm_head.weight.dtype
+        if self.decode_kernel is False or not kernel_supports(self.storage, dtype):
+            return False
+        if self.decode_kernel is None and self.device.type != "cuda":
+            return False
+        return triton_available()
+
+    def _batch_kv(self, batch: ModelInput) -> BatchKV:
+        if not self._use_kernel():
+            return BatchKV(self.storage, batch)
+        from kvlib.kernels import DecodeWorkspace, default_num_splits
+
+        config = self.model.config
+        n = len(batch.seq_lens)
+        if self._workspace is None or self._workspace.partial_out.shape[0] < n:
+            # one split count for the runner's lifetime, for the longest sequence the pool can
+            # hold: a sequence's arithmetic must not depend on its batch
+            capacity = self.manager.pool.num_blocks * self.storage.block_size
+            self.num_splits = default_num_splits(
+                1, config.num_key_value_heads, capacity, self.device
+            )
+            self._workspace = DecodeWorkspace.allocate(
+                max(
+                    n, 2 * (0 if self._workspace is None else self._workspace.partial_out.shape[0])
+                ),
+                config.num_attention_heads,
+                config.head_dim,
+                max_splits=self.num_splits,
+                device=self.device,
+            )
+        return KernelBatchKV(
+            self.storage, batch, num_splits=self.num_splits, workspace=self._workspace
+        )
 
     @torch.no_grad()
     def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
@@ -172,7 +370,7 @@ class ModelRunner:
         batch = prepare_inputs(scheduled, self.manager, self.device)
         logits = self.model(
             batch.input_ids[None],
-            cache=BatchKV(self.storage, batch),
+            cache=self._batch_kv(batch),
             position_ids=batch.positions[None],
             validate=False,  # the engine checked every prompt when it was added
         )[0, batch.sample_indices]  # (m, V)
