@@ -155,3 +155,26 @@ def test_generate_refuses_a_generator_on_another_device():
     with pytest.raises(ValueError, match=r"generator: expected a torch.Generator on the model's"):
         generate(load_course_model(), torch.tensor([[1, 2]]), 2, temperature=1.0,
                  generator=CudaGenerator())  # fmt: skip
+
+
+def test_each_notebook_shows_the_current_label_of_the_recorded_files_it_reads():
+    """The stored output of a cell that reads a recorded file carries the file's current staleness
+    label, and only then: so a source change that makes a file stale fails here (and in nbval)
+    until the notebook is refreshed (`make outputs`) or the file re-recorded and stamped."""
+    checked = 0
+    for path in NOTEBOOKS:
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            names = re.findall(r'recorded_file\("([^"]+)"\)', "".join(cell["source"]))
+            text = "".join(
+                "".join(o.get("text", "")) for o in cell["outputs"] if o["output_type"] == "stream"
+            )
+            for name in names:
+                state = R.staleness(name)
+                shown = f"recorded with an earlier version: results/{name} "
+                assert (state.label() in text) if state.stale else (shown not in text), (
+                    f"{path.name}: refresh its outputs (`make outputs`): {state.label()}"
+                )
+                checked += 1
+    assert checked >= 11  # chapters 5-8 and 10-12 read eleven recorded files
