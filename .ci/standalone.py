@@ -19,7 +19,7 @@ its stored outputs under numerically different settings and its launch paths at 
    package passes every question, and exercise 3 none.
 4. With Triton: nbval on chapters 10 and 11 and solution 11; exercise 11 executes.
 
-Usage: python .ci/standalone.py [--keep] [--jobs N]   (exit status 0 when every check passes)
+Usage: python .ci/standalone.py [--keep] [--jobs N] [--quick]   (exit 0 when every check passes)
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def log(message: str) -> None:
 
 
 def run(cmd, **kwargs) -> subprocess.CompletedProcess:
-    log("$ " + " ".join(map(str, cmd)))
+    log("$ " + " ".join("<script>" if "\n" in str(c) else str(c) for c in cmd))
     return subprocess.run(list(map(str, cmd)), check=True, **kwargs)
 
 
@@ -140,6 +141,7 @@ def nbval(venv: Path, env: dict, notebooks: list[Path], jobs: int, work: Path) -
         [venv / "bin" / "python", "-m", "pytest", "--nbval", "--nbval-sanitize-with"]
         + [work / "sanitize.cfg", "--nbval-cell-timeout=600", "-p", "no:cacheprovider"]
         + ["--rootdir", work, "-c", os.devnull, "-q", "--durations=8", "-n", str(jobs)]
+        + ["--dist", "loadfile"]  # a notebook's cells run in order, in one kernel
         + notebooks,
         env=env,
         cwd=work,
@@ -223,12 +225,12 @@ def main(argv=None) -> int:
         nbval(venv, env, without, args.jobs, work)
         ch10 = alone(ROOT / "notebooks" / "10_quantized_cache.ipynb", runs / "no-triton")
         ch11 = alone(ROOT / "notebooks" / TRITON_CHAPTER, runs / "no-triton")
-        run([python, "-c", EXECUTE, ch11, "TritonUnavailableError"], env=env, cwd=work)
-        if not args.quick:
-            run([python, "-c", EXECUTE, ch10], env=env, cwd=work)
-        for exercise in exercises:
-            if exercise.name != TRITON_CHAPTER:
-                run([python, "-c", EXECUTE, alone(exercise, runs)], env=env, cwd=work)
+        executions = [[ch11, "TritonUnavailableError"]] + ([] if args.quick else [[ch10]])
+        executions += [[alone(p, runs)] for p in exercises if p.name != TRITON_CHAPTER]
+        with ThreadPoolExecutor(args.jobs) as pool:  # independent notebooks, one kernel each
+            list(
+                pool.map(lambda a: run([python, "-c", EXECUTE, *a], env=env, cwd=work), executions)
+            )
         for folder, passed in (("solutions", True), ("exercises", False)):
             copy = alone(ROOT / folder / "03_counting_bytes.ipynb", runs / "graded")
             report = json.loads(
