@@ -178,3 +178,21 @@ def test_each_notebook_shows_the_current_label_of_the_recorded_files_it_reads():
                 )
                 checked += 1
     assert checked >= 11  # chapters 5-8 and 10-12 read eleven recorded files
+
+
+def test_relabel_refreshes_a_label_in_place_and_reports_a_new_one(tmp_path, monkeypatch):
+    chapter = tmp_path / "10_quantized_cache.ipynb"
+    chapter.write_text((ROOT / "notebooks" / chapter.name).read_text())
+    original, current = chapter.read_text(), R._current_sha256
+    monkeypatch.setattr(
+        R, "_current_sha256", lambda s: "edited" if s == "kvlib/quant.py" else current(s)
+    )
+    assert R.relabel(chapter) == []
+    assert "kvlib/evaluation.py, kvlib/quant.py changed since" in chapter.read_text()
+    monkeypatch.setattr(R, "_current_sha256", current)
+    assert R.relabel(chapter) == [] and chapter.read_text() == original  # back as stored
+    gqa = tmp_path / "05_gqa_mqa.ipynb"
+    gqa.write_text((ROOT / "notebooks" / gqa.name).read_text().replace("recorded with an", "x"))
+    newly = [t.split(": ", 1)[1] for t in R.relabel(gqa)]
+    names = ["gqa_uptraining.csv", "gqa_smollm2.json"]
+    assert newly == [f"{name} is newly stale; re-execute it" for name in names]

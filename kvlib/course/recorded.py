@@ -10,8 +10,9 @@ Provenance lives in one sidecar, `results/provenance.json`: for each recorded fi
 that records it, the commit it was recorded at, and the SHA-256 of each source file that produced
 it, as that file read when it was recorded. `staleness(name)` compares those hashes with the
 sources now; after re-recording a file, `python -m kvlib.course.recorded stamp FILE` stores the
-current hashes, and `python -m kvlib.course.recorded check` lists every file's state (nonzero exit
-when any is stale, for a CI that wants that).
+current hashes, `python -m kvlib.course.recorded check` lists every file's state (nonzero exit
+when any is stale), and `python -m kvlib.course.recorded relabel notebooks` refreshes the labels
+stored in notebooks' outputs after a source changed, without re-executing them.
 """
 
 from __future__ import annotations
@@ -140,6 +141,46 @@ def stamp(name: str, *, commit: str | None = None) -> dict:
     return entry
 
 
+_LABEL_START = "recorded with an earlier version: results/"
+
+
+def relabel(path: Path) -> list[str]:
+    """Bring the labels in notebook `path`'s stored outputs up to date without re-executing it:
+    in each cell that calls `recorded_file("NAME")`, a label line of NAME is replaced by the
+    current label, or removed when NAME is up to date. Returns what could not be done this way
+    (a file newly stale, whose label has no line to replace yet: re-execute that notebook)."""
+    import re
+
+    import nbformat
+
+    notebook = nbformat.read(path, as_version=4)
+    todo, changed = [], False
+    for index, cell in enumerate(notebook.cells):
+        if cell.cell_type != "code":
+            continue
+        for name in re.findall(r'recorded_file\("([^"]+)"\)', cell.source):
+            state, prefix, found = staleness(name), f"{_LABEL_START}{name} ", False
+            for output in cell.outputs:
+                if output.output_type != "stream":
+                    continue
+                lines = output.text.splitlines(keepends=True)
+                new = [
+                    (state.label() + "\n" if state.stale else "")
+                    if line.startswith(prefix)
+                    else line
+                    for line in lines
+                ]
+                found = found or any(line.startswith(prefix) for line in lines)
+                if new != lines:
+                    output.text, changed = "".join(new), True
+            if state.stale and not found:
+                todo.append(f"{path} (cell {index}): {name} is newly stale; re-execute it")
+        cell.outputs = [o for o in cell.outputs if o.output_type != "stream" or o.text]
+    if changed:
+        nbformat.write(notebook, path)
+    return todo
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -148,7 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("check", help="list each recorded file's state; exit 1 when any is stale")
     stamp_parser = sub.add_parser("stamp", help="store FILE's current source hashes")
     stamp_parser.add_argument("files", nargs="+", help="results files, e.g. results/serving.csv")
+    relabel_parser = sub.add_parser("relabel", help="refresh the labels in notebooks' outputs")
+    relabel_parser.add_argument("paths", nargs="+", help="notebooks, or folders of notebooks")
     args = parser.parse_args(argv)
+    if args.command == "relabel":
+        todo = []
+        for path in map(Path, args.paths):
+            for notebook in sorted(path.glob("*.ipynb")) if path.is_dir() else [path]:
+                todo += relabel(notebook)
+        print("\n".join(todo) or "labels up to date")
+        return int(bool(todo))
     if args.command == "stamp":
         for file in args.files:
             stamp(Path(file).name)
