@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.course.bench import torch_allocated_bytes
 from kvlib.course.grading import Submission, question
 from kvlib.memory import kv_cache_bytes
 from kvlib.model import apply_rope, rope_cos_sin
@@ -59,10 +58,14 @@ def test_absorbed_scores(submission: Submission) -> None:
     heads, keys, d_h, d_r, d_c = 16, 4096, 64, 16, 128
     inputs = _score_inputs(1, heads, 1, keys, d_h, d_r, d_c, seed=0)
     expanded = heads * keys * d_h * 4
-    allocated = torch_allocated_bytes(lambda: absorbed_scores(*inputs))
-    assert allocated < expanded // 4, (
-        f"with H={heads}, S={keys}, d_h={d_h}, d_c={d_c} your function allocated "
-        f"{allocated / 2**20:.1f} MiB; the up-projected keys of every head take "
+    measured = absorbed_scores.call(*inputs, _options={"measure_memory": True}).info
+    torch_mib, numpy_mib = (measured[k] / 2**20 for k in ("torch_peak_bytes", "python_peak_bytes"))
+    peak = measured["torch_peak_bytes"] + measured["python_peak_bytes"]
+    assert peak < expanded // 4, (
+        f"with H={heads}, S={keys}, d_h={d_h}, d_c={d_c} your function's peak allocation was "
+        f"{peak / 2**20:.1f} MiB (PyTorch's CPU allocator {torch_mib:.1f} MiB + numpy/Python "
+        f"{numpy_mib:.1f} MiB, traced); the "
+        f"up-projected keys of every head take "
         f"{expanded / 2**20:.0f} MiB: fold W_UK into the query instead (W_UK,iᵀ q_C,i, once per "
         "query) and dot it with the cached latents"
     )

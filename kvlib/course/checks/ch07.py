@@ -69,7 +69,9 @@ def test_append_token(submission: Submission) -> None:
         state = (list(table), dict(ref_cnt), list(free))
         expected_state = copy.deepcopy(state)
         expected = _append_token(*expected_state[:1], num_tokens, *expected_state[1:], block_size)
-        got = append_token(state[0], num_tokens, state[1], state[2], block_size)
+        call = append_token.call(state[0], num_tokens, state[1], state[2], block_size)
+        got = call.result
+        state = (call.args[0], call.args[2], call.args[3])
         assert isinstance(got, tuple) and len(got) == 2, (
             f"append_token should return (slot, copy), got {got!r}"
         )

@@ -12,7 +12,7 @@ import kvlib.kernels  # noqa: F401
 # isort: split
 import triton
 
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import Remote, Submission, question
 from kvlib.ref.attention import attention
 from kvlib.ref.online_softmax import merge_partials
 from kvlib.testing import assert_close
@@ -44,20 +44,25 @@ def test_physical_slots(submission: Submission) -> None:
         )
 
 
+def _launch(kernel, grid, args, kwargs) -> list:
+    """`kernel[grid](*args, **kwargs)`; the arguments after the launch. A graded kernel (a
+    `Remote`) runs in the learner's process, under Triton's interpreter, and must be a
+    `triton.runtime.jit.JITFunction`; a notebook's own kernel runs here."""
+    if isinstance(kernel, Remote):
+        return kernel.launch(grid, *args, **kwargs).args
+    kernel[grid](*args, **kwargs)
+    return list(args)
+
+
 def launch_reduce(kernel, partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
     """Launch a learner's reduce kernel: partial_out (R, splits, D), partial_lse (R, splits) -> out
     (R, D)."""
     rows, num_splits, head_dim = partial_out.shape
     out = torch.full((rows, head_dim), float("nan"))
-    kernel[(rows,)](
-        partial_out,
-        partial_lse,
-        out,
-        num_splits,
-        HEAD_DIM=head_dim,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-    )
-    return out
+    args = (partial_out, partial_lse, out, num_splits)
+    return _launch(
+        kernel, (rows,), args, {"HEAD_DIM": head_dim, "BLOCK_S": triton.next_power_of_2(num_splits)}
+    )[2]
 
 
 @question(function="reduce_kernel")
@@ -90,17 +95,8 @@ def launch_masked_decode(kernel, q, k_buffer, v_buffer, seq_len, block_n=16):
     """Launch a learner's masked decode kernel: q (D,), buffers (S_buf, D), the first seq_len rows
     valid -> out (D,)."""
     out = torch.full((q.shape[0],), float("nan"))
-    kernel[(1,)](
-        q,
-        k_buffer,
-        v_buffer,
-        out,
-        seq_len,
-        q.shape[0] ** -0.5,
-        HEAD_DIM=q.shape[0],
-        BLOCK_N=block_n,
-    )
-    return out
+    args = (q, k_buffer, v_buffer, out, seq_len, q.shape[0] ** -0.5)
+    return _launch(kernel, (1,), args, {"HEAD_DIM": q.shape[0], "BLOCK_N": block_n})[3]
 
 
 @question(function="masked_decode_kernel")
