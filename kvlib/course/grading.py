@@ -59,6 +59,39 @@ class Question:
 
 _QUESTIONS: dict[str, Question] = {}
 
+# Everything in kvlib that computes a cache's bytes: a question about bytes blocks all of it (a
+# "twin" such as cache_report(...).total_bytes would answer kv_cache_bytes's question).
+MEMORY_API = (
+    "kvlib.memory.formula.dense_kv_cache_bytes",
+    "kvlib.memory.formula.kv_elements_per_token",
+    "kvlib.memory.kv_bytes_per_token",
+    "kvlib.memory.kv_cache_bytes",
+    "kvlib.memory.cache_report",
+    "kvlib.memory.layer_specs",
+    "kvlib.memory.memory_budget",
+    "kvlib.memory.max_concurrent_sequences",
+    "kvlib.memory.equation.quantized_kv_cache_bytes",
+    "kvlib.quant.QuantScheme.bytes_per_vector",
+)
+# Everything in kvlib that computes rotary embeddings
+ROPE_API = (
+    "kvlib.model.apply_rope",
+    "kvlib.model.rope_cos_sin",
+    "kvlib.model.rope_inverse_frequencies",
+    "kvlib.model.rotate_half",
+)
+# Everything in kvlib that computes attention (torch's SDPA is detected separately)
+ATTENTION_API = (
+    "kvlib.ops.attention.grouped_attention",
+    "kvlib.ops.attention.reference_attention",
+    "kvlib.ops.attention.sdpa_attention",
+    "kvlib.cache.paged.paged_attention",
+    "kvlib.kernels.paged_decode_attention",
+    "kvlib.kernels.paged_decode_attention_ref",
+    "kvlib.ref.attention.attention",
+    "kvlib.ref.attention.softmax",
+)
+
 
 def question(*, function: str, points: int = 1, blocked: tuple[str, ...] = ()) -> Callable:
     """Declare a pytest test `test_<id>(submission)` as a graded question.
@@ -440,17 +473,30 @@ class _ChildSide:
     hangs or ends the process is skipped in a fresh child; a call that does either ends the child
     (killed from here: nothing the learner's code catches) and fails the question."""
 
-    def __init__(self, cells: list[str], deadline: float, timeout_s: float, cell_timeout_s: float):
+    def __init__(
+        self,
+        cells: list[str],
+        deadline: float,
+        timeout_s: float,
+        cell_timeout_s: float,
+        blocked: tuple[str, ...] = (),
+        skip: dict[int, str] | None = None,
+    ):
         self.cells, self.deadline, self.timeout_s = cells, deadline, timeout_s
+        self.blocked = blocked
+        skip = {} if skip is None else skip  # cells that ended or hung a child: index -> error
         self.cell_timeout_s = cell_timeout_s
         self.errors: list[str] = []
         self.process = None
-        skip: set[int] = set()
+        self.skip = set(skip)
+        self.errors.extend(skip.values())
         while True:
-            failed = self._start(skip)
+            self.deadline = time.monotonic() + timeout_s  # each attempt its own window
+            failed = self._start(self.skip)
             if failed is None:
                 return
-            skip.add(failed)
+            self.skip.add(failed)
+            skip[failed] = self.errors[-1]
 
     def _spawn(self):
         from kvlib.course.sandbox import Channel
@@ -476,6 +522,9 @@ class _ChildSide:
         from kvlib.course.sandbox import ChannelClosed, ChannelTimeout
 
         self._spawn()
+        # guards first (inactive until a graded call runs): whatever the notebook copies or
+        # re-imports while it loads is a guarded function already
+        self.request(("guard", list(self.blocked), ""))
         self.channel.send(("load", self.cells, sorted(skip)))
         expected = [i for i in range(len(self.cells)) if i not in skip]
         for index in expected:
@@ -601,11 +650,18 @@ def _grade_questions(cells: list[str], questions: list[Question], timeout_s: flo
     """Grade `questions` one after the other against a child process that executed the notebook;
     a question that timed out, ended the child or left a thread running gets the next question a
     fresh child. Never raises for anything the learner did."""
-    results, side = [], None
+    results, side, skip = [], None, {}
     for q in questions:
         try:
             if side is None:
-                side = _ChildSide(cells, time.monotonic() + timeout_s, timeout_s, timeout_s / 3)
+                side = _ChildSide(
+                    cells,
+                    time.monotonic() + timeout_s,
+                    timeout_s,
+                    timeout_s / 3,
+                    tuple(sorted({name for other in questions for name in other.blocked})),
+                    skip,
+                )
             side.deadline = time.monotonic() + timeout_s
             passed, message = run_question(q, side, side.errors)
             if side.process is not None and side.request(("status",))[1]["threads"] > 1:

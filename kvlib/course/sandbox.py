@@ -321,7 +321,28 @@ def _register_library(module) -> None:
                 _walk_codes(fn.__code__, codes)
 
 
+def _resolve(dotted: str):
+    """The object a dotted name denotes: a module attribute, or a class's attribute (raw, so a
+    property or staticmethod comes back as such)."""
+    parts = dotted.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            value = vars(value)[name] if isinstance(value, type) else getattr(value, name)
+        return value
+    raise ImportError(dotted)
+
+
 def _functions_of(value) -> list:
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        return [
+            f for f in (value.fget, value.fset, value.fdel) if isinstance(f, types.FunctionType)
+        ]
     if isinstance(value, types.FunctionType):
         return [value]
     if isinstance(value, type):
@@ -371,6 +392,12 @@ def _guard_function(fn, dotted: str) -> bool:
     if _GUARD_NAME in code.co_names:
         return True  # already guarded
     filename = code.co_filename
+    cache_key = (filename, code.co_qualname, code.co_firstlineno, dotted)
+    cached = _GUARDED_CODES.get(cache_key)
+    if cached is not None and cached.co_freevars == code.co_freevars:
+        fn.__globals__[_GUARD_NAME] = _GUARD
+        fn.__code__ = cached
+        return True
     try:
         source = Path(filename).read_text()
     except OSError:
@@ -411,8 +438,12 @@ def _guard_function(fn, dotted: str) -> bool:
         ):
             fn.__globals__[_GUARD_NAME] = _GUARD
             fn.__code__ = candidate
+            _GUARDED_CODES[cache_key] = candidate
             return True
     return False
+
+
+_GUARDED_CODES: dict = {}
 
 
 def install_guards(names: tuple[str, ...], question_id: str) -> list[str]:
@@ -430,18 +461,28 @@ def install_guards(names: tuple[str, ...], question_id: str) -> list[str]:
             for k, v in vars(sys.modules[module_name]).items()
             if isinstance(v, types.FunctionType) and v.__module__ == module_name
         )
+    identities: dict = {}
     for dotted in targets:
         _state["guarded"][dotted] = True
-        module_name, attribute = dotted.rsplit(".", 1)
         try:
-            module = importlib.import_module(module_name)
-            value = getattr(module, attribute)
-        except (ImportError, AttributeError):
+            value = _resolve(dotted)
+        except (ImportError, AttributeError, KeyError):
             failed.append(dotted)
             continue
         for fn in _functions_of(value):
+            identities[(fn.__code__.co_filename, fn.__code__.co_qualname)] = dotted
             if not _guard_function(fn, dotted):
                 failed.append(dotted)
+    # copies: the same function from a module object since replaced in sys.modules, or a
+    # FunctionType built on its code before the guard was installed
+    import gc
+
+    for obj in gc.get_objects():
+        if type(obj) is types.FunctionType:
+            code = obj.__code__
+            dotted = identities.get((code.co_filename, code.co_qualname))
+            if dotted is not None and _GUARD_NAME not in code.co_names:
+                _guard_function(obj, dotted)
     return failed
 
 
@@ -466,9 +507,16 @@ class _GuardingFinder(importlib.abc.MetaPathFinder):
                 _register_library(module)
                 prefix = module.__name__ + "."
                 for dotted in list(_state["guarded"]):
-                    if dotted.startswith(prefix) and "." not in dotted[len(prefix) :]:
+                    if dotted.startswith(prefix):
                         with contextlib.suppress(Exception):
-                            for fn in _functions_of(getattr(module, dotted[len(prefix) :])):
+                            value = module
+                            for name in dotted[len(prefix) :].split("."):
+                                value = (
+                                    vars(value)[name]
+                                    if isinstance(value, type)
+                                    else getattr(value, name)
+                                )
+                            for fn in _functions_of(value):
                                 _guard_function(fn, dotted)
                 if module.__name__.startswith(_CHECKS_PREFIX + "."):
                     for k, v in list(vars(module).items()):
@@ -534,14 +582,21 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
     profiler = None
     with stack:
         if options.get("torch_ops"):
-            from torch.utils._python_dispatch import TorchDispatchMode
+            # the profiler records every operator at the dispatcher's entry, composite ones
+            # included (torch.ops.aten._scaled_dot_product_attention_math decomposes before a
+            # dispatch mode sees it), and torch._C.DisableTorchFunction does not turn it off
+            from torch.profiler import ProfilerActivity, profile
 
-            class Ops(TorchDispatchMode):
-                def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-                    ops.add(str(getattr(func, "overloadpacket", func)))
-                    return func(*args, **(kwargs or {}))
-
-            stack.enter_context(Ops())
+            sys.stderr.flush()
+            saved = os.dup(2)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 2)
+            stack.callback(os.close, devnull)
+            stack.callback(os.close, saved)
+            stack.callback(os.dup2, saved, 2)
+            holder: list = []
+            stack.callback(lambda: ops.update(e.name for e in holder[0].events()))  # after exit
+            holder.append(stack.enter_context(profile(activities=[ProfilerActivity.CPU])))
         if options.get("measure_memory"):
             import tracemalloc
 
@@ -570,7 +625,7 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
             info["python_peak_bytes"] = tracemalloc.get_traced_memory()[1]
     if profiler is not None:
         info["torch_peak_bytes"] = _torch_peak_bytes(profiler.events())
-    if ops:
+    if options.get("torch_ops"):
         info["torch_ops"] = sorted(ops)
     info["aliases"] = _aliases(result, args)
     return ("returned", result), info
@@ -705,6 +760,9 @@ def child_main(read_fd: int, write_fd: int) -> None:
     os.environ["KVLIB_GRADING"] = "1"
     namespace: dict = {"__name__": "__main__"}
     request = channel.recv()
+    if request[0] == "guard":  # every question's blocked names, before the notebook runs
+        channel.send(handle_request(request, namespace))
+        request = channel.recv()
     if request[0] == "load":
         _, cells, skip = request
         _load(channel, namespace, cells, set(skip))

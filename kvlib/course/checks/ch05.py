@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import ATTENTION_API, MEMORY_API, Submission, question
 from kvlib.gqa import pool_kv_heads
 from kvlib.memory import kv_cache_bytes
 from kvlib.ops.attention import grouped_attention
 from kvlib.testing import assert_close
 
-_ATTENTION_API = (
-    "kvlib.ops.attention.grouped_attention",
-    "kvlib.ops.attention.reference_attention",
-    "kvlib.ops.attention.sdpa_attention",
-)
+_ATTENTION_API = ATTENTION_API
 
 
 def _qkv(batch, heads, kv_heads, queries, keys, dim, seed):
@@ -155,7 +151,7 @@ def _kv_heads_for_budget(config, seq_len, batch_size, budget_bytes):
 
 @question(
     function="kv_heads_for_budget",
-    blocked=("kvlib.memory.kv_cache_bytes", "kvlib.memory.kv_bytes_per_token"),
+    blocked=MEMORY_API,
 )
 def test_kv_heads_for_budget(submission: Submission) -> None:
     kv_heads_for_budget = submission.function("kv_heads_for_budget")

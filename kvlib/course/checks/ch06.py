@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import ATTENTION_API, MEMORY_API, ROPE_API, Submission, question
 from kvlib.memory import kv_cache_bytes
 from kvlib.model import apply_rope, rope_cos_sin
 from kvlib.testing import assert_close
@@ -29,7 +29,7 @@ def _expanded_scores(q_nope, q_rope, w_uk, latent, rope_key):
     return scores / (q_nope.shape[-1] + q_rope.shape[-1]) ** 0.5
 
 
-@question(function="absorbed_scores")
+@question(function="absorbed_scores", blocked=ATTENTION_API)
 def test_absorbed_scores(submission: Submission) -> None:
     absorbed_scores = submission.function("absorbed_scores")
     for batch, heads, queries, keys, d_h, d_r, d_c in (
@@ -61,7 +61,7 @@ def test_absorbed_scores(submission: Submission) -> None:
     measured = absorbed_scores.call(*inputs, _options={"measure_memory": True}).info
     torch_mib, numpy_mib = (measured[k] / 2**20 for k in ("torch_peak_bytes", "python_peak_bytes"))
     peak = measured["torch_peak_bytes"] + measured["python_peak_bytes"]
-    assert peak < expanded // 4, (
+    assert peak < expanded // 2, (
         f"with H={heads}, S={keys}, d_h={d_h}, d_c={d_c} your function's peak allocation was "
         f"{peak / 2**20:.1f} MiB (PyTorch's CPU allocator {torch_mib:.1f} MiB + numpy/Python "
         f"{numpy_mib:.1f} MiB, traced); the "
@@ -86,7 +86,7 @@ _LATENT_CONFIGS = [
 
 @question(
     function="latent_cache_bytes",
-    blocked=("kvlib.memory.kv_cache_bytes", "kvlib.memory.kv_bytes_per_token"),
+    blocked=MEMORY_API,
 )
 def test_latent_cache_bytes(submission: Submission) -> None:
     latent_cache_bytes = submission.function("latent_cache_bytes")
@@ -108,7 +108,7 @@ def test_latent_cache_bytes(submission: Submission) -> None:
 
 @question(
     function="shared_rotary_key",
-    blocked=("kvlib.model.apply_rope", "kvlib.model.rope_cos_sin"),
+    blocked=ROPE_API,
 )
 def test_shared_rotary_key(submission: Submission) -> None:
     shared_rotary_key = submission.function("shared_rotary_key")

@@ -108,14 +108,18 @@ def chained_block_hashes(tokens, block_size):
 def test_prefix_hit_tokens(submission: Submission) -> None:
     prefix_hit_tokens = submission.function("prefix_hit_tokens")
     system = list(range(100, 112))  # three blocks of 4
-    # an earlier request left 4 blocks cached; `other` holds system[4:8] under another parent
+    # an earlier request left 4 blocks cached; `other` holds the block [5, 5, 5, 5] only under
+    # another parent (system[4:8]) and as the first block of another prompt: a prompt
+    # system[:4] + [5, 5, 5, 5] hits its first block only (a chained hash of [5, 5, 5, 5] under
+    # system[:4] is not cached), while hashing blocks without their parent would find both
     cached = set(chained_block_hashes(system + [1, 2, 3, 4], 4))
-    other = set(chained_block_hashes([9, 9, 9, 9] + system[4:8], 4))
+    other = cached | set(chained_block_hashes([5, 5, 5, 5, 6, 6, 6, 6], 4))
+    other |= set(chained_block_hashes(system[:8] + [5, 5, 5, 5], 4))
     cases = [
         (system + [7, 7], cached, "a prompt sharing 3 cached blocks"),
         (system + [1, 2, 3, 4], cached, "a prompt equal to a cached one (16 tokens)"),
         (system[:4] + [5, 5, 5, 5] + system[8:], cached, "a miss in the second block"),
-        ([0] * 4 + system[4:8] + [1], other, "a block cached only under another parent"),
+        (system[:4] + [5, 5, 5, 5, 1], other, "a block cached only under another parent"),
         ([1, 2, 3], cached, "a prompt shorter than a block"),
     ]
     for tokens, hashes, what in cases:
