@@ -1535,3 +1535,189 @@ def test_check_and_the_grader_agree_on_a_table_of_answers(tmp_path):
     checked = json.loads(line[0].removeprefix("VERDICTS "))
     assert checked == graded, list(zip(AGREEMENT_TABLE, graded, checked))
     assert graded == [True, True, True, False, False, False, False, True]
+
+
+# Class 6: the tests cover what they claim. (notebook, question, answer, phrase)
+_GROUPED = (
+    "def grouped_attention(q, k, v, mask):\n"
+    "    B, H, T, D = q.shape\n"
+    "    H_kv, S = k.shape[1], k.shape[2]\n"
+    "    G = H // H_kv\n"
+    "    scores = (q.reshape(B, H_kv, G * T, D) @ k.transpose(-1, -2) / math.sqrt(D))\n"
+    "    scores = scores.view(B, H_kv, G, T, S).masked_fill(~MASK, float('-inf'))\n"
+    "    weights = SOFTMAX.view(B, H_kv, G * T, S)\n"
+    "    return (weights @ v).view(B, H, T, D)OUT\n"
+)
+
+
+def _grouped(mask="mask", softmax="torch.softmax(scores, dim=-1)", out=""):
+    return _GROUPED.replace("MASK", mask).replace("SOFTMAX", softmax).replace("OUT", out)
+
+
+COVERAGE_ANSWERS = [
+    (  # ignores the mask it is given: builds a causal one
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        _grouped(mask="torch.ones(T, S, dtype=torch.bool).tril(S - T)"),
+        "a random mask",
+    ),
+    (  # an unstable softmax: exp of raw scores
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        _grouped(softmax="(scores.exp() / scores.exp().sum(-1, keepdim=True))"),
+        "non-finite",
+    ),
+    (  # right values, wrong dtype
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        _grouped(out=".double()"),
+        "dtype",
+    ),
+    (  # a budget met exactly does not fit (< instead of <=)
+        "05_gqa_mqa.ipynb",
+        "kv_heads_for_budget",
+        "def kv_heads_for_budget(config, seq_len, batch_size, budget_bytes):\n"
+        "    heads = config['num_attention_heads']\n"
+        "    head_dim = config.get('head_dim') or config['hidden_size'] // heads\n"
+        "    per_head = 2 * config['num_hidden_layers'] * head_dim * "
+        "BYTES_PER_ELEMENT[config['torch_dtype']] * seq_len * batch_size\n"
+        "    fits = [h for h in range(1, heads + 1) if heads % h == 0 and h * per_head < "
+        "budget_bytes]\n"
+        "    return max(fits, default=0)\n",
+        "expected H_kv = 8",
+    ),
+    (  # recency by index, not by position
+        "08_eviction.ipynb",
+        "streaming_keep",
+        "def streaming_keep(positions, budget, num_sinks):\n"
+        "    if len(positions) <= budget:\n"
+        "        return [True] * len(positions)\n"
+        "    keep = [p < num_sinks for p in positions]\n"
+        "    room = budget - sum(keep)\n"
+        "    for i in range(len(positions) - 1, -1, -1):\n"
+        "        if room and not keep[i]:\n"
+        "            keep[i], room = True, room - 1\n"
+        "    return keep\n",
+        "slot order",
+    ),
+    (  # window 0 keeps everything through votes[:, -0:]
+        "08_eviction.ipynb",
+        "snapkv_select",
+        "def snapkv_select(votes, budget, window, kernel_size):\n"
+        "    h_kv, s = votes.shape\n"
+        "    if s <= budget:\n"
+        "        return torch.arange(s).expand(h_kv, s).clone()\n"
+        "    pooled = torch.nn.functional.max_pool1d(votes[:, None], kernel_size, 1, "
+        "kernel_size // 2)[:, 0]\n"
+        "    pooled[:, -window:] = float('inf')\n"
+        "    return pooled.sort(dim=1, descending=True, stable=True).indices[:, :budget]"
+        ".sort(dim=1).values\n",
+        "window 0",
+    ),
+    (  # float indices
+        "08_eviction.ipynb",
+        "snapkv_select",
+        "def snapkv_select(votes, budget, window, kernel_size):\n"
+        "    h_kv, s = votes.shape\n"
+        "    if s <= budget:\n"
+        "        return torch.arange(s).expand(h_kv, s).float()\n"
+        "    pooled = torch.nn.functional.max_pool1d(votes[:, None], kernel_size, 1, "
+        "kernel_size // 2)[:, 0]\n"
+        "    pooled[:, s - window:] = float('inf')\n"
+        "    return pooled.sort(dim=1, descending=True, stable=True).indices[:, :budget]"
+        ".sort(dim=1).values.float()\n",
+        "integers",
+    ),
+    (  # mutates its input
+        "07_paged_cache.ipynb",
+        "slot_mapping",
+        "def slot_mapping(block_table, positions, block_size):\n"
+        "    slots = [block_table[t // block_size] * block_size + t % block_size for t in "
+        "positions]\n"
+        "    block_table.clear()\n"
+        "    return slots\n",
+        "changed its argument 1",
+    ),
+    (
+        "12_serving_engine.ipynb",
+        "schedule_step",
+        "def schedule_step(running, waiting, token_budget, max_num_seqs):\n"
+        "    plan, budget = [], token_budget\n"
+        "    while running and budget:\n"
+        "        request_id, left = running.pop(0)\n"
+        "        plan.append((request_id, min(left, budget)))\n"
+        "        budget -= plan[-1][1]\n"
+        "    count = len(plan)\n"
+        "    for request_id, left in waiting:\n"
+        "        if budget == 0 or count >= max_num_seqs:\n"
+        "            break\n"
+        "        plan.append((request_id, min(left, budget)))\n"
+        "        budget -= plan[-1][1]\n"
+        "        count += 1\n"
+        "    return plan\n",
+        "changed its argument 1",
+    ),
+    (
+        "09_compaction.ipynb",
+        "repack",
+        "def repack(slots, live):\n"
+        "    survivors = live.nonzero()[:, 0]\n"
+        "    destinations = torch.arange(len(survivors))\n"
+        "    moved = survivors != destinations\n"
+        "    slots[destinations[moved]] = slots[survivors[moved]]\n"
+        "    live.zero_()\n"
+        "    return int(moved.sum())\n",
+        "changed its argument 2",
+    ),
+    (  # returns its input when there is nothing to pool
+        "05_gqa_mqa.ipynb",
+        "mean_pool_kv",
+        "def mean_pool_kv(weight, num_kv_heads, head_dim):\n"
+        "    old_heads = weight.shape[0] // head_dim\n"
+        "    if old_heads == num_kv_heads:\n"
+        "        return weight\n"
+        "    heads = weight.reshape(num_kv_heads, old_heads // num_kv_heads, head_dim, -1)\n"
+        "    return heads.mean(dim=1).reshape(num_kv_heads * head_dim, weight.shape[1])\n",
+        "returned its argument 1",
+    ),
+    (  # hard-coded answers for the fixed cases, a wrong formula elsewhere
+        "01_naive_vs_cached.ipynb",
+        "kv_cache_bytes",
+        "def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):\n"
+        "    known = {(32, 32, 128, 2, 1): 524288, (32, 32, 128, 2, 4096): 2147483648,\n"
+        "             (80, 8, 128, 2, 1000): 327680000, (1, 1, 16, 8, 0): 0}\n"
+        "    key = (num_layers, num_heads, head_dim, bytes_per_element, seq_len)\n"
+        "    return known.get(key, 2 * num_layers * head_dim * bytes_per_element * seq_len)\n",
+        "seed",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "notebook,question,source,phrase",
+    COVERAGE_ANSWERS,
+    ids=[f"{q}-{i}" for i, (_, q, _, _) in enumerate(COVERAGE_ANSWERS)],
+)
+def test_the_checks_cover_their_claims(notebook, question, source, phrase, tmp_path):
+    path = with_cell_replaced(ROOT / "solutions" / notebook, question, source, tmp_path)
+    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
+    (result,) = report.questions
+    assert not result.passed and phrase in result.message, report.table()
+
+
+def test_random_cases_are_reproducible_and_follow_the_answer(tmp_path):
+    """The seed comes from the answer's source: the same answer draws the same cases (and
+    message), another answer other cases."""
+    source = COVERAGE_ANSWERS[-1][2]
+    first = with_cell_replaced(SOLUTION_01, "kv_cache_bytes", source, tmp_path)
+    messages = [
+        grade_notebook(first, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"]).questions[0].message
+        for _ in range(2)
+    ]
+    assert messages[0] == messages[1] and "seed" in messages[0]
+    (tmp_path / "b").mkdir()
+    other = with_cell_replaced(
+        SOLUTION_01, "kv_cache_bytes", source.replace("known", "table"), tmp_path / "b"
+    )
+    message = grade_notebook(other, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"]).questions[0]
+    assert message.message.split("seed ")[1] != messages[0].split("seed ")[1]

@@ -198,7 +198,10 @@ class Remote:
         return self.call(*args, **kwargs).result
 
     def call(self, *args, _options: dict | None = None, **kwargs) -> Call:
-        """Call with `args`, `kwargs`; `_options`: measure_memory, torch_ops, grid."""
+        """Call with `args`, `kwargs`; `_options`: measure_memory, torch_ops, grid, and
+        `mutates` (indices of the arguments the function is meant to change in place; any other
+        argument it changes fails the question) and `may_alias` (the result may be, or be a
+        view of, an argument; otherwise that fails the question too)."""
         options = {"blocked": self._submission.question.blocked, **(_options or {})}
         reply = self._submission._request(("call", self.name, list(args), kwargs, options))
         from kvlib.course.sandbox import decode
@@ -216,9 +219,25 @@ class Remote:
             raise AssertionError(
                 f"`{self.name}` returned a value the grader cannot read: {exc}"
             ) from None
-        return Call(result, args_after, list(info.get("aliases", [])), info)
+        call = Call(result, args_after, list(info.get("aliases", [])), info)
+        options = _options or {}
+        mutates = set(options.get("mutates", ()))
+        # reported once the test's own checks pass: their hints come first
+        for index, (before, after) in enumerate(zip(args, call.args)):
+            if index not in mutates and not _same_value(before, after):
+                self._submission.violations.append(
+                    f"`{self.name}` changed its argument {index + 1} ({_kind(before)}) in place: "
+                    "leave its inputs as they were"
+                )
+        if call.aliases and not options.get("may_alias") and not options.get("grid"):
+            index = call.aliases[0]
+            self._submission.violations.append(
+                f"`{self.name}` returned its argument {index + 1} ({_kind(args[index])}) itself "
+                "or a view of it: return a new object"
+            )
+        return call
 
-    def launch(self, grid: tuple, *args, **kwargs) -> Call:
+    def launch(self, grid: tuple, *args, _mutates=(), **kwargs) -> Call:
         """Launch a Triton kernel `kernel[grid](*args, **kwargs)` in the learner's process, under
         Triton's interpreter (CPU tensors)."""
         if not self.is_triton_kernel:
@@ -226,7 +245,7 @@ class Remote:
                 f"`{self.name}` should be a @triton.jit kernel (a triton JITFunction), got a "
                 f"{self.description.get('type', '?')}"
             )
-        call = self.call(*args, _options={"grid": tuple(grid)}, **kwargs)
+        call = self.call(*args, _options={"grid": tuple(grid), "mutates": _mutates}, **kwargs)
         if not call.info.get("interpreter"):
             raise AssertionError(
                 "the kernel did not run under Triton's interpreter: the grader launches it on CPU "
@@ -234,6 +253,65 @@ class Remote:
                 "kvlib.kernels first), on a GPU machine too"
             )
         return call
+
+
+def expect_tensor(got, expected, name: str) -> None:
+    """Fail unless `got` is a torch.Tensor of `expected`'s shape and dtype (values are the
+    caller's to compare)."""
+    import torch
+
+    assert isinstance(got, torch.Tensor), (
+        f"{name}: expected a torch.Tensor, got {type(got).__name__}"
+    )
+    assert tuple(got.shape) == tuple(expected.shape), (
+        f"{name}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
+    )
+    assert got.dtype == expected.dtype, (
+        f"{name}: expected dtype {expected.dtype} (the inputs' own), got {got.dtype}"
+    )
+
+
+def _kind(value) -> str:
+    shape = getattr(value, "shape", None)
+    return type(value).__name__ + (f" of shape {tuple(shape)}" if shape is not None else "")
+
+
+def _same_value(a, b) -> bool:
+    """Whether `b` (an argument after the call, rebuilt here) still equals `a` (as sent)."""
+    import numpy as np
+    import torch
+
+    from kvlib.course.sandbox import Opaque
+
+    if isinstance(b, Opaque) or not isinstance(a, (list, tuple, dict, set, frozenset, int, float,
+                                                  str, bytes, bool, type(None), np.ndarray,
+                                                  np.generic, torch.Tensor)):  # fmt: skip
+        return True  # an object of another type: its state is the test's to judge
+    if isinstance(a, torch.Tensor):
+        if not (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape):
+            return False
+        a = a.detach().cpu()
+        if a.is_floating_point():  # NaN where it was NaN is unchanged
+            nan = a.isnan()
+            return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+        return torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return (
+            isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+        )
+    if isinstance(a, (list, tuple)):
+        return (
+            type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+        )
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and list(a) == list(b) and all(_same_value(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return type(a) is type(b) and a == b
 
 
 class Submission:
@@ -244,6 +322,7 @@ class Submission:
         self.errors = errors or []
         self.seed: int | None = None
         self.seed_used = False
+        self.violations: list[str] = []  # inputs changed or returned, found by Remote.call
 
     def _request(self, message):
         return self._side.request(message)
@@ -287,6 +366,8 @@ def run_question(q: Question, side, errors: list[str]) -> tuple[bool, str]:
     submission = Submission(side, q, errors)
     try:
         q.test(submission)
+        if submission.violations:
+            raise AssertionError(submission.violations[0])
     except AssertionError as exc:
         message = str(exc) or "the check failed"
     except LearnerRaised as exc:

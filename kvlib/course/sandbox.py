@@ -326,10 +326,9 @@ def _resolve(dotted: str):
     property or staticmethod comes back as such)."""
     parts = dotted.split(".")
     for split in range(len(parts) - 1, 0, -1):
-        try:
-            value = importlib.import_module(".".join(parts[:split]))
-        except ImportError:
-            continue
+        value = sys.modules.get(".".join(parts[:split]))
+        if value is None:
+            continue  # not imported (yet): the import hook guards it when it is
         for name in parts[split:]:
             value = vars(value)[name] if isinstance(value, type) else getattr(value, name)
         return value
@@ -359,20 +358,22 @@ def _functions_of(value) -> list:
 
 
 def _make_guard():
-    def blocked_now() -> tuple:
-        """The names blocked by the graded call running now (a local of its frame), or ()."""
+    def blocked_now():
+        """The names blocked by the graded call running now (a local of its frame), or None
+        outside a graded call."""
         frame = sys._getframe(2)
         while frame is not None:
             if frame.f_code is dispatch:
                 return frame.f_locals.get("blocked", ())
             frame = frame.f_back
-        return ()
+        return None
 
     def guard(name: str) -> None:
         caller = sys._getframe(2).f_code  # 0: here, 1: the guarded function, 2: its caller
         if library.get(id(caller)) is caller:
             return
-        if name.startswith(_CHECKS_PREFIX + ".") or name in blocked_now():
+        blocked = blocked_now()
+        if blocked is not None and (name.startswith(_CHECKS_PREFIX + ".") or name in blocked):
             raise GradingError(
                 f"{name} is unavailable while question {_state['question']!r} is graded: write "
                 "it yourself"
@@ -437,6 +438,8 @@ def _guard_function(fn, dotted: str) -> bool:
             and candidate.co_freevars == code.co_freevars
         ):
             fn.__globals__[_GUARD_NAME] = _GUARD
+            if filename.startswith(_KVLIB_DIR) and not filename.startswith(_COURSE_DIR):
+                _walk_codes(candidate, _state["library_codes"])  # still library code
             fn.__code__ = candidate
             _GUARDED_CODES[cache_key] = candidate
             return True
@@ -466,7 +469,9 @@ def install_guards(names: tuple[str, ...], question_id: str) -> list[str]:
         _state["guarded"][dotted] = True
         try:
             value = _resolve(dotted)
-        except (ImportError, AttributeError, KeyError):
+        except ImportError:
+            continue  # its module is not imported: guarded on import
+        except (AttributeError, KeyError):
             failed.append(dotted)
             continue
         for fn in _functions_of(value):

@@ -23,6 +23,9 @@ def test_rope_at_offset(submission: Submission) -> None:
             f"rope_at_offset should return a {tuple(x.shape)} tensor, got "
             f"{getattr(got, 'shape', type(got).__name__)}"
         )
+        assert got.dtype == x.dtype, (
+            f"rope_at_offset should keep the input's dtype {x.dtype}, got {got.dtype}"
+        )
         assert_close(
             got,
             expected,
@@ -42,7 +45,7 @@ def test_static_cache_insert(submission: Submission) -> None:
     for t in (4, 1, 1, 3):
         k_new = torch.randn(2, 3, t, 4, generator=generator)
         expected[:, :, length : length + t] = k_new
-        call = insert.call(buffer, length, k_new)
+        call = insert.call(buffer, length, k_new, _options={"mutates": {0}, "may_alias": True})
         view, buffer = call.result, call.args[0]
         assert isinstance(view, torch.Tensor) and view.shape == (2, 3, length + t, 4), (
             f"after writing {t} tokens at length {length}, return the (B, H, {length + t}, D) "

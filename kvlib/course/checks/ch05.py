@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.course.grading import ATTENTION_API, MEMORY_API, Submission, question
+from kvlib.course.grading import (
+    ATTENTION_API,
+    MEMORY_API,
+    Submission,
+    expect_tensor,
+    question,
+)
 from kvlib.gqa import pool_kv_heads
 from kvlib.memory import kv_cache_bytes
 from kvlib.ops.attention import grouped_attention
@@ -15,25 +21,41 @@ from kvlib.testing import assert_close
 _ATTENTION_API = ATTENTION_API
 
 
-def _qkv(batch, heads, kv_heads, queries, keys, dim, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, queries, dim, generator=g)
+def _qkv(batch, heads, kv_heads, queries, keys, dim, seed, *, mask="causal", scale=1.0, g=None):
+    g = torch.Generator().manual_seed(seed) if g is None else g
+    q = torch.randn(batch, heads, queries, dim, generator=g) * scale
     k = torch.randn(batch, kv_heads, keys, dim, generator=g)
     v = torch.randn(batch, kv_heads, keys, dim, generator=g)
-    mask = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+    if mask == "causal":
+        mask = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+    else:  # any pattern (a sliding window, padding, a tree of drafts): one key per row at least
+        mask = torch.rand(queries, keys, generator=g) < 0.5
+        mask[torch.arange(queries), torch.randint(keys, (queries,), generator=g)] = True
     return q, k, v, mask
 
 
 @question(function="grouped_attention", blocked=_ATTENTION_API)
 def test_grouped_attention(submission: Submission) -> None:
     attend = submission.function("grouped_attention")
-    for batch, heads, kv_heads, queries, keys in (
-        (1, 4, 4, 3, 3),  # MHA
-        (2, 8, 2, 1, 17),  # GQA decode
-        (1, 6, 3, 4, 9),  # GQA, a chunk after 5 cached tokens
-        (2, 4, 1, 5, 5),  # MQA prefill
+    g = submission.torch_generator()
+    random_cases = []
+    for _ in range(2):  # drawn per run (seeded from the answer's source)
+        kv_heads, group = (int(x) for x in torch.randint(1, 4, (2,), generator=g))
+        queries = int(torch.randint(1, 6, (1,), generator=g))
+        keys = queries + int(torch.randint(0, 12, (1,), generator=g))
+        random_cases.append((2, kv_heads * group, kv_heads, queries, keys, "random", 1.0))
+    for batch, heads, kv_heads, queries, keys, mask_kind, scale in (
+        (1, 4, 4, 3, 3, "causal", 1.0),  # MHA
+        (2, 8, 2, 1, 17, "causal", 1.0),  # GQA decode
+        (1, 6, 3, 4, 9, "causal", 1.0),  # GQA, a chunk after 5 cached tokens
+        (2, 4, 1, 5, 5, "causal", 1.0),  # MQA prefill
+        (1, 4, 2, 4, 7, "random", 1.0),  # a mask that is not causal
+        (1, 4, 2, 3, 6, "causal", 200.0),  # scores in the thousands: exp overflows unshifted
+        *random_cases,
     ):
-        q, k, v, mask = _qkv(batch, heads, kv_heads, queries, keys, 8, seed=keys)
+        q, k, v, mask = _qkv(
+            batch, heads, kv_heads, queries, keys, 8, seed=keys, mask=mask_kind, scale=scale, g=g
+        )
         call = attend.call(q, k, v, mask, _options={"torch_ops": True})
         got = call.result
         assert not any("scaled_dot_product" in op for op in call.info.get("torch_ops", ())), (
@@ -42,14 +64,19 @@ def test_grouped_attention(submission: Submission) -> None:
             "yourself"
         )
         expected = grouped_attention(q, (k, v), mask[None])
-        assert isinstance(got, torch.Tensor), (
-            f"grouped_attention should return a torch.Tensor, got {type(got).__name__}"
+        what = (
+            f"grouped_attention with B={batch}, H={heads}, H_kv={kv_heads}, T={queries}, S={keys}"
+            f", a {mask_kind} mask" + (f", queries scaled by {scale:g}" if scale != 1 else "")
+        )
+        expect_tensor(got, expected, what)
+        assert torch.isfinite(got).all(), (
+            f"{what}: your output has non-finite values (subtract each row's maximum score "
+            "before exponentiating, or use torch.softmax)"
         )
         assert_close(
             got,
             expected,
-            name=f"grouped_attention with B={batch}, H={heads}, H_kv={kv_heads}, T={queries}, "
-            f"S={keys} (query head h reads KV head h // G)",
+            name=f"{what} (query head h reads KV head h // G; the mask as given)",
             rtol=1e-4,
             atol=1e-5,
         )
@@ -115,6 +142,11 @@ _BUDGET_CONFIGS = [
          "torch_dtype": "bfloat16"},
         8192, 16, 80 * 10**9,
     ),
+    (  # exactly the bytes of H_kv = 8: a budget that is met fits
+        {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096,
+         "torch_dtype": "bfloat16"},
+        8192, 16, 8 * 2 * 32 * 128 * 2 * 8192 * 16,
+    ),
     (
         {"num_hidden_layers": 30, "num_attention_heads": 9, "hidden_size": 576,
          "torch_dtype": "float32"},
@@ -155,7 +187,20 @@ def _kv_heads_for_budget(config, seq_len, batch_size, budget_bytes):
 )
 def test_kv_heads_for_budget(submission: Submission) -> None:
     kv_heads_for_budget = submission.function("kv_heads_for_budget")
-    for config, seq_len, batch_size, budget in _BUDGET_CONFIGS:
+    rng = submission.rng()
+    random_cases = []
+    for _ in range(3):  # drawn per run (seeded from the answer's source)
+        heads = int(rng.choice([8, 12, 16, 32, 40]))
+        config = {
+            "num_hidden_layers": int(rng.integers(1, 80)),
+            "num_attention_heads": heads,
+            "hidden_size": heads * int(rng.choice([64, 96, 128])),
+            "torch_dtype": str(rng.choice(["bfloat16", "float32"])),
+        }
+        seq_len, batch_size = int(rng.integers(1, 32768)), int(rng.integers(1, 64))
+        full = 2 * config["num_hidden_layers"] * config["hidden_size"] * seq_len * batch_size * 4
+        random_cases.append((config, seq_len, batch_size, int(rng.integers(0, full))))
+    for config, seq_len, batch_size, budget in [*_BUDGET_CONFIGS, *random_cases]:
         expected = _kv_heads_for_budget(config, seq_len, batch_size, budget)
         got = kv_heads_for_budget(dict(config), seq_len, batch_size, budget)
         assert isinstance(got, int) and not isinstance(got, bool), (

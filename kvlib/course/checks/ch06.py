@@ -46,6 +46,9 @@ def test_absorbed_scores(submission: Submission) -> None:
             f"with B={batch}, H={heads}, T={queries}, S={keys}: expected scores of shape "
             f"{(batch, heads, queries, keys)}, got {tuple(got.shape)}"
         )
+        assert got.dtype == inputs[0].dtype, (
+            f"absorbed_scores should keep the inputs' dtype {inputs[0].dtype}, got {got.dtype}"
+        )
         assert_close(
             got.double(),
             _expanded_scores(*inputs),

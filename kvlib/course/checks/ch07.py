@@ -17,11 +17,20 @@ def _slots(block_table, positions, block_size):
 @question(function="slot_mapping")
 def test_slot_mapping(submission: Submission) -> None:
     slot_mapping = submission.function("slot_mapping")
+    rng = submission.rng()
+    random_cases = []
+    for _ in range(3):  # drawn per run (seeded from the answer's source)
+        block_size = int(rng.choice([1, 2, 4, 16]))
+        table = [int(b) for b in rng.permutation(40)[: int(rng.integers(1, 8))]]
+        positions = [int(p) for p in rng.integers(0, len(table) * block_size, size=10)]
+        random_cases.append((table, positions, block_size))
     for block_table, positions, block_size in (
         ([0], [0, 1, 2], 4),
         ([7, 2, 5], list(range(12)), 4),
         ([3, 9], [17, 16, 0, 31], 16),
         ([11, 4, 8, 1], [5, 6, 7], 2),
+        ([5, 3], [], 4),
+        *random_cases,
     ):
         got = slot_mapping(list(block_table), list(positions), block_size)
         expected = _slots(block_table, positions, block_size)
@@ -69,7 +78,9 @@ def test_append_token(submission: Submission) -> None:
         state = (list(table), dict(ref_cnt), list(free))
         expected_state = copy.deepcopy(state)
         expected = _append_token(*expected_state[:1], num_tokens, *expected_state[1:], block_size)
-        call = append_token.call(state[0], num_tokens, state[1], state[2], block_size)
+        call = append_token.call(
+            state[0], num_tokens, state[1], state[2], block_size, _options={"mutates": {0, 2, 3}}
+        )
         got = call.result
         state = (call.args[0], call.args[2], call.args[3])
         assert isinstance(got, tuple) and len(got) == 2, (

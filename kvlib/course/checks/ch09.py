@@ -50,7 +50,7 @@ def test_repack(submission: Submission) -> None:
         slots = torch.arange(n * 3, dtype=torch.float32).view(n, 3)  # row i: token i's K (say)
         original = slots.clone()
         survivors = [i for i in range(n) if live[i]]
-        call = repack.call(slots, torch.tensor(live, dtype=torch.bool))
+        call = repack.call(slots, torch.tensor(live, dtype=torch.bool), _options={"mutates": {0}})
         got, slots = call.result, call.args[0]
         expected = len(plan_repack(live))
         assert isinstance(slots, torch.Tensor) and slots.shape == (n, 3), (
