@@ -1721,3 +1721,22 @@ def test_random_cases_are_reproducible_and_follow_the_answer(tmp_path):
     )
     message = grade_notebook(other, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"]).questions[0]
     assert message.message.split("seed ")[1] != messages[0].split("seed ")[1]
+
+
+def test_check_leaves_the_notebook_process_usable(capsys):
+    """check() guards kvlib and the check modules in the notebook's process: only while a graded
+    call runs, so the library (and grading in the same process) works as before afterwards."""
+    from kvlib.course.checks.ch07 import _slots
+    from kvlib.course.grading import check
+
+    namespace: dict = {}
+    exec(
+        "def slot_mapping(block_table, positions, block_size):\n"
+        "    return [block_table[t // block_size] * block_size + t % block_size for t in "
+        "positions]\n",
+        namespace,
+    )
+    assert check("slot_mapping", namespace["slot_mapping"]) is True
+    assert _slots([3], [1], 4) == [13]  # outside a graded call, the oracle is usable
+    report = grade_notebook(ROOT / "solutions" / "07_paged_cache.ipynb", only=["slot_mapping"])
+    assert report.score == 1, report.table()

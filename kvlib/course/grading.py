@@ -371,6 +371,8 @@ def run_question(q: Question, side, errors: list[str]) -> tuple[bool, str]:
     except AssertionError as exc:
         message = str(exc) or "the check failed"
     except LearnerRaised as exc:
+        if exc.type_name == "NotImplementedError":  # not written yet: no case to reproduce
+            return False, _shorten(str(exc))
         message = str(exc)
     except QuestionTimeout as exc:
         return False, str(exc)
@@ -489,10 +491,11 @@ def _peer_main(read_fd: int, write_fd: int, question_id: str, timeout_s: float =
 
 
 def _find_question(question_id: str) -> Question:
-    for chapter in sorted(
-        p.stem.removeprefix("ch") for p in Path(__file__).with_name("checks").glob("ch[0-9]*.py")
-    ):
-        chapter_questions(chapter)
+    files = sorted(Path(__file__).with_name("checks").glob("ch[0-9]*.py"))
+    # import only the chapter that defines it (each chapter's imports cost seconds)
+    owners = [p for p in files if f"def test_{question_id}(" in p.read_text(encoding="utf-8")]
+    for path in owners or files:
+        chapter_questions(path.stem.removeprefix("ch"))
     if question_id not in _QUESTIONS:
         raise ValueError(
             f"question_id: unknown question {question_id!r}; known: {sorted(_QUESTIONS)}"

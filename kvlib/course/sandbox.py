@@ -373,7 +373,12 @@ def _make_guard():
         if library.get(id(caller)) is caller:
             return
         blocked = blocked_now()
-        if blocked is not None and (name.startswith(_CHECKS_PREFIX + ".") or name in blocked):
+        if blocked is not None and name.startswith(_CHECKS_PREFIX + "."):
+            raise GradingError(
+                f"{name} is the grader's own check code, unavailable to your answer: write it "
+                "yourself"
+            )
+        if blocked is not None and name in blocked:
             raise GradingError(
                 f"{name} is unavailable while question {_state['question']!r} is graded: write "
                 "it yourself"

