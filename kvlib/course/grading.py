@@ -420,26 +420,31 @@ def check(question_id: str, function: Callable) -> bool | None:
         return None
     from kvlib.course.sandbox import Channel, ChannelClosed, serve
 
-    to_grader_r, to_grader_w = os.pipe()
-    to_learner_r, to_learner_w = os.pipe()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvlib.course.grading", "--peer", str(to_grader_r),
-         str(to_learner_w), question_id],
-        pass_fds=(to_grader_r, to_learner_w),
-        env=_child_env(),
-        stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    os.close(to_grader_r)
-    os.close(to_learner_w)
-    channel = Channel(to_learner_r, to_grader_w, trusted=True)
+    global _CHECKER
+    if _CHECKER is None or _CHECKER[0].poll() is not None:
+        # one grader subprocess serves this notebook's checks (its imports are paid once)
+        to_grader_r, to_grader_w = os.pipe()
+        to_learner_r, to_learner_w = os.pipe()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvlib.course.grading", "--peer", str(to_grader_r),
+             str(to_learner_w)],
+            pass_fds=(to_grader_r, to_learner_w),
+            env=_child_env(),
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        os.close(to_grader_r)
+        os.close(to_learner_w)
+        _CHECKER = (process, Channel(to_learner_r, to_grader_w, trusted=True))
+    process, channel = _CHECKER
     try:
+        channel.send(("question", question_id))
         verdict = serve(channel, _OnlyFunction(function), until="verdict")
     except ChannelClosed:
+        _stop_checker()
         verdict = ("verdict", False, "the grader ended unexpectedly", 0)
-    finally:
-        os.close(to_learner_r)
-        os.close(to_grader_w)
-        process.wait()
+    except BaseException:  # an interrupt mid-question: the next check starts a fresh grader
+        _stop_checker()
+        raise
     _, passed, message, points = verdict
     if passed is None:
         raise ValueError(message)
@@ -448,6 +453,22 @@ def check(question_id: str, function: Callable) -> bool | None:
         return True
     print(f"❌ {question_id}: {message}")
     return False
+
+
+_CHECKER = None  # check()'s grader subprocess and its channel
+
+
+def _stop_checker() -> None:
+    global _CHECKER
+    if _CHECKER is not None:
+        process, channel = _CHECKER
+        _CHECKER = None
+        for fd in (channel.read_fd, channel.write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(Exception):
+            process.kill()
+            process.wait()
 
 
 class _PeerSide:
@@ -470,23 +491,33 @@ class _PeerSide:
             raise ProcessEnded("the notebook's process ended") from None
 
 
-def _peer_main(read_fd: int, write_fd: int, question_id: str, timeout_s: float = 60.0) -> None:
-    """check()'s grader subprocess: run the question against the notebook, send the verdict."""
-    from kvlib.course.sandbox import Channel
+def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 60.0) -> None:
+    """check()'s grader subprocess: for each question the notebook asks for, run its test against
+    the notebook and send the verdict; ends when the notebook goes, or after a timeout (the
+    notebook's side is then out of step)."""
+    from kvlib.course.sandbox import Channel, ChannelClosed
 
     channel = Channel(read_fd, write_fd, trusted=False)
-    try:
-        q = _find_question(question_id)
-    except ValueError as exc:
-        channel.send(("verdict", None, str(exc), 0))
-        return
-    side = _PeerSide(channel, time.monotonic() + timeout_s)
-    side.timeout_s = timeout_s
-    try:
-        passed, message = run_question(q, side, [])
-    except (QuestionTimeout, ProcessEnded) as exc:
-        passed, message = False, str(exc)
-    with contextlib.suppress(Exception):
+    while True:
+        try:
+            request = channel.recv()
+        except ChannelClosed:
+            return
+        if not (isinstance(request, tuple) and len(request) == 2 and request[0] == "question"):
+            return
+        try:
+            q = _find_question(str(request[1]))
+        except ValueError as exc:
+            channel.send(("verdict", None, str(exc), 0))
+            continue
+        side = _PeerSide(channel, time.monotonic() + timeout_s)
+        side.timeout_s = timeout_s
+        try:
+            passed, message = run_question(q, side, [])
+        except (QuestionTimeout, ProcessEnded) as exc:
+            with contextlib.suppress(Exception):
+                channel.send(("verdict", False, str(exc), q.points))
+            return
         channel.send(("verdict", passed, message, q.points))
 
 
@@ -860,8 +891,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__" and len(sys.argv) >= 5 and sys.argv[1] == "--peer":
+if __name__ == "__main__" and len(sys.argv) >= 4 and sys.argv[1] == "--peer":
     # check()'s grader: run as the imported module, where the checks register their questions
     from kvlib.course import grading as _grading
 
-    _grading._peer_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    _grading._peer_main(int(sys.argv[2]), int(sys.argv[3]))
