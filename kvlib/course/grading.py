@@ -18,8 +18,12 @@ replaces). The learner's code never runs in the process that holds a test:
 The kvlib functions a question replaces are unavailable to the learner's code while a graded call
 runs (blocking by provenance, see `kvlib.course.sandbox`), and so are the check modules'.
 
-What it does not do: sandbox untrusted code from the machine (learner code runs with the
-learner's permissions, on the learner's machine) or grade prose.
+What the learner's process measures (the torch operators a call ran, its peak allocations, the
+reads a RowReadCounter counted, whether a result aliases an input) is measured there, by code
+that the learner's code could patch; what it cannot reach is the test, the expected values and the
+verdict. Nor does the grader sandbox the machine (learner code runs with the learner's
+permissions, on the learner's machine) or grade prose. check() enforces no timeout in the
+notebook: its grader gives up after 60 s, the cell runs until interrupted.
 """
 
 from __future__ import annotations
