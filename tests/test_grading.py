@@ -4,6 +4,7 @@ hostile learner code lose exactly the question they touch."""
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -1147,3 +1148,595 @@ def test_check_in_the_notebook_blocks_what_the_grader_blocks(capsys):
     assert check("stable_softmax", namespace["stable_softmax"]) is False
     assert "kvlib.ref.attention.softmax is unavailable" in capsys.readouterr().out
     assert namespace["softmax"] is softmax  # restored afterwards
+
+
+# --- issue 34: one regression test per class of hole --------------------------------------------
+
+EXERCISE_01 = ROOT / "exercises" / "01_naive_vs_cached.ipynb"
+
+
+def with_cells(path: Path, sources: list[str], tmp_path: Path, *, at: int | None = None) -> Path:
+    """A copy of `path` with code cells `sources` inserted at index `at` (default: the end)."""
+    notebook = nbformat.read(path, as_version=4)
+    cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    index = len(notebook.cells) if at is None else at
+    notebook.cells[index:index] = cells
+    out = tmp_path / path.name
+    nbformat.write(notebook, out)
+    return out
+
+
+# Class 1 and 2: the verdict cannot be forged, the test cannot be disabled or read. Each snippet
+# is an extra cell after an untouched exercise 01, whose kv_cache_bytes must still score 0.
+FORGERIES = [
+    # the old forge: write a passing result file at exit
+    "import atexit, json, os\n"
+    "for key in ('KVLIB_RESULT', 'KVLIB_SUBMISSION'):\n"
+    "    if key in os.environ:\n"
+    "        atexit.register(lambda p=os.environ[key]: open(p, 'w').write(json.dumps("
+    "{'passed': True, 'message': ''})))\n",
+    # read the expected value from the caller's frames
+    "import sys\n\n"
+    "def kv_cache_bytes(*args):\n"
+    "    frame = sys._getframe(1)\n"
+    "    while frame is not None:\n"
+    "        if 'expected' in frame.f_locals:\n"
+    "            return frame.f_locals['expected']\n"
+    "        frame = frame.f_back\n"
+    "    return -1\n",
+    # disable the test by replacing its code
+    "import kvlib.course.checks.ch01 as checks\n"
+    "checks.test_kv_cache_bytes.__code__ = (lambda submission: None).__code__\n",
+    # replace the oracle, then agree with it
+    "import kvlib.course.checks.ch01 as checks\n"
+    "checks.dense_kv_cache_bytes = lambda *args: 0\n\n"
+    "def kv_cache_bytes(*args):\n"
+    "    return 0\n",
+    # the oracle through a check module re-export
+    "from kvlib.course.checks.ch01 import dense_kv_cache_bytes as kv_cache_bytes\n",
+    # a reply frame that would run code when unpickled, written straight onto the reply pipe
+    "import os, pickle, struct, sys\n\n"
+    "class Evil:\n"
+    "    def __reduce__(self):\n"
+    "        return (os.system, ('touch ' + os.environ.get('FORGE_MARKER', '/nonexistent/x'),))\n\n"
+    "def kv_cache_bytes(*args):\n"
+    "    data = pickle.dumps(('returned', Evil(), None, ('P', None)))\n"
+    "    for fd in range(3, 64):\n"
+    "        try:\n"
+    "            os.write(fd, struct.pack('<Q', len(data)) + data)\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "    os._exit(0)\n",
+]
+
+
+@pytest.mark.parametrize("source", FORGERIES, ids=[f"forgery-{i}" for i in range(len(FORGERIES))])
+def test_forged_verdicts_score_zero(source, tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("FORGE_MARKER", str(marker))
+    path = with_cells(EXERCISE_01, [source], tmp_path)
+    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"])
+    assert report.score == 0, report.table()
+    assert not marker.exists(), "the grader ran code from the learner's reply"
+
+
+# Class 3: blocking by provenance, twins included. (notebook, question, answer, phrase)
+BLOCKED_ANSWERS = [
+    (
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        "from kvlib.ref.attention import softmax\n\n"
+        "def stable_softmax(x, _impl=softmax):  # captured as a default argument\n"
+        "    return _impl(x)\n",
+        "unavailable",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        "import importlib\nimport kvlib.ref.attention as A\n\nA = importlib.reload(A)\n\n"
+        "def stable_softmax(x):\n    return A.softmax(x)\n",
+        "unavailable",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        "import sys\nimport kvlib.ref.attention\n\nold = sys.modules.pop('kvlib.ref.attention')\n"
+        "import kvlib.ref.attention  # noqa: E402 a fresh module\n\n"
+        "def stable_softmax(x):\n    return old.softmax(x)\n",
+        "unavailable",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        "import types\nfrom kvlib.ref.attention import softmax\n\n"
+        "copy = types.FunctionType(softmax.__code__, softmax.__globals__, 'copy', "
+        "softmax.__defaults__)\n\n"
+        "def stable_softmax(x):\n    return copy(x)\n",
+        "unavailable",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        "import kvlib.ref.attention as A\n\n"
+        "namespace = {'__name__': 'kvlib.ref.fake', 'softmax': A.softmax}\n"
+        "exec(compile('def stable_softmax(x):\\n    return softmax(x)\\n', A.__file__, 'exec'), "
+        "namespace)\nstable_softmax = namespace['stable_softmax']\n",
+        "unavailable",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        "from kvlib.ref.attention import softmax\n\n"
+        "def stable_softmax(x):\n    return softmax.__kwdefaults__['_original'](x)\n",
+        "TypeError",
+    ),
+    (
+        "07_paged_cache.ipynb",
+        "slot_mapping",
+        "from kvlib.course.checks.ch07 import _slots as slot_mapping\n",
+        "unavailable",
+    ),
+    (
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        "from kvlib.ops.attention import get_backend\n\n"
+        "def grouped_attention(q, k, v, mask):\n"
+        "    return get_backend('grouped')(q, (k, v), mask[None])\n",
+        "unavailable",
+    ),
+    (
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        "def grouped_attention(q, k, v, mask):\n"
+        "    g = q.shape[1] // k.shape[1]\n"
+        "    with torch._C.DisableTorchFunction():\n"
+        "        return torch.nn.functional.scaled_dot_product_attention(\n"
+        "            q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask\n"
+        "        )\n",
+        "scaled_dot_product_attention",
+    ),
+    (
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        "def grouped_attention(q, k, v, mask):\n"
+        "    g = q.shape[1] // k.shape[1]\n"
+        "    return torch.ops.aten._scaled_dot_product_attention_math(\n"
+        "        q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask\n"
+        "    )[0]\n",
+        "scaled_dot_product_attention",
+    ),
+    (
+        "05_gqa_mqa.ipynb",
+        "kv_heads_for_budget",
+        "from kvlib.memory import cache_report\n\n"
+        "def kv_heads_for_budget(config, seq_len, batch_size, budget_bytes):\n"
+        "    heads = config['num_attention_heads']\n"
+        "    fits = [h for h in range(1, heads + 1) if heads % h == 0 and cache_report(\n"
+        "        {**config, 'model_type': 'llama', 'num_key_value_heads': h}, seq_len,\n"
+        "        batch_size=batch_size).total_bytes <= budget_bytes]\n"
+        "    return max(fits, default=0)\n",
+        "unavailable",
+    ),
+    (
+        "10_quantized_cache.ipynb",
+        "bytes_per_token",
+        "from kvlib.quant import QuantScheme\n\n"
+        "def bytes_per_token(num_layers, num_kv_heads, head_dim, bits, group_size, scale_bytes):\n"
+        "    dtype = {2: torch.float16, 4: torch.float32}[scale_bytes]\n"
+        "    scheme = QuantScheme(f'int{bits}', False, 'channels', group_size, dtype)\n"
+        "    return num_layers * num_kv_heads * 2 * scheme.bytes_per_vector(head_dim)\n",
+        "unavailable",
+    ),
+    (
+        "02_cache_in_a_transformer.ipynb",
+        "rope_at_offset",
+        "from kvlib.model import rope_inverse_frequencies, rotate_half\n\n"
+        "def rope_at_offset(x, offset, theta):\n"
+        "    t, d = x.shape\n"
+        "    positions = torch.arange(offset, offset + t, dtype=torch.float32)[:, None]\n"
+        "    angles = positions * rope_inverse_frequencies(d, theta)\n"
+        "    angles = torch.cat([angles, angles], dim=-1)\n"
+        "    return x * angles.cos() + rotate_half(x) * angles.sin()\n",
+        "unavailable",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "notebook,question,source,phrase",
+    BLOCKED_ANSWERS,
+    ids=[f"{q}-{i}" for i, (_, q, _, _) in enumerate(BLOCKED_ANSWERS)],
+)
+def test_blocked_functions_stay_blocked(notebook, question, source, phrase, tmp_path):
+    path = with_cell_replaced(ROOT / "solutions" / notebook, question, source, tmp_path)
+    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
+    (result,) = report.questions
+    assert not result.passed and phrase in result.message, report.table()
+
+
+# Class 4: a Triton question needs a real @triton.jit kernel, run under the interpreter.
+def test_triton_questions_require_a_jit_kernel(tmp_path):
+    source = (
+        "class reduce_kernel:  # indexing returns a torch function, not a Triton launch\n"
+        "    def __class_getitem__(cls, grid):\n"
+        "        def run(partial_out, partial_lse, out, num_splits, **meta):\n"
+        "            w = torch.softmax(partial_lse, -1)\n"
+        "            out.copy_((w[..., None] * partial_out).sum(1))\n"
+        "        return run\n"
+    )
+    path = with_cell_replaced(
+        ROOT / "solutions" / "11_triton_decode.ipynb", "reduce_kernel", source, tmp_path
+    )
+    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=["reduce_kernel"])
+    (result,) = report.questions
+    assert not result.passed and "@triton.jit kernel" in result.message, report.table()
+
+
+# Class 5: allocation limits count peak bytes, numpy's included, and say what they measured.
+ALLOCATION_ANSWERS = [
+    (
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        "import numpy as np\n\n"
+        "def grouped_attention(q, k, v, mask):  # repeats K/V in numpy, where torch cannot see\n"
+        "    g = q.shape[1] // k.shape[1]\n"
+        "    k = torch.from_numpy(np.repeat(k.numpy(), g, axis=1))\n"
+        "    v = torch.from_numpy(np.repeat(v.numpy(), g, axis=1))\n"
+        "    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, "
+        "float('-inf'))\n"
+        "    return torch.softmax(scores, dim=-1) @ v\n",
+        False,
+        "numpy/Python",
+    ),
+    (
+        "06_mla.ipynb",
+        "absorbed_scores",
+        "def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):  # right, in float64\n"
+        "    d_h, d_r = q_nope.shape[-1], q_rope.shape[-1]\n"
+        "    q_latent = torch.einsum('bhtd,hdc->bhtc', q_nope.double(), w_uk.double())\n"
+        "    content = q_latent @ latent.double()[:, None].transpose(-1, -2)\n"
+        "    rotary = q_rope.double() @ rope_key.double()[:, None].transpose(-1, -2)\n"
+        "    return ((content + rotary) / math.sqrt(d_h + d_r)).float()\n",
+        True,
+        "",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "notebook,question,source,passes,phrase",
+    ALLOCATION_ANSWERS,
+    ids=[f"{q}-{i}" for i, (_, q, _, _, _) in enumerate(ALLOCATION_ANSWERS)],
+)
+def test_allocation_limits_count_peak_bytes_numpy_included(
+    notebook, question, source, passes, phrase, tmp_path
+):
+    path = with_cell_replaced(ROOT / "solutions" / notebook, question, source, tmp_path)
+    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
+    (result,) = report.questions
+    assert result.passed is passes and phrase in result.message, report.table()
+
+
+# Class 8: robustness.
+def test_uncatchable_timeout_and_stray_threads_and_exit(tmp_path):
+    swallow = (
+        "import time\n\n"
+        "def stable_softmax(x):  # swallows every exception, BaseException included\n"
+        "    while True:\n"
+        "        try:\n"
+        "            time.sleep(0.05)\n"
+        "        except BaseException:\n"
+        "            pass\n"
+    )
+    path = with_cell_replaced(SOLUTION_01, "stable_softmax", swallow, tmp_path)
+    thread = "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()\n"
+    path = with_cells(path, [thread, "import os\nos._exit(0)\n"], tmp_path, at=2)
+    started = time.monotonic()
+    report = grade_notebook(path, timeout_s=15)
+    results = {q.id: q for q in report.questions}
+    assert "timed out" in results["stable_softmax"].message, report.table()
+    # (cached_attention_step calls the notebook's stable_softmax: it hangs too)
+    assert results["kv_cache_bytes"].passed, report.table()
+    assert results["predict_score_entries"].passed, report.table()
+    assert time.monotonic() - started < 150, "a stray thread held the grader up"
+
+
+def test_a_file_that_is_not_a_notebook_is_one_usage_error(tmp_path):
+    for name, text in (("01_text.ipynb", "hello"), ("01_json.ipynb", '{"cells": 3}')):
+        (tmp_path / name).write_text(text)
+        completed = subprocess.run(
+            [sys.executable, "-m", "kvlib.course.grade", str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert completed.returncode == 2, completed.stderr
+        assert "is not a Jupyter notebook" in completed.stderr
+        assert completed.stderr.count("error:") == 1
+
+
+def test_messages_carry_no_assertion_dumps(tmp_path):
+    source = "def stable_softmax(x):\n    return x * 0 + 1 / x.shape[-1]\n"
+    path = with_cell_replaced(SOLUTION_01, "stable_softmax", source, tmp_path)
+    (result,) = grade_notebook(path, timeout_s=TIMEOUT_S, only=["stable_softmax"]).questions
+    assert not result.passed and result.message
+    for dump in ("assert ", "\nE ", "where ", "tensor(", "array("):
+        assert dump not in result.message, result.message
+
+
+# Class 7: check() in the notebook and the grader agree, on a table of answers.
+AGREEMENT_TABLE = [
+    ("01_naive_vs_cached.ipynb", "stable_softmax", None),  # the solution
+    (
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        "%%time\ndef stable_softmax(x):\n    e = np.exp(x - np.max(x, axis=-1, keepdims=True))\n"
+        "    return e / np.sum(e, axis=-1, keepdims=True)\n",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        "from kvlib.ref.attention import softmax\n\n"
+        "print(softmax(np.zeros(3)))  # a library demo\n\n"
+        "def stable_softmax(x):\n    e = np.exp(x - np.max(x, axis=-1, keepdims=True))\n"
+        "    return e / np.sum(e, axis=-1, keepdims=True)\n",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        "def stable_softmax(x):\n    e = np.exp(x)\n"
+        "    return e / np.sum(e, axis=-1, keepdims=True)\n",
+    ),
+    BLOCKED_ANSWERS[0][:3],  # a default argument
+    BLOCKED_ANSWERS[6][:3],  # a check module's oracle
+    BLOCKED_ANSWERS[8][:3],  # SDPA with torch functions disabled
+    ("05_gqa_mqa.ipynb", "mean_pool_kv", None),
+]
+
+_CHECK_SCRIPT = """
+import json, os, sys
+from kvlib.course.grading import check, read_code_cells
+from kvlib.course.sandbox import _cell_code
+verdicts = []
+for path, question, function in json.loads(sys.argv[1]):
+    os.environ["KVLIB_GRADING"] = "1"  # the notebook's own check() cells stay silent
+    namespace = {"__name__": "__main__"}
+    for index, source in enumerate(read_code_cells(path)):
+        try:
+            exec(compile(_cell_code(source), f"<cell {index}>", "exec"), namespace)
+        except BaseException:
+            pass
+    del os.environ["KVLIB_GRADING"]
+    verdicts.append(bool(check(question, namespace.get(function))))
+print("VERDICTS", json.dumps(verdicts))
+"""
+
+
+def test_check_and_the_grader_agree_on_a_table_of_answers(tmp_path):
+    jobs, graded = [], []
+    for index, (notebook, question, source) in enumerate(AGREEMENT_TABLE):
+        folder = tmp_path / str(index)
+        folder.mkdir()
+        solution = ROOT / "solutions" / notebook
+        path = (
+            solution if source is None else with_cell_replaced(solution, question, source, folder)
+        )
+        report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
+        graded.append(report.questions[0].passed)
+        jobs.append((str(path), question, question))
+    completed = subprocess.run(
+        [sys.executable, "-c", _CHECK_SCRIPT, json.dumps(jobs)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    line = [x for x in completed.stdout.splitlines() if x.startswith("VERDICTS")]
+    assert line, completed.stdout[-2000:] + completed.stderr[-2000:]
+    checked = json.loads(line[0].removeprefix("VERDICTS "))
+    assert checked == graded, list(zip(AGREEMENT_TABLE, graded, checked))
+    assert graded == [True, True, True, False, False, False, False, True]
+
+
+# Class 6: the tests cover what they claim. (notebook, question, answer, phrase)
+_GROUPED = (
+    "def grouped_attention(q, k, v, mask):\n"
+    "    B, H, T, D = q.shape\n"
+    "    H_kv, S = k.shape[1], k.shape[2]\n"
+    "    G = H // H_kv\n"
+    "    scores = (q.reshape(B, H_kv, G * T, D) @ k.transpose(-1, -2) / math.sqrt(D))\n"
+    "    scores = scores.view(B, H_kv, G, T, S).masked_fill(~MASK, float('-inf'))\n"
+    "    weights = SOFTMAX.view(B, H_kv, G * T, S)\n"
+    "    return (weights @ v).view(B, H, T, D)OUT\n"
+)
+
+
+def _grouped(mask="mask", softmax="torch.softmax(scores, dim=-1)", out=""):
+    return _GROUPED.replace("MASK", mask).replace("SOFTMAX", softmax).replace("OUT", out)
+
+
+COVERAGE_ANSWERS = [
+    (  # ignores the mask it is given: builds a causal one
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        _grouped(mask="torch.ones(T, S, dtype=torch.bool).tril(S - T)"),
+        "a random mask",
+    ),
+    (  # an unstable softmax: exp of raw scores
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        _grouped(softmax="(scores.exp() / scores.exp().sum(-1, keepdim=True))"),
+        "non-finite",
+    ),
+    (  # right values, wrong dtype
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        _grouped(out=".double()"),
+        "dtype",
+    ),
+    (  # a budget met exactly does not fit (< instead of <=)
+        "05_gqa_mqa.ipynb",
+        "kv_heads_for_budget",
+        "def kv_heads_for_budget(config, seq_len, batch_size, budget_bytes):\n"
+        "    heads = config['num_attention_heads']\n"
+        "    head_dim = config.get('head_dim') or config['hidden_size'] // heads\n"
+        "    per_head = 2 * config['num_hidden_layers'] * head_dim * "
+        "BYTES_PER_ELEMENT[config['torch_dtype']] * seq_len * batch_size\n"
+        "    fits = [h for h in range(1, heads + 1) if heads % h == 0 and h * per_head < "
+        "budget_bytes]\n"
+        "    return max(fits, default=0)\n",
+        "expected H_kv = 8",
+    ),
+    (  # recency by index, not by position
+        "08_eviction.ipynb",
+        "streaming_keep",
+        "def streaming_keep(positions, budget, num_sinks):\n"
+        "    if len(positions) <= budget:\n"
+        "        return [True] * len(positions)\n"
+        "    keep = [p < num_sinks for p in positions]\n"
+        "    room = budget - sum(keep)\n"
+        "    for i in range(len(positions) - 1, -1, -1):\n"
+        "        if room and not keep[i]:\n"
+        "            keep[i], room = True, room - 1\n"
+        "    return keep\n",
+        "slot order",
+    ),
+    (  # window 0 keeps everything through votes[:, -0:]
+        "08_eviction.ipynb",
+        "snapkv_select",
+        "def snapkv_select(votes, budget, window, kernel_size):\n"
+        "    h_kv, s = votes.shape\n"
+        "    if s <= budget:\n"
+        "        return torch.arange(s).expand(h_kv, s).clone()\n"
+        "    pooled = torch.nn.functional.max_pool1d(votes[:, None], kernel_size, 1, "
+        "kernel_size // 2)[:, 0]\n"
+        "    pooled[:, -window:] = float('inf')\n"
+        "    return pooled.sort(dim=1, descending=True, stable=True).indices[:, :budget]"
+        ".sort(dim=1).values\n",
+        "window 0",
+    ),
+    (  # float indices
+        "08_eviction.ipynb",
+        "snapkv_select",
+        "def snapkv_select(votes, budget, window, kernel_size):\n"
+        "    h_kv, s = votes.shape\n"
+        "    if s <= budget:\n"
+        "        return torch.arange(s).expand(h_kv, s).float()\n"
+        "    pooled = torch.nn.functional.max_pool1d(votes[:, None], kernel_size, 1, "
+        "kernel_size // 2)[:, 0]\n"
+        "    pooled[:, s - window:] = float('inf')\n"
+        "    return pooled.sort(dim=1, descending=True, stable=True).indices[:, :budget]"
+        ".sort(dim=1).values.float()\n",
+        "integers",
+    ),
+    (  # mutates its input
+        "07_paged_cache.ipynb",
+        "slot_mapping",
+        "def slot_mapping(block_table, positions, block_size):\n"
+        "    slots = [block_table[t // block_size] * block_size + t % block_size for t in "
+        "positions]\n"
+        "    block_table.clear()\n"
+        "    return slots\n",
+        "changed its argument 1",
+    ),
+    (
+        "12_serving_engine.ipynb",
+        "schedule_step",
+        "def schedule_step(running, waiting, token_budget, max_num_seqs):\n"
+        "    plan, budget = [], token_budget\n"
+        "    while running and budget:\n"
+        "        request_id, left = running.pop(0)\n"
+        "        plan.append((request_id, min(left, budget)))\n"
+        "        budget -= plan[-1][1]\n"
+        "    count = len(plan)\n"
+        "    for request_id, left in waiting:\n"
+        "        if budget == 0 or count >= max_num_seqs:\n"
+        "            break\n"
+        "        plan.append((request_id, min(left, budget)))\n"
+        "        budget -= plan[-1][1]\n"
+        "        count += 1\n"
+        "    return plan\n",
+        "changed its argument 1",
+    ),
+    (
+        "09_compaction.ipynb",
+        "repack",
+        "def repack(slots, live):\n"
+        "    survivors = live.nonzero()[:, 0]\n"
+        "    destinations = torch.arange(len(survivors))\n"
+        "    moved = survivors != destinations\n"
+        "    slots[destinations[moved]] = slots[survivors[moved]]\n"
+        "    live.zero_()\n"
+        "    return int(moved.sum())\n",
+        "changed its argument 2",
+    ),
+    (  # returns its input when there is nothing to pool
+        "05_gqa_mqa.ipynb",
+        "mean_pool_kv",
+        "def mean_pool_kv(weight, num_kv_heads, head_dim):\n"
+        "    old_heads = weight.shape[0] // head_dim\n"
+        "    if old_heads == num_kv_heads:\n"
+        "        return weight\n"
+        "    heads = weight.reshape(num_kv_heads, old_heads // num_kv_heads, head_dim, -1)\n"
+        "    return heads.mean(dim=1).reshape(num_kv_heads * head_dim, weight.shape[1])\n",
+        "returned its argument 1",
+    ),
+    (  # hard-coded answers for the fixed cases, a wrong formula elsewhere
+        "01_naive_vs_cached.ipynb",
+        "kv_cache_bytes",
+        "def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):\n"
+        "    known = {(32, 32, 128, 2, 1): 524288, (32, 32, 128, 2, 4096): 2147483648,\n"
+        "             (80, 8, 128, 2, 1000): 327680000, (1, 1, 16, 8, 0): 0}\n"
+        "    key = (num_layers, num_heads, head_dim, bytes_per_element, seq_len)\n"
+        "    return known.get(key, 2 * num_layers * head_dim * bytes_per_element * seq_len)\n",
+        "seed",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "notebook,question,source,phrase",
+    COVERAGE_ANSWERS,
+    ids=[f"{q}-{i}" for i, (_, q, _, _) in enumerate(COVERAGE_ANSWERS)],
+)
+def test_the_checks_cover_their_claims(notebook, question, source, phrase, tmp_path):
+    path = with_cell_replaced(ROOT / "solutions" / notebook, question, source, tmp_path)
+    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
+    (result,) = report.questions
+    assert not result.passed and phrase in result.message, report.table()
+
+
+def test_random_cases_are_reproducible_and_follow_the_answer(tmp_path):
+    """The seed comes from the answer's source: the same answer draws the same cases (and
+    message), another answer other cases."""
+    source = COVERAGE_ANSWERS[-1][2]
+    first = with_cell_replaced(SOLUTION_01, "kv_cache_bytes", source, tmp_path)
+    messages = [
+        grade_notebook(first, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"]).questions[0].message
+        for _ in range(2)
+    ]
+    assert messages[0] == messages[1] and "seed" in messages[0]
+    (tmp_path / "b").mkdir()
+    other = with_cell_replaced(
+        SOLUTION_01, "kv_cache_bytes", source.replace("known", "table"), tmp_path / "b"
+    )
+    message = grade_notebook(other, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"]).questions[0]
+    assert message.message.split("seed ")[1] != messages[0].split("seed ")[1]
+
+
+def test_check_leaves_the_notebook_process_usable(capsys):
+    """check() guards kvlib and the check modules in the notebook's process: only while a graded
+    call runs, so the library (and grading in the same process) works as before afterwards."""
+    from kvlib.course.checks.ch07 import _slots
+    from kvlib.course.grading import check
+
+    namespace: dict = {}
+    exec(
+        "def slot_mapping(block_table, positions, block_size):\n"
+        "    return [block_table[t // block_size] * block_size + t % block_size for t in "
+        "positions]\n",
+        namespace,
+    )
+    assert check("slot_mapping", namespace["slot_mapping"]) is True
+    assert _slots([3], [1], 4) == [13]  # outside a graded call, the oracle is usable
+    report = grade_notebook(ROOT / "solutions" / "07_paged_cache.ipynb", only=["slot_mapping"])
+    assert report.score == 1, report.table()

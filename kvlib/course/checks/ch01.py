@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import MEMORY_API, Submission, question
 from kvlib.memory.formula import dense_kv_cache_bytes
 from kvlib.ref.attention import attention, causal_mask, softmax
 from kvlib.ref.toy_generation import generate_cached, generate_naive
@@ -95,10 +95,18 @@ def test_predict_score_entries(submission: Submission) -> None:
             )
 
 
-@question(function="kv_cache_bytes", blocked=("kvlib.memory.formula.dense_kv_cache_bytes",))
+@question(function="kv_cache_bytes", blocked=MEMORY_API)
 def test_kv_cache_bytes(submission: Submission) -> None:
     kv_cache_bytes = submission.function("kv_cache_bytes")
+    rng = submission.rng()
     cases = [(32, 32, 128, 2, 1), (32, 32, 128, 2, 4096), (80, 8, 128, 2, 1000), (1, 1, 16, 8, 0)]
+    cases += [  # drawn per run (seeded from the answer's source)
+        tuple(
+            int(x)
+            for x in (*rng.integers(1, 100, size=3), rng.choice([1, 2, 4]), rng.integers(0, 10**5))
+        )
+        for _ in range(3)
+    ]
     for args in cases:
         got = kv_cache_bytes(*args)
         expected = dense_kv_cache_bytes(*args)

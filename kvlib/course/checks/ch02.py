@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import ROPE_API, LearnerRaised, Submission, question
 from kvlib.model import apply_rope, rope_cos_sin
 from kvlib.testing import assert_close
 
 
-@question(function="rope_at_offset", blocked=("kvlib.model.apply_rope", "kvlib.model.rope_cos_sin"))
+@question(function="rope_at_offset", blocked=ROPE_API)
 def test_rope_at_offset(submission: Submission) -> None:
     rope_at_offset = submission.function("rope_at_offset")
     generator = torch.Generator().manual_seed(2)
@@ -22,6 +22,9 @@ def test_rope_at_offset(submission: Submission) -> None:
         assert isinstance(got, torch.Tensor) and got.shape == x.shape, (
             f"rope_at_offset should return a {tuple(x.shape)} tensor, got "
             f"{getattr(got, 'shape', type(got).__name__)}"
+        )
+        assert got.dtype == x.dtype, (
+            f"rope_at_offset should keep the input's dtype {x.dtype}, got {got.dtype}"
         )
         assert_close(
             got,
@@ -42,7 +45,8 @@ def test_static_cache_insert(submission: Submission) -> None:
     for t in (4, 1, 1, 3):
         k_new = torch.randn(2, 3, t, 4, generator=generator)
         expected[:, :, length : length + t] = k_new
-        view = insert(buffer, length, k_new)
+        call = insert.call(buffer, length, k_new, _options={"mutates": {0}, "may_alias": True})
+        view, buffer = call.result, call.args[0]
         assert isinstance(view, torch.Tensor) and view.shape == (2, 3, length + t, 4), (
             f"after writing {t} tokens at length {length}, return the (B, H, {length + t}, D) "
             f"view, got {tuple(getattr(view, 'shape', ()))}"
@@ -51,14 +55,17 @@ def test_static_cache_insert(submission: Submission) -> None:
             f"the buffer should hold the new rows at positions {length}..{length + t - 1}: it does "
             "not"
         )
-        assert view.data_ptr() == buffer.data_ptr(), (
+        assert 0 in call.aliases, (
             "return a view of the buffer (no copy): the point of a static cache"
         )
         length += t
     try:
         insert(buffer, length, torch.zeros(2, 3, 2, 4))
-    except ValueError as error:
-        assert str(error), "the overflow error should say what happened"
+    except LearnerRaised as error:
+        assert error.type_name == "ValueError", (
+            f"an overflow should raise ValueError, got {error.type_name}"
+        )
+        assert str(error).split(": ", 1)[1], "the overflow error should say what happened"
     else:
         raise AssertionError(
             f"writing 2 tokens after {length} into a buffer of 10 should raise ValueError "

@@ -3,17 +3,10 @@ and the largest batch a GPU holds. Oracles: kvlib.memory, imported before the gr
 
 from __future__ import annotations
 
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import MEMORY_API, Submission, question
 from kvlib.memory import kv_bytes_per_token, kv_cache_bytes
 
-_MEMORY_API = (
-    "kvlib.memory.kv_bytes_per_token",
-    "kvlib.memory.kv_cache_bytes",
-    "kvlib.memory.cache_report",
-    "kvlib.memory.layer_specs",
-    "kvlib.memory.memory_budget",
-    "kvlib.memory.max_concurrent_sequences",
-)
+_MEMORY_API = MEMORY_API
 
 GQA_CONFIGS = [
     {

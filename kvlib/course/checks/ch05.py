@@ -5,69 +5,78 @@ own implementations, imported before the grader blocks them."""
 from __future__ import annotations
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from kvlib.course.bench import torch_allocated_bytes
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import (
+    ATTENTION_API,
+    MEMORY_API,
+    Submission,
+    expect_tensor,
+    question,
+)
 from kvlib.gqa import pool_kv_heads
 from kvlib.memory import kv_cache_bytes
 from kvlib.ops.attention import grouped_attention
 from kvlib.testing import assert_close
 
-_ATTENTION_API = (
-    "kvlib.ops.attention.grouped_attention",
-    "kvlib.ops.attention.reference_attention",
-    "kvlib.ops.attention.sdpa_attention",
-)
+_ATTENTION_API = ATTENTION_API
 
 
-class _TorchCalls(TorchFunctionMode):
-    """Records the names of the torch functions called inside the `with` block."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: set[str] = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.names.add(getattr(func, "__name__", repr(func)))
-        return func(*args, **(kwargs or {}))
-
-
-def _qkv(batch, heads, kv_heads, queries, keys, dim, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, queries, dim, generator=g)
+def _qkv(batch, heads, kv_heads, queries, keys, dim, seed, *, mask="causal", scale=1.0, g=None):
+    g = torch.Generator().manual_seed(seed) if g is None else g
+    q = torch.randn(batch, heads, queries, dim, generator=g) * scale
     k = torch.randn(batch, kv_heads, keys, dim, generator=g)
     v = torch.randn(batch, kv_heads, keys, dim, generator=g)
-    mask = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+    if mask == "causal":
+        mask = torch.ones(queries, keys, dtype=torch.bool).tril(keys - queries)
+    else:  # any pattern (a sliding window, padding, a tree of drafts): one key per row at least
+        mask = torch.rand(queries, keys, generator=g) < 0.5
+        mask[torch.arange(queries), torch.randint(keys, (queries,), generator=g)] = True
     return q, k, v, mask
 
 
 @question(function="grouped_attention", blocked=_ATTENTION_API)
 def test_grouped_attention(submission: Submission) -> None:
     attend = submission.function("grouped_attention")
-    for batch, heads, kv_heads, queries, keys in (
-        (1, 4, 4, 3, 3),  # MHA
-        (2, 8, 2, 1, 17),  # GQA decode
-        (1, 6, 3, 4, 9),  # GQA, a chunk after 5 cached tokens
-        (2, 4, 1, 5, 5),  # MQA prefill
+    g = submission.torch_generator()
+    random_cases = []
+    for _ in range(2):  # drawn per run (seeded from the answer's source)
+        kv_heads, group = (int(x) for x in torch.randint(1, 4, (2,), generator=g))
+        queries = int(torch.randint(1, 6, (1,), generator=g))
+        keys = queries + int(torch.randint(0, 12, (1,), generator=g))
+        random_cases.append((2, kv_heads * group, kv_heads, queries, keys, "random", 1.0))
+    for batch, heads, kv_heads, queries, keys, mask_kind, scale in (
+        (1, 4, 4, 3, 3, "causal", 1.0),  # MHA
+        (2, 8, 2, 1, 17, "causal", 1.0),  # GQA decode
+        (1, 6, 3, 4, 9, "causal", 1.0),  # GQA, a chunk after 5 cached tokens
+        (2, 4, 1, 5, 5, "causal", 1.0),  # MQA prefill
+        (1, 4, 2, 4, 7, "random", 1.0),  # a mask that is not causal
+        (1, 4, 2, 3, 6, "causal", 200.0),  # scores in the thousands: exp overflows unshifted
+        *random_cases,
     ):
-        q, k, v, mask = _qkv(batch, heads, kv_heads, queries, keys, 8, seed=keys)
-        with _TorchCalls() as calls:
-            got = attend(q, k, v, mask)
-        assert "scaled_dot_product_attention" not in calls.names, (
+        q, k, v, mask = _qkv(
+            batch, heads, kv_heads, queries, keys, 8, seed=keys, mask=mask_kind, scale=scale, g=g
+        )
+        call = attend.call(q, k, v, mask, _options={"torch_ops": True})
+        got = call.result
+        assert not any("scaled_dot_product" in op for op in call.info.get("torch_ops", ())), (
             "grouped_attention calls PyTorch's scaled_dot_product_attention, whose enable_gqa does "
             "the whole exercise: write the scores, the mask, the softmax and the weighted sum "
             "yourself"
         )
         expected = grouped_attention(q, (k, v), mask[None])
-        assert isinstance(got, torch.Tensor), (
-            f"grouped_attention should return a torch.Tensor, got {type(got).__name__}"
+        what = (
+            f"grouped_attention with B={batch}, H={heads}, H_kv={kv_heads}, T={queries}, S={keys}"
+            f", a {mask_kind} mask" + (f", queries scaled by {scale:g}" if scale != 1 else "")
+        )
+        expect_tensor(got, expected, what)
+        assert torch.isfinite(got).all(), (
+            f"{what}: your output has non-finite values (subtract each row's maximum score "
+            "before exponentiating, or use torch.softmax)"
         )
         assert_close(
             got,
             expected,
-            name=f"grouped_attention with B={batch}, H={heads}, H_kv={kv_heads}, T={queries}, "
-            f"S={keys} (query head h reads KV head h // G)",
+            name=f"{what} (query head h reads KV head h // G; the mask as given)",
             rtol=1e-4,
             atol=1e-5,
         )
@@ -75,10 +84,14 @@ def test_grouped_attention(submission: Submission) -> None:
     heads, kv_heads, keys, dim = 16, 2, 4096, 64
     q, k, v, mask = _qkv(1, heads, kv_heads, 1, keys, dim, seed=0)
     repeated = 2 * heads * keys * dim * 4
-    allocated = torch_allocated_bytes(lambda: attend(q, k, v, mask))
-    assert allocated < repeated // 2, (
-        f"with H={heads}, H_kv={kv_heads}, S={keys}, D={dim} your function allocated "
-        f"{allocated / 2**20:.1f} MiB; K and V repeated to {heads} heads take "
+    measured = attend.call(q, k, v, mask, _options={"measure_memory": True}).info
+    torch_mib, numpy_mib = (measured[k] / 2**20 for k in ("torch_peak_bytes", "python_peak_bytes"))
+    peak = measured["torch_peak_bytes"] + measured["python_peak_bytes"]
+    assert peak < repeated // 2, (
+        f"with H={heads}, H_kv={kv_heads}, S={keys}, D={dim} your function's peak allocation was "
+        f"{peak / 2**20:.1f} MiB (PyTorch's CPU allocator {torch_mib:.1f} MiB + numpy/Python "
+        f"{numpy_mib:.1f} MiB, traced); K and V "
+        f"repeated to {heads} heads take "
         f"{repeated / 2**20:.0f} MiB: fold each group's query heads into the query rows instead "
         "of repeating keys and values"
     )
@@ -98,9 +111,10 @@ def test_mean_pool_kv(submission: Submission) -> None:
     ):
         weight = torch.randn(old_heads * dim, d_model, generator=g)
         original = weight.clone()
-        got = mean_pool_kv(weight, new_heads, dim)
+        call = mean_pool_kv.call(weight, new_heads, dim)
+        got = call.result
         expected = pool_kv_heads(original, new_heads, head_dim=dim)
-        assert torch.equal(weight, original), "mean_pool_kv must not modify its input"
+        assert torch.equal(call.args[0], original), "mean_pool_kv must not modify its input"
         assert isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(expected.shape), (
             f"{old_heads} heads of D={dim} pooled to {new_heads}: expected a tensor of shape "
             f"{tuple(expected.shape)}, got {tuple(getattr(got, 'shape', ()))}"
@@ -126,6 +140,11 @@ _BUDGET_CONFIGS = [
         {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096,
          "torch_dtype": "bfloat16"},
         8192, 16, 80 * 10**9,
+    ),
+    (  # exactly the bytes of H_kv = 8: a budget that is met fits
+        {"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096,
+         "torch_dtype": "bfloat16"},
+        8192, 16, 8 * 2 * 32 * 128 * 2 * 8192 * 16,
     ),
     (
         {"num_hidden_layers": 30, "num_attention_heads": 9, "hidden_size": 576,
@@ -163,11 +182,24 @@ def _kv_heads_for_budget(config, seq_len, batch_size, budget_bytes):
 
 @question(
     function="kv_heads_for_budget",
-    blocked=("kvlib.memory.kv_cache_bytes", "kvlib.memory.kv_bytes_per_token"),
+    blocked=MEMORY_API,
 )
 def test_kv_heads_for_budget(submission: Submission) -> None:
     kv_heads_for_budget = submission.function("kv_heads_for_budget")
-    for config, seq_len, batch_size, budget in _BUDGET_CONFIGS:
+    rng = submission.rng()
+    random_cases = []
+    for _ in range(3):  # drawn per run (seeded from the answer's source)
+        heads = int(rng.choice([8, 12, 16, 32, 40]))
+        config = {
+            "num_hidden_layers": int(rng.integers(1, 80)),
+            "num_attention_heads": heads,
+            "hidden_size": heads * int(rng.choice([64, 96, 128])),
+            "torch_dtype": str(rng.choice(["bfloat16", "float32"])),
+        }
+        seq_len, batch_size = int(rng.integers(1, 32768)), int(rng.integers(1, 64))
+        full = 2 * config["num_hidden_layers"] * config["hidden_size"] * seq_len * batch_size * 4
+        random_cases.append((config, seq_len, batch_size, int(rng.integers(0, full))))
+    for config, seq_len, batch_size, budget in [*_BUDGET_CONFIGS, *random_cases]:
         expected = _kv_heads_for_budget(config, seq_len, batch_size, budget)
         got = kv_heads_for_budget(dict(config), seq_len, batch_size, budget)
         assert isinstance(got, int) and not isinstance(got, bool), (

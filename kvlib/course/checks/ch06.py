@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.course.bench import torch_allocated_bytes
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import ATTENTION_API, MEMORY_API, ROPE_API, Submission, question
 from kvlib.memory import kv_cache_bytes
 from kvlib.model import apply_rope, rope_cos_sin
 from kvlib.testing import assert_close
@@ -30,7 +29,7 @@ def _expanded_scores(q_nope, q_rope, w_uk, latent, rope_key):
     return scores / (q_nope.shape[-1] + q_rope.shape[-1]) ** 0.5
 
 
-@question(function="absorbed_scores")
+@question(function="absorbed_scores", blocked=ATTENTION_API)
 def test_absorbed_scores(submission: Submission) -> None:
     absorbed_scores = submission.function("absorbed_scores")
     for batch, heads, queries, keys, d_h, d_r, d_c in (
@@ -47,6 +46,9 @@ def test_absorbed_scores(submission: Submission) -> None:
             f"with B={batch}, H={heads}, T={queries}, S={keys}: expected scores of shape "
             f"{(batch, heads, queries, keys)}, got {tuple(got.shape)}"
         )
+        assert got.dtype == inputs[0].dtype, (
+            f"absorbed_scores should keep the inputs' dtype {inputs[0].dtype}, got {got.dtype}"
+        )
         assert_close(
             got.double(),
             _expanded_scores(*inputs),
@@ -59,10 +61,14 @@ def test_absorbed_scores(submission: Submission) -> None:
     heads, keys, d_h, d_r, d_c = 16, 4096, 64, 16, 128
     inputs = _score_inputs(1, heads, 1, keys, d_h, d_r, d_c, seed=0)
     expanded = heads * keys * d_h * 4
-    allocated = torch_allocated_bytes(lambda: absorbed_scores(*inputs))
-    assert allocated < expanded // 4, (
-        f"with H={heads}, S={keys}, d_h={d_h}, d_c={d_c} your function allocated "
-        f"{allocated / 2**20:.1f} MiB; the up-projected keys of every head take "
+    measured = absorbed_scores.call(*inputs, _options={"measure_memory": True}).info
+    torch_mib, numpy_mib = (measured[k] / 2**20 for k in ("torch_peak_bytes", "python_peak_bytes"))
+    peak = measured["torch_peak_bytes"] + measured["python_peak_bytes"]
+    assert peak < expanded // 2, (
+        f"with H={heads}, S={keys}, d_h={d_h}, d_c={d_c} your function's peak allocation was "
+        f"{peak / 2**20:.1f} MiB (PyTorch's CPU allocator {torch_mib:.1f} MiB + numpy/Python "
+        f"{numpy_mib:.1f} MiB, traced); the "
+        f"up-projected keys of every head take "
         f"{expanded / 2**20:.0f} MiB: fold W_UK into the query instead (W_UK,iᵀ q_C,i, once per "
         "query) and dot it with the cached latents"
     )
@@ -83,7 +89,7 @@ _LATENT_CONFIGS = [
 
 @question(
     function="latent_cache_bytes",
-    blocked=("kvlib.memory.kv_cache_bytes", "kvlib.memory.kv_bytes_per_token"),
+    blocked=MEMORY_API,
 )
 def test_latent_cache_bytes(submission: Submission) -> None:
     latent_cache_bytes = submission.function("latent_cache_bytes")
@@ -105,7 +111,7 @@ def test_latent_cache_bytes(submission: Submission) -> None:
 
 @question(
     function="shared_rotary_key",
-    blocked=("kvlib.model.apply_rope", "kvlib.model.rope_cos_sin"),
+    blocked=ROPE_API,
 )
 def test_shared_rotary_key(submission: Submission) -> None:
     shared_rotary_key = submission.function("shared_rotary_key")

@@ -17,11 +17,20 @@ def _slots(block_table, positions, block_size):
 @question(function="slot_mapping")
 def test_slot_mapping(submission: Submission) -> None:
     slot_mapping = submission.function("slot_mapping")
+    rng = submission.rng()
+    random_cases = []
+    for _ in range(3):  # drawn per run (seeded from the answer's source)
+        block_size = int(rng.choice([1, 2, 4, 16]))
+        table = [int(b) for b in rng.permutation(40)[: int(rng.integers(1, 8))]]
+        positions = [int(p) for p in rng.integers(0, len(table) * block_size, size=10)]
+        random_cases.append((table, positions, block_size))
     for block_table, positions, block_size in (
         ([0], [0, 1, 2], 4),
         ([7, 2, 5], list(range(12)), 4),
         ([3, 9], [17, 16, 0, 31], 16),
         ([11, 4, 8, 1], [5, 6, 7], 2),
+        ([5, 3], [], 4),
+        *random_cases,
     ):
         got = slot_mapping(list(block_table), list(positions), block_size)
         expected = _slots(block_table, positions, block_size)
@@ -69,7 +78,11 @@ def test_append_token(submission: Submission) -> None:
         state = (list(table), dict(ref_cnt), list(free))
         expected_state = copy.deepcopy(state)
         expected = _append_token(*expected_state[:1], num_tokens, *expected_state[1:], block_size)
-        got = append_token(state[0], num_tokens, state[1], state[2], block_size)
+        call = append_token.call(
+            state[0], num_tokens, state[1], state[2], block_size, _options={"mutates": {0, 2, 3}}
+        )
+        got = call.result
+        state = (call.args[0], call.args[2], call.args[3])
         assert isinstance(got, tuple) and len(got) == 2, (
             f"append_token should return (slot, copy), got {got!r}"
         )
@@ -106,14 +119,18 @@ def chained_block_hashes(tokens, block_size):
 def test_prefix_hit_tokens(submission: Submission) -> None:
     prefix_hit_tokens = submission.function("prefix_hit_tokens")
     system = list(range(100, 112))  # three blocks of 4
-    # an earlier request left 4 blocks cached; `other` holds system[4:8] under another parent
+    # an earlier request left 4 blocks cached; `other` holds the block [5, 5, 5, 5] only under
+    # another parent (system[4:8]) and as the first block of another prompt: a prompt
+    # system[:4] + [5, 5, 5, 5] hits its first block only (a chained hash of [5, 5, 5, 5] under
+    # system[:4] is not cached), while hashing blocks without their parent would find both
     cached = set(chained_block_hashes(system + [1, 2, 3, 4], 4))
-    other = set(chained_block_hashes([9, 9, 9, 9] + system[4:8], 4))
+    other = cached | set(chained_block_hashes([5, 5, 5, 5, 6, 6, 6, 6], 4))
+    other |= set(chained_block_hashes(system[:8] + [5, 5, 5, 5], 4))
     cases = [
         (system + [7, 7], cached, "a prompt sharing 3 cached blocks"),
         (system + [1, 2, 3, 4], cached, "a prompt equal to a cached one (16 tokens)"),
         (system[:4] + [5, 5, 5, 5] + system[8:], cached, "a miss in the second block"),
-        ([0] * 4 + system[4:8] + [1], other, "a block cached only under another parent"),
+        (system[:4] + [5, 5, 5, 5, 1], other, "a block cached only under another parent"),
         ([1, 2, 3], cached, "a prompt shorter than a block"),
     ]
     for tokens, hashes, what in cases:

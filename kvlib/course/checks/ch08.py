@@ -28,6 +28,16 @@ def _streaming_keep(positions, budget, num_sinks):
 @question(function="streaming_keep", blocked=("kvlib.cache.evicting.StreamingLLM",))
 def test_streaming_keep(submission: Submission) -> None:
     streaming_keep = submission.function("streaming_keep")
+    rng = submission.rng()
+    random_cases = []
+    for _ in range(3):  # drawn per run: positions left in a slot order by earlier evictions
+        n = int(rng.integers(1, 40))
+        positions = sorted(int(p) for p in rng.choice(60, size=n, replace=False))
+        if rng.random() < 0.7:
+            positions = [int(p) for p in rng.permutation(positions)]
+        random_cases.append(
+            (positions, int(rng.integers(1, 45)), int(rng.integers(0, 5)), "random positions")
+        )
     for positions, budget, num_sinks, what in (
         (list(range(10)), 6, 2, "10 tokens, budget 6, 2 sinks"),
         (list(range(5)), 8, 4, "fewer tokens than the budget"),
@@ -35,6 +45,9 @@ def test_streaming_keep(submission: Submission) -> None:
         ([0, 1, 2, 3, 17, 18, 19, 20, 21], 8, 4, "a cache that has evicted before"),
         ([0, 5, 9, 10, 11, 12], 4, 2, "a sink already gone (position 1)"),
         (list(range(9)), 8, 0, "no sinks: a plain window"),
+        (list(range(8)), 8, 2, "exactly the budget: nothing to evict"),
+        ([0, 1, 30, 12, 25, 13, 2, 40, 18], 6, 2, "positions in slot order, not sorted"),
+        *random_cases,
     ):
         expected = _streaming_keep(positions, budget, num_sinks)
         got = streaming_keep(list(positions), budget, num_sinks)
@@ -112,12 +125,24 @@ def test_snapkv_select(submission: Submission) -> None:
         (torch.rand(3, 30, generator=g), 10, 4, 1, "kernel 1 (no pooling)"),
         (torch.rand(2, 6, generator=g), 8, 2, 3, "fewer tokens than the budget"),
         (torch.rand(2, 25, generator=g), 12, 4, 7, "SnapKV's kernel of 7"),
+        (torch.rand(2, 16, generator=g), 6, 0, 3, "no observation window (window 0)"),
+        (torch.rand(1, 9, generator=g), 9, 2, 3, "exactly the budget"),
+        (
+            torch.rand(2, 20, generator=submission.torch_generator()),
+            7,
+            int(submission.rng().integers(0, 7)),
+            3,
+            "random votes",
+        ),
     ):
         expected = _snapkv_select(votes, budget, window, kernel)
         got = snapkv_select(votes.clone(), budget, window, kernel)
         assert isinstance(got, torch.Tensor) and got.shape == expected.shape, (
             f"{what}: expected indices of shape {tuple(expected.shape)} (H_kv, min(S, budget)), "
             f"got {getattr(got, 'shape', type(got).__name__)}"
+        )
+        assert not got.is_floating_point() and not got.is_complex() and got.dtype != torch.bool, (
+            f"{what}: indices should be integers, got dtype {got.dtype}"
         )
         assert torch.equal(got.long(), expected), (
             f"{what}: max-pool the votes over kernel_size neighbours, always keep the last "

@@ -49,11 +49,11 @@ def test_repack(submission: Submission) -> None:
         n = len(live)
         slots = torch.arange(n * 3, dtype=torch.float32).view(n, 3)  # row i: token i's K (say)
         original = slots.clone()
-        storage = slots.data_ptr()
         survivors = [i for i in range(n) if live[i]]
-        got = repack(slots, torch.tensor(live, dtype=torch.bool))
+        call = repack.call(slots, torch.tensor(live, dtype=torch.bool), _options={"mutates": {0}})
+        got, slots = call.result, call.args[0]
         expected = len(plan_repack(live))
-        assert slots.data_ptr() == storage and slots.shape == (n, 3), (
+        assert isinstance(slots, torch.Tensor) and slots.shape == (n, 3), (
             f"{what}: rewrite `slots` in place (a cache has no second pool), keeping its shape"
         )
         assert torch.equal(slots[: len(survivors)], original[survivors]), (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import MEMORY_API, Submission, question
 from kvlib.quant import QuantScheme, quantize, unpack_bits
 
 
@@ -117,7 +117,7 @@ def test_kivi_key_scales(submission: Submission) -> None:
         )
 
 
-@question(function="bytes_per_token", blocked=("kvlib.memory.quantized_kv_cache_bytes",))
+@question(function="bytes_per_token", blocked=MEMORY_API)
 def test_bytes_per_token(submission: Submission) -> None:
     bytes_per_token = submission.function("bytes_per_token")
     cases = [

@@ -15,7 +15,7 @@ try:
 except ImportError:  # macOS, native Windows: `check()` imports every chapter's questions
     triton = None  # so that chapters 1-10 and 12 grade without Triton; chapter 11's fail
 
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import Remote, Submission, question
 from kvlib.ref.attention import attention
 from kvlib.ref.online_softmax import merge_partials
 from kvlib.testing import assert_close
@@ -39,6 +39,9 @@ def test_physical_slots(submission: Submission) -> None:
         assert got.shape == (seq_len,), (
             f"expected {seq_len} slots (one per token), got shape {tuple(got.shape)}"
         )
+        assert not got.is_floating_point() and got.dtype != torch.bool, (
+            f"slots are indices: expected an integer dtype, got {got.dtype}"
+        )
         wrong = [t for t in range(seq_len) if int(got[t]) != expected[t]]
         assert not wrong, (
             f"block_table={table}, block_size={block_size}: token {wrong[0]} lives in slot "
@@ -47,20 +50,29 @@ def test_physical_slots(submission: Submission) -> None:
         )
 
 
+def _launch(kernel, grid, args, kwargs, out: int) -> list:
+    """`kernel[grid](*args, **kwargs)`; the arguments after the launch. A graded kernel (a
+    `Remote`) runs in the learner's process, under Triton's interpreter, and must be a
+    `triton.runtime.jit.JITFunction`; a notebook's own kernel runs here."""
+    if isinstance(kernel, Remote):
+        return kernel.launch(grid, *args, _mutates=(out,), **kwargs).args
+    kernel[grid](*args, **kwargs)
+    return list(args)
+
+
 def launch_reduce(kernel, partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
     """Launch a learner's reduce kernel: partial_out (R, splits, D), partial_lse (R, splits) -> out
     (R, D)."""
     rows, num_splits, head_dim = partial_out.shape
     out = torch.full((rows, head_dim), float("nan"))
-    kernel[(rows,)](
-        partial_out,
-        partial_lse,
-        out,
-        num_splits,
-        HEAD_DIM=head_dim,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-    )
-    return out
+    args = (partial_out, partial_lse, out, num_splits)
+    return _launch(
+        kernel,
+        (rows,),
+        args,
+        {"HEAD_DIM": head_dim, "BLOCK_S": triton.next_power_of_2(num_splits)},
+        out=2,
+    )[2]
 
 
 @question(function="reduce_kernel")
@@ -93,17 +105,8 @@ def launch_masked_decode(kernel, q, k_buffer, v_buffer, seq_len, block_n=16):
     """Launch a learner's masked decode kernel: q (D,), buffers (S_buf, D), the first seq_len rows
     valid -> out (D,)."""
     out = torch.full((q.shape[0],), float("nan"))
-    kernel[(1,)](
-        q,
-        k_buffer,
-        v_buffer,
-        out,
-        seq_len,
-        q.shape[0] ** -0.5,
-        HEAD_DIM=q.shape[0],
-        BLOCK_N=block_n,
-    )
-    return out
+    args = (q, k_buffer, v_buffer, out, seq_len, q.shape[0] ** -0.5)
+    return _launch(kernel, (1,), args, {"HEAD_DIM": q.shape[0], "BLOCK_N": block_n}, out=3)[3]
 
 
 @question(function="masked_decode_kernel")
