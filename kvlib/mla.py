@@ -5,8 +5,9 @@ with its two computations (chapter 6).
 Per token `h` (d_model) and head `i` of `H`, with d_c = `kv_lora_rank`, d_h = `qk_nope_head_dim`,
 d_R = `qk_rope_head_dim`, d_v = `v_head_dim`:
 
-- latent: `c_KV = RMSNorm(W_DKV h)` (d_c); RMS-normalised before it is cached, as DeepSeek-V3's
-  reference `inference/model.py` does (`kv_norm`);
+- latent: `c_KV = RMSNorm(W_DKV h)` (d_c); RMS-normalised before it is cached, as DeepSeek-V2
+  states in sec. 3.1.2 (not in its equations) and DeepSeek-V3's reference `inference/model.py`
+  does (`kv_norm`);
 - decoupled RoPE: one rotary key `k_R = RoPE(W_KR h)` (d_R) shared by all heads, and per-head
   rotary queries `q_R,i`; the content parts `q_C,i` (d_h) carry no rotation;
 - keys and values up-projected from the latent: `k_C,i = W_UK,i c_KV`, `v_i = W_UV,i c_KV`;
@@ -26,7 +27,10 @@ The decoupling is what makes absorption exact: a rotation applied to the latent 
 query computed once per step.
 
 Parameter names follow Hugging Face's DeepseekV2 (`q_proj`, `kv_a_proj_with_mqa`,
-`kv_a_layernorm`, `kv_b_proj`, `o_proj`); query compression (`q_lora_rank`) is not implemented.
+`kv_a_layernorm`, `kv_b_proj`, `o_proj`). The query comes from one plain `q_proj`, as in
+DeepSeek-V2-Lite; V2's and V3's low-rank query compression (equations 12-14, `q_lora_rank`) is not
+implemented: it saves activation memory in training and leaves the cache alone. Nor is DeepSeek-V3's
+YaRN context extension, whose reference code multiplies the softmax scale by mscale².
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from torch import nn
 
 from kvlib._validate import check_positive_int
 from kvlib.model import RMSNorm, apply_rope
-from kvlib.ops.attention import reference_attention
+from kvlib.ops.attention import get_backend, reference_attention
 
 __all__ = [
     "MLAttention",
@@ -383,16 +387,23 @@ def uptraining_point(
     return row
 
 
-def load_course_mla_model(*, absorb: bool = True):
+def load_course_mla_model(*, absorb: bool = True, attention_backend: str = "reference"):
     """The course model converted to MLA (d_c = 112, d_R = 16: GQA-2's cache bytes) and uptrained
     for alpha = 0.25, as `python -m kvlib.mla uptraining` saved it (`SAVED_POINT`), in eval mode.
 
+    `attention_backend` names the model's backend (`kvlib.ops.ATTENTION_BACKENDS`). The absorbed
+    form is MQA over the latent rows, so "reference" repeats that one KV head H times per call
+    (chapter 5's repeat-K/V pitfall, 128x the latent for DeepSeek-V3); "grouped" reads it once.
+
     Raises:
         FileNotFoundError: the weights are missing (rerun the sweep).
+        ValueError: an unknown attention_backend.
     """
     from kvlib.model import load_hf_checkpoint
 
+    get_backend(attention_backend)  # fails early on an unknown name
     model = load_hf_checkpoint(MLA_MODEL_DIR)
+    model.attention_backend = attention_backend
     set_absorb(model, absorb)
     return model
 

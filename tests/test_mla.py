@@ -312,3 +312,18 @@ def test_recorded_mla_sweep_is_complete_and_reproduced():
     shipped = evaluate(load_course_mla_model())
     recorded = by_key[("MLA", 0.25, 112)]
     matches(shipped["heldout_loss"], shipped["recall_accuracy"], recorded, 1e-4, 0.02)
+
+
+def test_course_mla_model_runs_on_the_grouped_backend_as_on_the_reference():
+    """The grouped backend reads the one latent "KV head" once instead of repeating it H times;
+    the logits are the reference backend's to round-off, and an unknown name fails early."""
+    from kvlib.mla import load_course_mla_model
+
+    tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))
+    reference = load_course_mla_model()
+    grouped = load_course_mla_model(attention_backend="grouped")
+    assert reference.attention_backend == "reference" and grouped.attention_backend == "grouped"
+    with torch.no_grad():
+        assert_close(grouped(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="attention_backend"):
+        load_course_mla_model(attention_backend="flash")
