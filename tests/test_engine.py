@@ -141,6 +141,7 @@ def test_every_step_respects_the_token_budget_and_the_sequence_limit(course):
     engine = LLMEngine(course, num_blocks=300, max_num_batched_tokens=20, max_num_seqs=3)
     engine.generate(COURSE_PROMPTS, SamplingParams(max_tokens=8), use_tqdm=False)
     assert max(s.num_prefill_tokens + s.num_decode_tokens for s in engine.stats) == 20
+    assert not any(s.num_recomputed_tokens for s in engine.stats)  # a pool with room: no preemption
     assert max(s.num_running for s in engine.stats) == 3
     mixed = [s for s in engine.stats if s.num_prefill_tokens and s.num_decode_tokens]
     assert mixed  # chunked prefill shares steps with decodes
@@ -160,6 +161,32 @@ def test_the_newest_running_request_is_preempted_and_recomputed(course):
         engine.step()
     got = [engine.requests[i].output_token_ids for i in ("old", "new")]
     assert got == alone(course, [list(range(30)), list(range(40, 70))], 40)
+
+
+def test_tokens_are_counted_once_as_prefill_or_decode_and_recomputation_apart(course):
+    """Prefill counts each prompt token once, decode each generated token fed back once (the next
+    token, even when a recomputation computes it), recomputation the rest; the three sum to the
+    tokens scheduled. Prefix lookups of readmitted requests are counted apart from first
+    admissions (vLLM v1's preempted_hits / preempted_queries)."""
+    engine = LLMEngine(course, num_blocks=16, max_num_batched_tokens=24, enable_prefix_caching=True)
+    engine.generate(COURSE_PROMPTS, SamplingParams(max_tokens=24), use_tqdm=False)
+    summary, stats = engine.summary(), engine.stats
+    assert summary["preemptions"] >= 1
+    for s in stats:
+        assert s.num_prefill_tokens + s.num_decode_tokens + s.num_recomputed_tokens == sum(
+            n for _, n in s.scheduled
+        )
+    first_hits = sum(r.num_cached_tokens for r in engine.requests.values())
+    assert summary["prefill_tokens"] == summary["prompt_tokens"] - first_hits
+    assert summary["decode_tokens"] == summary["output_tokens"] - summary["requests"]
+    assert summary["recomputed_tokens"] > 0
+    assert sum(s.prefix_hit_tokens for s in stats) == first_hits
+    assert sum(s.prefix_query_tokens for s in stats) == summary["prompt_tokens"]
+    readmitted = [r for r in engine.requests.values() if r.num_preemptions]
+    assert sum(s.preempted_query_tokens for s in stats) >= sum(
+        len(r.prompt_token_ids) for r in readmitted
+    )
+    assert summary["preempted_hit_rate"] > 0  # mostly its own freed blocks
 
 
 def test_static_batching_reserves_max_model_len_and_waits_for_the_batch(course):
@@ -313,4 +340,7 @@ def test_recorded_serving_runs_reproduce(course):
         ).summary()
         for key in ("steps", "preemptions", "peak_blocks", "output_tokens", "prompt_tokens"):
             assert summary[key] == int(row[key]), key
-        assert summary["prefix_hit_rate"] == pytest.approx(float(row["prefix_hit_rate"]))
+        for key in ("prefix_hit_rate", "preempted_hit_rate"):
+            assert summary[key] == pytest.approx(float(row[key])), key
+        for key in ("prefill_tokens", "decode_tokens", "recomputed_tokens"):
+            assert summary[key] == int(row[key]), key

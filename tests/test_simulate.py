@@ -35,10 +35,9 @@ def test_contiguous_accounts_for_every_slot(trace):
 def test_paged_wastes_at_most_a_block_per_request(trace, block_size):
     result = simulate(trace, capacity_tokens=4000, max_len=512, block_size=block_size)
     assert (result.internal < block_size * np.maximum(result.running, 1)).all()
-    if result.preemptions == 0:
-        assert result.used.sum() == token_steps(trace)
-    else:  # preempted requests held tokens that were computed again
-        assert result.used.sum() > token_steps(trace)
+    # a preempted request resumes with its generated tokens (recomputed in one prefill), so it
+    # still runs exactly output_len decode steps, holding prompt_len + k tokens at the k-th
+    assert result.used.sum() == token_steps(trace)
     assert (result.used + result.internal <= result.capacity).all()
     assert sorted(result.finished_at) == [r.request_id for r in trace]
     if block_size == 1:
@@ -51,6 +50,22 @@ def test_paging_holds_more_tokens_and_finishes_sooner(trace):
     assert paged.used_fraction > 0.9 > 0.6 > contiguous.used_fraction
     assert paged.running.mean() > contiguous.running.mean()
     assert paged.steps < contiguous.steps
+
+
+def test_a_preempted_request_resumes_with_its_generated_tokens():
+    """Two requests of 4 + 12 tokens in 6 blocks of 4: both need a fourth block at step 8, so
+    the newer is preempted holding 12 tokens (8 generated) and waits until the older finishes at
+    step 11. Readmitted at step 12 with prompt + generated tokens (recomputed in one prefill), it
+    needs 4 more steps and finishes at step 15; readmitted with its prompt alone it would
+    regenerate its 8 tokens one step at a time and finish at step 23."""
+    from kvlib.cache.simulate import Request
+
+    trace = [Request(0, 0, 4, 12), Request(1, 0, 4, 12)]
+    result = simulate(trace, capacity_tokens=24, max_len=16, block_size=4)
+    assert result.preemptions == 1 and result.finished_at == {0: 11, 1: 15}
+    assert result.running.tolist() == [2] * 8 + [1] * 8
+    assert result.used[12] == 13  # readmitted with its 12 tokens, and generated one more
+    assert result.used.sum() == token_steps(trace)  # no token generated twice
 
 
 def test_trace_and_simulation_validate():

@@ -115,7 +115,10 @@ def simulate(
     nothing ahead and needs blocks for the prompt plus one free block. An admitted request prefills
     its prompt and then generates one token per step until `output_len`, then leaves. In a paged
     pool, a request that needs a block when none is free preempts the most recently admitted
-    request, which frees its blocks and waits to start again (vLLM's recompute preemption).
+    request, which frees its blocks and goes back to the front of the queue keeping its
+    generated tokens; when readmitted it recomputes prompt + generated tokens in one prefill and
+    goes on generating (vLLM's preemption by recomputation). A step costs one step whatever it
+    prefills: the simulation counts memory, not compute.
 
     Raises:
         ValueError: capacity below one request's region (`max_len`; paged: its blocks plus one),
@@ -141,25 +144,26 @@ def simulate(
         manager = BlockManager(
             BlockPool(capacity_tokens // block_size, block_size, enable_prefix_caching=False)
         )
-    waiting = sorted(trace, key=lambda r: (r.arrival, r.request_id))
+    # [request, tokens held]; a preempted request waits with the tokens it had (prompt + output)
+    waiting = [[r, r.prompt_len] for r in sorted(trace, key=lambda r: (r.arrival, r.request_id))]
     running: list[list] = []  # [request, tokens held]
     log = {k: [] for k in ("used", "reserved", "internal", "external", "running")}
     finished_at, preemptions, step = {}, 0, 0
     while waiting or running:
         # admit, first come first served, while the head of the queue fits
-        while waiting and waiting[0].arrival <= step:
-            request = waiting[0]
+        while waiting and waiting[0][0].arrival <= step:
+            request, held = waiting[0]
             if manager is None:
                 fits = capacity_tokens - len(running) * max_len >= max_len
             else:
-                blocks = -(-request.prompt_len // manager.block_size) + 1
+                blocks = -(-held // manager.block_size) + 1
                 fits = manager.pool.num_free_blocks >= blocks
             if not fits:
                 break
             waiting.pop(0)
-            if manager is not None:
-                manager.allocate(request.request_id, [0] * request.prompt_len)
-            running.append([request, request.prompt_len])
+            if manager is not None:  # prefill: the prompt, and a readmitted request's output
+                manager.allocate(request.request_id, [0] * held)
+            running.append([request, held])
         # decode: every running request appends one token
         for entry in list(running):
             if entry not in running:  # preempted by an earlier request this step
@@ -170,7 +174,7 @@ def simulate(
                 while needs_block and not manager.pool.can_allocate(1):
                     victim = running.pop()  # the most recently admitted
                     manager.free(victim[0].request_id)
-                    waiting.insert(0, victim[0])  # first in line to start again
+                    waiting.insert(0, victim)  # first in line, with the tokens it generated
                     preemptions += 1
                     if victim is entry:
                         break
@@ -185,7 +189,7 @@ def simulate(
             allocated = len(running) * max_len
             reserved, internal = final - used, allocated - final
             free = capacity_tokens - allocated
-            external = free if waiting and waiting[0].arrival <= step and free < max_len else 0
+            external = free if waiting and waiting[0][0].arrival <= step and free < max_len else 0
         else:
             allocated = (manager.pool.num_blocks - manager.pool.num_free_blocks) * block_size
             reserved, internal, external = 0, allocated - used, 0

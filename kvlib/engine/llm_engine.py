@@ -9,9 +9,21 @@ or a `QuantizedPagedCache` when `kv_scheme` is given). It records per-step stati
 (`StepStats`) and per-request metrics (`request_metrics`): time to first token (TTFT), time per
 output token (TPOT), latency, preemptions, prefix hits; `summary()` adds throughput.
 
+Token counts: a step's computed tokens are split three ways. **Prefill**: prompt tokens computed
+for the first time. **Decode**: generated tokens fed back, each counted once, the first time its
+K/V is computed (the next token of its request; after a preemption the newest sampled token is
+computed inside the recomputation's prefill, and is still its decode token). **Recomputed**:
+tokens computed again after a preemption (prompt and generated tokens alike). Prefix-cache
+lookups of first admissions and of readmissions after a preemption are counted apart (vLLM v1's
+`PrefixCacheStats`): `summary()`'s `prefix_hit_rate` is the first admissions'.
+
 Clock: a step's time is its wall time; the engine's clock is the sum of the steps' times, so time
 spent idle between arrivals is not counted, and a request added before step s arrives at the
 clock's value then.
+
+Sampling seeds: `SamplingParams(seed=None)` seeds a request's generator with 0, so two requests
+with the same prompt and no seed sample the same tokens, and a rerun repeats a run exactly. vLLM
+differs: there, no seed means fresh randomness per request; pass distinct seeds to get that here.
 """
 
 from __future__ import annotations
@@ -66,9 +78,11 @@ class EngineConfig(SchedulerConfig):
 @dataclasses.dataclass(frozen=True)
 class StepStats:
     """One step: its index and wall time (s), the engine's clock at its end (s), requests running
-    and waiting after it, tokens computed (prefill and decode), KV blocks in use, preemptions,
-    and the prefix-cache lookups of the requests admitted (tokens hit, tokens looked up);
-    `scheduled`: (request id, tokens computed) for each request in the step, in batch order."""
+    and waiting after it, tokens computed (prefill, decode and recomputed: see the module
+    docstring; they sum to the step's tokens), KV blocks in use, preemptions, the prefix-cache
+    lookups of the requests admitted for the first time (tokens hit, tokens looked up) and those
+    of the requests readmitted after a preemption; `scheduled`: (request id, tokens computed) for
+    each request in the step, in batch order."""
 
     step: int
     seconds: float
@@ -77,10 +91,13 @@ class StepStats:
     num_waiting: int
     num_prefill_tokens: int
     num_decode_tokens: int
+    num_recomputed_tokens: int
     num_blocks_in_use: int
     num_preemptions: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    preempted_hit_tokens: int
+    preempted_query_tokens: int
     scheduled: tuple[tuple[str, int], ...] = ()
 
 
@@ -131,6 +148,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats: list[StepStats] = []
         self.clock = 0.0
+        self._computed_before: dict[str, int] = {}  # request id -> most tokens it ever had computed
 
     @property
     def block_bytes(self) -> int:
@@ -202,6 +220,7 @@ class LLMEngine:
                 f"request {request.request_id!r}: its first chunk does not fit in an empty pool "
                 f"of {self.config.num_blocks} blocks; nothing can run"
             )
+        counts = self._count_tokens(plan.scheduled)  # before the step advances the requests
         sampled = self.runner.execute(plan.scheduled)
         self.scheduler.update_from_output(plan, sampled)
         seconds = time.perf_counter() - start
@@ -224,9 +243,7 @@ class LLMEngine:
                     request.finish_reason,
                 )
             )
-        decode = sum(
-            n for r, n in plan.scheduled if r.num_computed_tokens > len(r.prompt_token_ids)
-        )
+        prefill, decode, recomputed = counts
         self.stats.append(
             StepStats(
                 step=step,
@@ -234,16 +251,36 @@ class LLMEngine:
                 clock=self.clock,
                 num_running=len(self.scheduler.running),
                 num_waiting=len(self.scheduler.waiting),
-                num_prefill_tokens=plan.num_scheduled_tokens - decode,
+                num_prefill_tokens=prefill,
                 num_decode_tokens=decode,
+                num_recomputed_tokens=recomputed,
                 num_blocks_in_use=self.storage.num_blocks_in_use,
                 num_preemptions=len(plan.preempted),
                 prefix_hit_tokens=plan.prefix_hit_tokens,
                 prefix_query_tokens=plan.prefix_query_tokens,
+                preempted_hit_tokens=plan.preempted_hit_tokens,
+                preempted_query_tokens=plan.preempted_query_tokens,
                 scheduled=tuple((r.request_id, n) for r, n in plan.scheduled),
             )
         )
         return outputs
+
+    def _count_tokens(self, scheduled) -> tuple[int, int, int]:
+        """(prefill, decode, recomputed) tokens of a plan, before the step runs: token i of a
+        request is recomputed if the request had computed it before (it was since preempted),
+        otherwise prefill if it is a prompt token, decode if it is a generated one."""
+        prefill = decode = recomputed = 0
+        for request, n in scheduled:
+            start, end = request.num_computed_tokens, request.num_computed_tokens + n
+            before = self._computed_before.get(request.request_id, 0)
+            again = max(0, min(end, before) - start)
+            fresh_start = start + again
+            prompt_end = max(fresh_start, min(end, len(request.prompt_token_ids)))
+            recomputed += again
+            prefill += prompt_end - fresh_start
+            decode += end - prompt_end
+            self._computed_before[request.request_id] = max(before, end)
+        return prefill, decode, recomputed
 
     def generate(
         self,
@@ -308,12 +345,14 @@ class LLMEngine:
     def summary(self) -> dict:
         """The run in numbers: steps, busy seconds, **output** tokens per second (generated tokens
         only: prompt tokens are work, not output), mean and 90th-percentile TTFT and TPOT (s),
-        peak KV blocks in use and their bytes, preemptions, prefix hit rate (tokens hit / tokens
-        looked up)."""
+        peak KV blocks in use and their bytes, preemptions, prefix hit rate of first admissions
+        (tokens hit / tokens looked up) and, apart, of readmissions after a preemption (0 when
+        none), and tokens computed by kind (prefill, decode, recomputed)."""
         rows, stats = self.request_metrics(), self.stats
         busy = sum(s.seconds for s in stats)
         out_tokens = sum(r["output_tokens"] for r in rows)
         queries = sum(s.prefix_query_tokens for s in stats)
+        readmitted = sum(s.preempted_query_tokens for s in stats)
 
         def p90(values):
             return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
@@ -335,4 +374,10 @@ class LLMEngine:
             peak_kv_bytes=peak * self.block_bytes,
             preemptions=sum(s.num_preemptions for s in stats),
             prefix_hit_rate=sum(s.prefix_hit_tokens for s in stats) / queries if queries else 0.0,
+            preempted_hit_rate=(
+                sum(s.preempted_hit_tokens for s in stats) / readmitted if readmitted else 0.0
+            ),
+            prefill_tokens=sum(s.num_prefill_tokens for s in stats),
+            decode_tokens=sum(s.num_decode_tokens for s in stats),
+            recomputed_tokens=sum(s.num_recomputed_tokens for s in stats),
         )

@@ -16,7 +16,8 @@ Sarathi-Serve", OSDI).
    retried until the request fits or is itself the one preempted. A preempted request frees its
    blocks and goes back to the front of the waiting queue with `num_computed_tokens = 0`:
    **preemption by recomputation** (its blocks stay in the prefix cache until reused, so with
-   prefix caching on the recomputation may be mostly hits).
+   prefix caching on the recomputation may be mostly hits; those readmission lookups are counted
+   apart from first admissions, as vLLM v1 does).
 2. Then waiting requests, first come first served, while the budget, `max_num_seqs` and the pool
    allow (not in a step that preempted): each starts at its prefix-cache hit and computes the
    first chunk of the rest. A request that does not fit stops admission (no overtaking).
@@ -110,13 +111,18 @@ class SchedulerConfig:
 class SchedulerOutput:
     """One step's plan: `scheduled` lists (request, number of new tokens to compute), running
     requests first; `preempted` the requests preempted to make room; `prefix_hit_tokens` and
-    `prefix_query_tokens` the prefix-cache lookups of the requests admitted this step (tokens
-    found, tokens looked up)."""
+    `prefix_query_tokens` the prefix-cache lookups of the requests admitted this step for the
+    first time (tokens found, tokens looked up); `preempted_hit_tokens` and
+    `preempted_query_tokens` those of preempted requests readmitted this step, counted apart
+    (as vLLM v1's `PrefixCacheStats` counts `preempted_hits` and `preempted_queries`): their
+    hits include their own freed blocks, which says nothing about prompts sharing a prefix."""
 
     scheduled: list[tuple[Request, int]] = dataclasses.field(default_factory=list)
     preempted: list[Request] = dataclasses.field(default_factory=list)
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0
+    preempted_hit_tokens: int = 0
+    preempted_query_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -181,14 +187,17 @@ class Scheduler:
             self.waiting.popleft()
             covered = self.manager.allocate(request.request_id, tokens[: hit + num_new])
             assert covered == hit, (covered, hit)  # the same lookup, on a prefix of the tokens
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = hit
             request.num_computed_tokens = hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append((request, num_new))
-            out.prefix_hit_tokens += hit
-            out.prefix_query_tokens += len(tokens)
+            if request.num_preemptions == 0:  # first admission
+                request.num_cached_tokens = hit
+                out.prefix_hit_tokens += hit
+                out.prefix_query_tokens += len(tokens)
+            else:  # readmission after a preemption: counted apart
+                out.preempted_hit_tokens += hit
+                out.preempted_query_tokens += len(tokens)
             budget -= num_new
         return out
 
