@@ -111,3 +111,31 @@ def test_passkey_accuracy_counts_seeded_trials(smollm2):
     assert passkey_accuracy(model, tokenizer, 200, [0.5]) == 1.0  # the sweep: 20 of 20 correct
     with pytest.raises(ValueError, match="trials_per_depth"):
         passkey_accuracy(model, tokenizer, 200, [0.5], trials_per_depth=0)
+
+
+def test_wilson_interval_matches_the_formula_by_hand():
+    from kvlib.evaluation import wilson_interval
+
+    # Wilson (1927) at z = 1.96, values computed by hand from the closed form
+    expected = {(0, 5): (0.0, 0.4345), (5, 5): (0.5655, 1.0), (4, 5): (0.3755, 0.9638)}
+    for (k, n), (low, high) in expected.items():
+        got = wilson_interval(k, n)
+        assert abs(got[0] - low) < 1e-4 and abs(got[1] - high) < 1e-4, (k, n, got)
+    assert wilson_interval(50, 100) == pytest.approx((0.4038, 0.5962), abs=1e-4)
+    # more trials at the same rate: a narrower interval around it
+    narrow, wide = wilson_interval(400, 1000), wilson_interval(4, 10)
+    assert wide[0] < narrow[0] < 0.4 < narrow[1] < wide[1]
+    for bad in ((6, 5), (-1, 5), (1.0, 5), (True, 5), (1, 0)):
+        with pytest.raises(ValueError):
+            wilson_interval(*bad)
+
+
+def test_recall_fact_counts_match_the_documents_recall_scores():
+    from kvlib import data
+    from kvlib.evaluation import recall_fact_counts
+
+    counts = recall_fact_counts((8, 240), num_documents=3)
+    for d in (8, 240):
+        docs = data.recall_documents(d, 3)
+        assert counts[d] == sum(len(doc.answer_positions) for doc in docs)
+    assert counts[8] == 12 and counts[240] < counts[8]  # 4 facts fit at 8, fewer at 240

@@ -23,8 +23,9 @@ a token is kept; `inf` means always kept):
   Multi-State RNNs");
 - `SnapKV(window=32, kernel_size=7)`: score the tokens by the attention of the last `window`
   queries, summed over them and max-pooled along the sequence, and always keep the window itself
-  (Li et al., NeurIPS 2024; window 32 and kernel 7 are its LongBench settings). The paper applies
-  it once, at the end of prefill; here it runs whenever a forward leaves the cache over budget
+  (Li et al., NeurIPS 2024; window 32 as in its repository, whose pooling defaults to an
+  average over 5 positions, max pooling an option; kvlib max-pools over 7). The paper applies it
+  once, at the end of prefill; here it runs whenever a forward leaves the cache over budget
   (fed one token at a time, at every step), with the same rule. With positions="cache" the
   window's queries keep the rotation of the step that made them;
 - `RandomEviction(seed)`: a uniformly random subset, the baseline every policy must beat.
@@ -225,8 +226,9 @@ class SnapKV(EvictionPolicy):
     selected token brings its neighbours; the window's own tokens are always kept.
 
     Args:
-        window: observation window W (SnapKV's LongBench settings: 32).
-        kernel_size: odd pooling width (LongBench settings: 7); 1 for no pooling.
+        window: observation window W (32, the default of SnapKV's repository).
+        kernel_size: odd pooling width (7; the repository defaults to average pooling over 5);
+            1 for no pooling.
     """
 
     name = "SnapKV"
