@@ -572,6 +572,18 @@ def _call_learner(fn, args, kwargs, grid, blocked):
     return fn(*args, **kwargs)
 
 
+def _silence_stderr(stack: contextlib.ExitStack) -> None:
+    """Send file descriptor 2 to /dev/null until `stack` closes (torch's profiler writes its
+    warnings there, not through Python's sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    stack.callback(os.close, devnull)
+    stack.callback(os.close, saved)
+    stack.callback(os.dup2, saved, 2)
+
+
 def _run_call(fn, args, kwargs, options: dict) -> tuple:
     """Call the learner's `fn`, measured as `options` asks. Returns (outcome, info)."""
     info: dict = {}
@@ -597,13 +609,7 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
             # dispatch mode sees it), and torch._C.DisableTorchFunction does not turn it off
             from torch.profiler import ProfilerActivity, profile
 
-            sys.stderr.flush()
-            saved = os.dup(2)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 2)
-            stack.callback(os.close, devnull)
-            stack.callback(os.close, saved)
-            stack.callback(os.dup2, saved, 2)
+            _silence_stderr(stack)
             holder: list = []
             stack.callback(lambda: ops.update(e.name for e in holder[0].events()))  # after exit
             holder.append(stack.enter_context(profile(activities=[ProfilerActivity.CPU])))
@@ -612,13 +618,7 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
 
             from torch.profiler import ProfilerActivity, profile
 
-            sys.stderr.flush()
-            saved = os.dup(2)
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 2)
-            stack.callback(os.close, devnull)
-            stack.callback(os.close, saved)
-            stack.callback(os.dup2, saved, 2)
+            _silence_stderr(stack)
             profiler = stack.enter_context(
                 profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             )
