@@ -899,4 +899,7 @@ if __name__ == "__main__" and len(sys.argv) >= 4 and sys.argv[1] == "--peer":
     # check()'s grader: run as the imported module, where the checks register their questions
     from kvlib.course import grading as _grading
 
-    _grading._peer_main(int(sys.argv[2]), int(sys.argv[3]))
+    # an interrupted or shut-down notebook kernel signals its whole process group: this process
+    # then ends as it would when the notebook goes, without a traceback on the notebook's stderr
+    with contextlib.suppress(KeyboardInterrupt):
+        _grading._peer_main(int(sys.argv[2]), int(sys.argv[3]))
