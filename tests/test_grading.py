@@ -1028,15 +1028,21 @@ def first_step(token_ids, cached_hashes, block_size, token_budget):  # each bloc
 ]
 
 
+def grade_answer(notebook, question, source, tmp_path):
+    """Grade `source` in place of the solution's answer to `question`: (its result, the report)."""
+    path = with_cell_replaced(ROOT / "solutions" / notebook, question, source, tmp_path)
+    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
+    (result,) = report.questions
+    return result, report
+
+
 @pytest.mark.parametrize(
     "notebook,question,source,phrase",
     WRONG_ANSWERS,
     ids=lambda v: v if isinstance(v, str) and "\n" not in v else "",
 )
 def test_plausible_wrong_answers_are_rejected(notebook, question, source, phrase, tmp_path):
-    path = with_cell_replaced(ROOT / "solutions" / notebook, question, source, tmp_path)
-    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
-    (result,) = report.questions
+    result, report = grade_answer(notebook, question, source, tmp_path)
     assert not result.passed and result.points == 0, report.table()
     assert phrase in result.message, f"feedback should mention {phrase!r}: {result.message}"
 
@@ -1348,9 +1354,7 @@ BLOCKED_ANSWERS = [
     ids=[f"{q}-{i}" for i, (_, q, _, _) in enumerate(BLOCKED_ANSWERS)],
 )
 def test_blocked_functions_stay_blocked(notebook, question, source, phrase, tmp_path):
-    path = with_cell_replaced(ROOT / "solutions" / notebook, question, source, tmp_path)
-    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
-    (result,) = report.questions
+    result, report = grade_answer(notebook, question, source, tmp_path)
     assert not result.passed and phrase in result.message, report.table()
 
 
@@ -1411,9 +1415,7 @@ ALLOCATION_ANSWERS = [
 def test_allocation_limits_count_peak_bytes_numpy_included(
     notebook, question, source, passes, phrase, tmp_path
 ):
-    path = with_cell_replaced(ROOT / "solutions" / notebook, question, source, tmp_path)
-    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
-    (result,) = report.questions
+    result, report = grade_answer(notebook, question, source, tmp_path)
     assert result.passed is passes and phrase in result.message, report.table()
 
 
@@ -1699,9 +1701,7 @@ COVERAGE_ANSWERS = [
     ids=[f"{q}-{i}" for i, (_, q, _, _) in enumerate(COVERAGE_ANSWERS)],
 )
 def test_the_checks_cover_their_claims(notebook, question, source, phrase, tmp_path):
-    path = with_cell_replaced(ROOT / "solutions" / notebook, question, source, tmp_path)
-    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
-    (result,) = report.questions
+    result, report = grade_answer(notebook, question, source, tmp_path)
     assert not result.passed and phrase in result.message, report.table()
 
 
