@@ -275,6 +275,17 @@ def expect_tensor(got, expected, name: str) -> None:
     )
 
 
+def peak_allocation(info: dict) -> tuple[int, str]:
+    """The peak bytes a learner's call allocated (`_options={"measure_memory": True}`): PyTorch's
+    CPU allocator plus numpy/Python's (tracemalloc), and a phrase for a hint naming both, in MiB."""
+    torch_bytes, python_bytes = info["torch_peak_bytes"], info["python_peak_bytes"]
+    peak = torch_bytes + python_bytes
+    return peak, (
+        f"{peak / 2**20:.1f} MiB (PyTorch's CPU allocator {torch_bytes / 2**20:.1f} MiB + "
+        f"numpy/Python {python_bytes / 2**20:.1f} MiB, traced)"
+    )
+
+
 def _kind(value) -> str:
     shape = getattr(value, "shape", None)
     return type(value).__name__ + (f" of shape {tuple(shape)}" if shape is not None else "")

@@ -11,6 +11,7 @@ from kvlib.course.grading import (
     MEMORY_API,
     Submission,
     expect_tensor,
+    peak_allocation,
     question,
 )
 from kvlib.gqa import pool_kv_heads
@@ -85,12 +86,10 @@ def test_grouped_attention(submission: Submission) -> None:
     q, k, v, mask = _qkv(1, heads, kv_heads, 1, keys, dim, seed=0)
     repeated = 2 * heads * keys * dim * 4
     measured = attend.call(q, k, v, mask, _options={"measure_memory": True}).info
-    torch_mib, numpy_mib = (measured[k] / 2**20 for k in ("torch_peak_bytes", "python_peak_bytes"))
-    peak = measured["torch_peak_bytes"] + measured["python_peak_bytes"]
+    peak, described = peak_allocation(measured)
     assert peak < repeated // 2, (
         f"with H={heads}, H_kv={kv_heads}, S={keys}, D={dim} your function's peak allocation was "
-        f"{peak / 2**20:.1f} MiB (PyTorch's CPU allocator {torch_mib:.1f} MiB + numpy/Python "
-        f"{numpy_mib:.1f} MiB, traced); K and V "
+        f"{described}; K and V "
         f"repeated to {heads} heads take "
         f"{repeated / 2**20:.0f} MiB: fold each group's query heads into the query rows instead "
         "of repeating keys and values"

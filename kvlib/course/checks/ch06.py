@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.course.grading import ATTENTION_API, MEMORY_API, ROPE_API, Submission, question
+from kvlib.course.grading import (
+    ATTENTION_API,
+    MEMORY_API,
+    ROPE_API,
+    Submission,
+    peak_allocation,
+    question,
+)
 from kvlib.memory import kv_cache_bytes
 from kvlib.model import apply_rope, rope_cos_sin
 from kvlib.testing import assert_close
@@ -62,12 +69,10 @@ def test_absorbed_scores(submission: Submission) -> None:
     inputs = _score_inputs(1, heads, 1, keys, d_h, d_r, d_c, seed=0)
     expanded = heads * keys * d_h * 4
     measured = absorbed_scores.call(*inputs, _options={"measure_memory": True}).info
-    torch_mib, numpy_mib = (measured[k] / 2**20 for k in ("torch_peak_bytes", "python_peak_bytes"))
-    peak = measured["torch_peak_bytes"] + measured["python_peak_bytes"]
+    peak, described = peak_allocation(measured)
     assert peak < expanded // 2, (
         f"with H={heads}, S={keys}, d_h={d_h}, d_c={d_c} your function's peak allocation was "
-        f"{peak / 2**20:.1f} MiB (PyTorch's CPU allocator {torch_mib:.1f} MiB + numpy/Python "
-        f"{numpy_mib:.1f} MiB, traced); the "
+        f"{described}; the "
         f"up-projected keys of every head take "
         f"{expanded / 2**20:.0f} MiB: fold W_UK into the query instead (W_UK,iᵀ q_C,i, once per "
         "query) and dot it with the cached latents"
