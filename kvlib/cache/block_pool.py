@@ -323,6 +323,36 @@ class BlockManager:
         if parent_id in self.unhashed:
             self.unhashed.add(child_id)
 
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Keep a sequence's first `num_tokens` tokens (chapter 13: a child forked after its
+        parent's prefill recomputes the prompt's last token, to sample its own first token):
+        blocks left empty are freed, hashes of blocks no longer full dropped, and a partly filled
+        last block that is shared is copied now (copy-on-write, the pair appended to `copies`),
+        so the next `append_slot` needs exactly the blocks its token count says.
+
+        Raises:
+            ValueError: `num_tokens` outside [1, the sequence's tokens].
+            OutOfBlocksError: the copy needs a block and none is free (nothing is changed).
+        """
+        tokens, table = self.token_ids[seq_id], self.block_tables[seq_id]
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise ValueError(f"num_tokens: expected an int, got {num_tokens!r}")
+        if not 1 <= num_tokens <= len(tokens):
+            raise ValueError(f"num_tokens: expected 1..{len(tokens)}, got {num_tokens}")
+        keep_blocks = -(-num_tokens // self.block_size)
+        last = table[keep_blocks - 1]
+        copy = num_tokens % self.block_size != 0 and self.pool.blocks[last].ref_cnt > 1
+        if copy and not self.pool.num_free_blocks:
+            raise OutOfBlocksError(f"truncate: sequence {seq_id!r} needs a block, none is free")
+        dropped = table[keep_blocks:]
+        del table[keep_blocks:], tokens[num_tokens:]
+        del self.block_hashes[seq_id][num_tokens // self.block_size :]
+        self.pool.free(reversed(dropped))
+        if copy:
+            (table[-1],) = self.pool.allocate(1)
+            self.pool.free([last])
+            self.copies.append((last, table[-1]))
+
     def free(self, seq_id) -> None:
         """Release a sequence: its blocks are freed last block first, so that the free queue
         evicts a prefix's tail before its head (vLLM's order)."""

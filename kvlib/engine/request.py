@@ -16,7 +16,14 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["FinishReason", "Request", "RequestOutput", "RequestStatus", "SamplingParams"]
+__all__ = [
+    "FinishReason",
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+    "TokenLogprobs",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +42,9 @@ class SamplingParams:
         stop_token_ids: generating one of these ends the request (it is kept in the output). Left
             empty, every request generates exactly `max_tokens` tokens: the fixed output lengths
             a benchmark needs.
+        logprobs: also return, for each generated token, its log-probability and the `logprobs`
+            most likely tokens' (under the model's distribution, before temperature, top-k and
+            top-p, as OpenAI's and vLLM's `logprobs` are); None: none (chapter 13's server).
 
     Raises:
         ValueError, TypeError: a value outside the ranges above, naming the argument.
@@ -46,11 +56,12 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, int | float) or not self.temperature >= 0:
             raise ValueError(f"temperature: expected a number >= 0, got {self.temperature!r}")
-        for name, low in (("top_k", 1), ("max_tokens", 1), ("seed", 0)):
+        for name, low in (("top_k", 1), ("max_tokens", 1), ("seed", 0), ("logprobs", 0)):
             value = getattr(self, name)
             if value is None and name != "max_tokens":
                 continue
@@ -75,6 +86,7 @@ class RequestStatus(enum.Enum):
 class FinishReason(enum.Enum):
     LENGTH = "length"  # generated max_tokens
     STOP = "stop"  # generated a stop token
+    ABORT = "abort"  # aborted by its client (`LLMEngine.abort_request`)
 
 
 @dataclasses.dataclass
@@ -136,7 +148,7 @@ class Request:
 class RequestOutput:
     """What `LLMEngine.step` streams for a request that produced tokens (and what `generate`
     returns once it has finished): `new_token_ids` are this step's, `output_token_ids` all so
-    far."""
+    far; `logprobs`, when the request asked for them, one `TokenLogprobs` per new token."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
@@ -144,3 +156,14 @@ class RequestOutput:
     new_token_ids: Sequence[int]
     finished: bool
     finish_reason: FinishReason | None
+    logprobs: Sequence[TokenLogprobs] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the most likely tokens' (id, log-probability), most
+    likely first, under the model's distribution (before temperature, top-k and top-p)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()

@@ -32,7 +32,7 @@ import torch
 
 from kvlib.cache.block_pool import BlockManager
 from kvlib.cache.paged import PagedCache, PagedKV
-from kvlib.engine.request import Request, SamplingParams
+from kvlib.engine.request import Request, SamplingParams, TokenLogprobs
 
 __all__ = [
     "BatchKV",
@@ -42,6 +42,7 @@ __all__ = [
     "kernel_supports",
     "prepare_inputs",
     "sample",
+    "token_logprobs",
 ]
 
 
@@ -302,6 +303,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    """`token_id`'s log-probability under softmax(`logits (V,)`) and the `num_top` most likely
+    tokens' (chapter 13's `logprobs`): the model's distribution, before any sampling filter."""
+    logprobs = logits.float().log_softmax(dim=-1)  # (V,)
+    top = logprobs.topk(min(num_top, logprobs.numel())) if num_top else None
+    pairs = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
+    return TokenLogprobs(int(token_id), float(logprobs[token_id]), pairs)
+
+
 class ModelRunner:
     """Runs a step: `prepare_inputs`, one forward of the model over a `BatchKV`, then `sample`
     for each request that produces a token. Returns {request id: token}.
@@ -325,6 +335,7 @@ class ModelRunner:
         self.decode_kernel = decode_kernel
         self.num_splits = 1
         self._workspace = None
+        self.last_logprobs: dict[str, TokenLogprobs] = {}  # the last step's, for `logprobs`
 
     def _use_kernel(self) -> bool:
         from kvlib.kernels import triton_available
@@ -374,9 +385,17 @@ class ModelRunner:
             position_ids=batch.positions[None],
             validate=False,  # the engine checked every prompt when it was added
         )[0, batch.sample_indices]  # (m, V)
-        return {
+        sampled = {
             request.request_id: sample(
                 row, request.sampling_params, request.generator_for(row.device)
             )
             for request, row in zip(batch.sample_requests, logits)
         }
+        self.last_logprobs = {
+            request.request_id: token_logprobs(
+                row, sampled[request.request_id], request.sampling_params.logprobs
+            )
+            for request, row in zip(batch.sample_requests, logits)
+            if request.sampling_params.logprobs is not None
+        }
+        return sampled

@@ -1,0 +1,65 @@
+"""`python -m kvlib.serve --model {course,smollm2} [--host 127.0.0.1] [--port 8000]` and the
+engine's options: serve a model with an OpenAI-compatible API (chapter 13)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvlib.serve.models import MODEL_NAMES
+
+
+def build_engine(served, args):
+    """The `LLMEngine` the options describe."""
+    from kvlib.engine import LLMEngine
+
+    kv_scheme = None
+    if args.kv_scheme == "int8":
+        from kvlib.quant import QuantScheme
+
+        kv_scheme = QuantScheme("int8")  # per-token scales
+    return LLMEngine(
+        served.model,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=min(args.max_model_len, served.max_model_len),
+        policy=args.policy,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_scheme=kv_scheme,
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvlib.serve", description=__doc__)
+    p.add_argument("--model", choices=MODEL_NAMES, default="course")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--num-blocks", type=int, default=512, help="KV pool blocks")
+    p.add_argument("--block-size", type=int, default=16, help="token slots per block")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step")
+    p.add_argument("--max-model-len", type=int, default=1024, help="prompt + output tokens")
+    p.add_argument("--policy", choices=("continuous", "static"), default="continuous")
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--kv-scheme", choices=("none", "int8"), default="none")
+    p.add_argument("--max-queued-requests", type=int, default=256, help="429 beyond this")
+    return p
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    from kvlib.serve.models import load_served_model
+    from kvlib.serve.server import create_app
+
+    args = parser().parse_args(argv)
+    served = load_served_model(args.model)
+    app = create_app(
+        served, build_engine(served, args), max_queued_requests=args.max_queued_requests
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

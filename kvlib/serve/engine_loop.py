@@ -1,0 +1,181 @@
+"""The engine in one background thread (chapter 13), fed by a thread-safe queue.
+
+`LLMEngine` is not thread-safe and need not be: only `EngineLoop`'s thread ever touches it. Other
+threads (the web server's event loop) talk to it through `inbox`, a `queue.SimpleQueue` of
+commands (add requests, abort requests, run a function between steps), and get tokens back
+through a *sink* per request: a callable the loop calls, from its thread, with each
+`RequestOutput` or with the exception that refused the request. The web server's sinks hop
+back onto its event loop (`loop.call_soon_threadsafe`).
+
+The loop: take every waiting command (blocking briefly when the engine is idle), run one
+`engine.step()`, hand each output to its request's sink, repeat. A bad request is refused by its
+own `add` (its sink gets the `ValueError`); an exception inside `step()` (a bug) fails the
+requests in flight, never the loop. What it deliberately does not do: text (detokenization and
+stop strings are the server's, per choice).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+from kvlib.engine import LLMEngine, SamplingParams
+
+__all__ = ["EngineLoop", "QueueFullError"]
+
+
+class QueueFullError(RuntimeError):
+    """More requests in flight than `max_queued_requests`: the server answers 429."""
+
+
+class EngineLoop:
+    """Runs `engine` in a daemon thread (see the module docstring).
+
+    Args:
+        engine: the `LLMEngine`; only this loop's thread may touch it once `start()` is called.
+        max_queued_requests: requests (choices) accepted and not finished, at most: `submit`
+            raises `QueueFullError` beyond it.
+    """
+
+    IDLE_WAIT_S = 0.05  # how long an idle loop blocks on its inbox before checking `stop`
+
+    def __init__(self, engine: LLMEngine, *, max_queued_requests: int = 256):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.sinks: dict[str, Callable] = {}  # engine thread only
+        self._lock = threading.Lock()
+        self.num_in_flight = 0  # accepted, not finished or aborted (guarded by _lock)
+        self.num_finished = self.num_aborted = self.num_step_errors = 0
+        self._stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="kvlib-engine-loop", daemon=True)
+
+    # --- any thread ------------------------------------------------------------------------------
+
+    def start(self) -> EngineLoop:
+        self.thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        self.inbox.put(("wake",))
+        self.thread.join(timeout_s)
+
+    def submit(
+        self,
+        request_ids: Sequence[str],
+        prompt_token_ids: Sequence[int],
+        sampling_params: Sequence[SamplingParams],
+        sink: Callable,
+    ) -> None:
+        """Queue one prompt's choices (several: parallel sampling, forked after the prefill).
+
+        Raises:
+            QueueFullError: the loop already holds `max_queued_requests` requests.
+        """
+        with self._lock:
+            if self.num_in_flight + len(request_ids) > self.max_queued_requests:
+                raise QueueFullError(
+                    f"{self.num_in_flight} requests in flight; this server queues at most "
+                    f"{self.max_queued_requests}"
+                )
+            self.num_in_flight += len(request_ids)
+        self.inbox.put(("add", list(request_ids), list(prompt_token_ids), sampling_params, sink))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests (a client went away, or a stop string ended them): their blocks are
+        freed before the next step. Unknown or finished ids are ignored."""
+        self.inbox.put(("abort", list(request_ids)))
+
+    def call(self, function: Callable[[LLMEngine], object], timeout_s: float = 30.0):
+        """Run `function(engine)` in the loop's thread between two steps; return its result
+        (tests read the allocator this way, never while a step runs)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put(("call", function, future))
+        return future.result(timeout_s)
+
+    # --- the loop's thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self.engine.has_unfinished_requests())
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # a bug in a step: fail what is in flight, keep serving
+                self.num_step_errors += 1
+                for request_id in list(self.sinks):
+                    self._finish(request_id, aborted=True, notify=error)
+                continue
+            for output in outputs:
+                sink = self.sinks.get(output.request_id)
+                if sink is not None:
+                    _deliver(sink, output)
+                if output.finished:
+                    self._finish(output.request_id, aborted=False)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self.inbox.get(timeout=self.IDLE_WAIT_S) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._execute(command)
+            try:
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _execute(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_ids, prompt, params, sink = command
+            try:
+                if len(request_ids) == 1:
+                    self.engine.add_request(request_ids[0], prompt, params[0])
+                else:
+                    self.engine.add_parallel_requests(request_ids, prompt, params)
+            except Exception as error:  # refused (bad prompt, too long, ...): tell its client
+                with self._lock:
+                    self.num_in_flight -= len(request_ids)
+                _deliver(sink, error)
+                return
+            for request_id in request_ids:
+                self.sinks[request_id] = sink
+        elif kind == "abort":
+            for request_id in command[1]:
+                if request_id in self.sinks:
+                    self.engine.abort_request(request_id)
+                    self._finish(request_id, aborted=True)
+        elif kind == "call":
+            _, function, future = command
+            try:
+                future.set_result(function(self.engine))
+            except Exception as error:
+                future.set_exception(error)
+
+    def _finish(self, request_id: str, *, aborted: bool, notify: Exception | None = None) -> None:
+        sink = self.sinks.pop(request_id, None)
+        if sink is None:
+            return
+        if notify is not None:
+            self.engine.abort_request(request_id)
+            _deliver(sink, notify)
+        self.engine.requests.pop(request_id, None)  # a long-running server forgets it
+        with self._lock:
+            self.num_in_flight -= 1
+        if aborted:
+            self.num_aborted += 1
+        else:
+            self.num_finished += 1
+
+
+def _deliver(sink: Callable, item) -> None:
+    """Call a sink; a sink that fails (its event loop closed) must not stop the engine."""
+    try:
+        sink(item)
+    except Exception:
+        pass

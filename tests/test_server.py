@@ -1,0 +1,440 @@
+"""Chapter 13's server, tested with the real `openai` client against a server on 127.0.0.1 (a free
+port): the API, streaming, stop strings, n > 1, logprobs, seeds, errors, aborts, a 200-client load
+test; the engine's additions (abort, fork, logprobs) and the text side (incremental
+detokenization, stop strings) against oracles."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlib.engine import LLMEngine, SamplingParams
+from kvlib.serve.detokenize import REPLACEMENT_CHARACTER, IncrementalDetokenizer, StopStringMatcher
+from kvlib.serve.models import CourseTokenizer, ServedModel
+from kvlib.serve.server import ServerThread, create_app
+from kvlib.train import load_course_model
+
+ENGINE = dict(num_blocks=64, block_size=16, max_num_seqs=32, max_num_batched_tokens=256)
+PROMPT = "BOS SET k1 v2 SET k3 v4 w5 w6 w7 GET k1"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_course_model()
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    return ServedModel("course", model, CourseTokenizer(), (), 1024)
+
+
+def start_server(served, **options):
+    queued = options.pop("max_queued_requests", 256)
+    engine = LLMEngine(served.model, **{**ENGINE, "max_model_len": 512, **options})
+    return ServerThread(create_app(served, engine, max_queued_requests=queued)).start()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    thread = start_server(served)
+    yield thread
+    thread.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+def pool_state(server):
+    """(free blocks, blocks) read in the engine thread between steps, invariants checked."""
+
+    def read(engine):
+        engine.manager.check_invariants()
+        return engine.manager.pool.num_free_blocks, engine.config.num_blocks
+
+    return server.app.state.loop.call(read)
+
+
+def wait_idle(server, timeout_s=10.0):
+    """Wait until the engine loop holds no request; return the pool state."""
+    loop = server.app.state.loop
+    deadline = time.monotonic() + timeout_s
+    while loop.num_in_flight or loop.call(lambda e: e.has_unfinished_requests()):
+        assert time.monotonic() < deadline, f"{loop.num_in_flight} requests still in flight"
+        time.sleep(0.01)
+    return pool_state(server)
+
+
+def engine_greedy(model, prompt_ids, max_tokens, **options):
+    engine = LLMEngine(model, **{**ENGINE, "max_model_len": 512, **options})
+    (out,) = engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens), use_tqdm=False)
+    return list(out.output_token_ids)
+
+
+# --- the text side -------------------------------------------------------------------------------
+
+
+def byte_tokens(text: str, sizes) -> list[bytes]:
+    """Split text's UTF-8 bytes into tokens of the given sizes (cycled): characters get cut."""
+    data, tokens, i, k = text.encode(), [], 0, 0
+    while i < len(data):
+        tokens.append(data[i : i + sizes[k % len(sizes)]])
+        i, k = i + sizes[k % len(sizes)], k + 1
+    return tokens
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1, max_size=30), st.lists(st.integers(1, 4), min_size=1, max_size=4))
+def test_incremental_detokenizer_never_splits_a_character(text, sizes):
+    vocab = byte_tokens(text, sizes)
+
+    def decode(ids):  # a byte-level tokenizer's decode: join the bytes, replace what is unfinished
+        return b"".join(vocab[i] for i in ids).decode("utf-8", errors="replace")
+
+    detokenizer = IncrementalDetokenizer(decode)
+    deltas = [detokenizer.push(i) for i in range(len(vocab))] + [detokenizer.flush()]
+    assert "".join(deltas) == text
+    if REPLACEMENT_CHARACTER not in text:
+        assert all(REPLACEMENT_CHARACTER not in d for d in deltas), deltas
+    naive = "".join(decode([i]) for i in range(len(vocab)))  # the pitfall: token by token
+    if len(text.encode()) > len(text) and max(sizes) < 4:
+        assert naive != text or all(len(t) == 1 for t in text)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.text(alphabet="abc\n", max_size=30),
+    st.lists(st.text(alphabet="abc\n", min_size=1, max_size=3), min_size=1, max_size=3),
+    st.lists(st.integers(1, 5), min_size=1, max_size=5),
+)
+def test_stop_string_matcher_against_find(text, stops, cuts):
+    matcher, sent, i, k, stopped = StopStringMatcher(stops), "", 0, 0, False
+    while i < len(text) and not stopped:
+        piece = text[i : i + cuts[k % len(cuts)]]
+        i, k = i + len(piece), k + 1
+        safe, stopped = matcher.push(piece)
+        sent += safe
+        received = text[:i]
+        # never leaked: what was sent is the received text with any stop-string start held back
+        assert received.startswith(sent)
+        assert not any(s in sent for s in stops)
+    if not stopped:
+        sent += matcher.flush()
+    hits = [text.find(s) for s in stops if s in text]
+    assert sent == (text[: min(hits)] if hits else text)
+    assert stopped == bool(hits)
+
+
+def test_stop_string_matcher_refuses_empty():
+    with pytest.raises(ValueError, match="stop"):
+        StopStringMatcher([""])
+
+
+# --- engine additions ----------------------------------------------------------------------------
+
+
+def test_abort_frees_blocks_and_keeps_invariants(model):
+    engine = LLMEngine(model, **ENGINE)
+    prompt = CourseTokenizer().encode(PROMPT) * 3
+    for i in range(3):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=40))
+    for _ in range(5):
+        engine.step()
+    assert engine.abort_request("r1") and engine.abort_request("r2")
+    engine.manager.check_invariants()
+    assert not engine.abort_request("r1")  # already gone
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.manager.check_invariants()
+    assert engine.manager.pool.num_free_blocks == ENGINE["num_blocks"]
+    assert list(engine.requests) == ["r0"]
+
+
+@pytest.mark.parametrize("prompt_len", [31, 32, 33])  # the fork's last block: partial, full, one
+def test_fork_matches_independent_requests(model, prompt_len):
+    prompt = (CourseTokenizer().encode(PROMPT) * 4)[:prompt_len]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, logprobs=1) for s in (7, 8, 9)]
+    forked = LLMEngine(model, **ENGINE)
+    forked.add_parallel_requests(["a", "b", "c"], prompt, params)
+    outputs, shared = {}, False
+    while forked.has_unfinished_requests():
+        for out in forked.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        forked.manager.check_invariants()
+        tables = forked.manager.block_tables
+        if {"a", "b"} <= set(tables):
+            shared |= tables["a"][0] == tables["b"][0]  # the prompt's first block, shared
+    assert shared
+    assert forked.manager.pool.num_free_blocks == ENGINE["num_blocks"]
+    alone = LLMEngine(model, **ENGINE).generate([prompt] * 3, params, use_tqdm=False)
+    assert [outputs[i] for i in "abc"] == [list(o.output_token_ids) for o in alone]
+
+
+# --- the API with the openai client --------------------------------------------------------------
+
+
+def test_models_and_greedy_completion_equal_the_engine(client, model, served):
+    assert [m.id for m in client.models.list().data] == ["course"]
+    ids = served.tokenizer.encode(PROMPT)
+    expected = served.decode(engine_greedy(model, ids, 12))
+    for prompt in (PROMPT, ids):  # text or token ids
+        r = client.completions.create(model="course", prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == " " + expected
+        assert r.choices[0].finish_reason == "length"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 12)
+
+
+def test_streaming_concatenates_to_the_completion(client):
+    full = client.completions.create(model="course", prompt=PROMPT, max_tokens=10, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model="course",
+            prompt=PROMPT,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == full.choices[0].text
+    assert len(texts) == 10  # one event per token: the course tokenizer never holds text back
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_sse_wire_format_ends_with_done(server):
+    body = json.dumps(dict(model="course", prompt=PROMPT, max_tokens=3, stream=True)).encode()
+    request = urllib.request.Request(
+        server.base_url + "/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [e for e in response.read().decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]" and len(events) == 4
+
+
+def test_stop_strings_cut_before_the_stop_and_free_blocks(client, server):
+    greedy = client.completions.create(model="course", prompt=PROMPT, max_tokens=16, temperature=0)
+    text = greedy.choices[0].text
+    stop = text[5:11]  # spans token boundaries
+    expected = text[: text.find(stop)]
+    r = client.completions.create(
+        model="course", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop, "zzz"]
+    )
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    assert r.usage.completion_tokens < 16
+    streamed = client.completions.create(
+        model="course", prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    free, total = wait_idle(server)
+    assert free == total
+
+
+def test_seeded_sampling_is_reproducible_and_n2_forks(client):
+    def sample(seed, n=1):
+        r = client.completions.create(
+            model="course", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=seed, n=n
+        )
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+    assert sample(11) == sample(11)
+    assert sample(11) != sample(12)
+    assert sample(11, n=2) == sample(11) + sample(12)  # choice i uses seed + i
+
+
+def test_logprobs_match_a_full_forward(client, model, served):
+    r = client.completions.create(
+        model="course", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3
+    )
+    lp = r.choices[0].logprobs
+    ids = served.tokenizer.encode(PROMPT)
+    out = served.tokenizer.encode(r.choices[0].text)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + out]))[0, len(ids) - 1 : -1]  # (6, V)
+    oracle = logits.float().log_softmax(-1)
+    chosen = oracle.gather(1, torch.tensor(out)[:, None])[:, 0]
+    diff = (torch.tensor(lp.token_logprobs) - chosen).abs().max().item()
+    assert diff < 1e-4, diff
+    assert [t.strip() for t in lp.tokens] == r.choices[0].text.split()
+    assert all(
+        len(top) == 3 and max(top.values()) == p
+        for top, p in zip(lp.top_logprobs, lp.token_logprobs)
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, status, param",
+    [
+        (dict(temperature=-0.5), 400, "temperature"),
+        (dict(top_p=0), 400, "top_p"),
+        (dict(max_tokens=0), 400, "max_tokens"),
+        (dict(n=0), 400, "n"),
+        (dict(logprobs=99), 400, "logprobs"),
+        (dict(stop=[""]), 400, "stop"),
+        (dict(echo=True), 400, "echo"),
+        (dict(frequency_penalty=0.5), 400, "frequency_penalty"),
+        (dict(extra_body={"bogus": 1}), 400, "bogus"),
+        (dict(extra_body={"top_k": "ten"}), 400, "top_k"),
+        (dict(prompt="hello world"), 400, "prompt"),
+        (dict(prompt=[1, 2, 999]), 400, "prompt"),
+        (dict(prompt=[]), 400, "prompt"),
+        (dict(max_tokens=600), 400, "prompt"),  # prompt + max_tokens > max_model_len (512)
+        (dict(prompt=[1] * 600), 400, "prompt"),
+        (dict(model="gpt-4o"), 404, "model"),
+    ],
+)
+def test_errors_are_openai_style_and_name_the_field(client, kwargs, status, param):
+    request = dict(model="course", prompt=PROMPT, max_tokens=4) | kwargs
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(**request)
+    assert info.value.status_code == status
+    error = info.value.body
+    assert error["param"] == param and param in error["message"], error
+
+
+def test_chat_without_a_template_and_malformed_bodies(client, server):
+    with pytest.raises(openai.BadRequestError, match="chat template"):
+        client.chat.completions.create(model="course", messages=[{"role": "user", "content": "x"}])
+    for raw in (b"{not json", b"[]", b'{"model": "course"}', b'{"model": 3, "prompt": {}}'):
+        request = urllib.request.Request(
+            server.base_url + "/completions", raw, {"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=10)
+        assert info.value.code == 400
+        assert "message" in json.loads(info.value.read())["error"]
+    # the loop survived all of it
+    r = client.completions.create(model="course", prompt=PROMPT, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+def test_a_failing_step_fails_its_requests_not_the_loop(client, server):
+    engine = server.app.state.loop.engine
+    original = engine.step
+
+    def broken():
+        engine.step = original
+        raise RuntimeError("injected")
+
+    server.app.state.loop.call(lambda e: setattr(e, "step", broken))
+    with pytest.raises(openai.InternalServerError, match="injected"):
+        client.completions.create(model="course", prompt=PROMPT, max_tokens=4)
+    r = client.completions.create(model="course", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3
+    free, total = wait_idle(server)
+    assert free == total
+
+
+def test_full_queue_is_a_429(served):
+    thread = start_server(served, max_queued_requests=2)
+    loop, gate = thread.app.state.loop, threading.Event()
+    try:
+        holder = threading.Thread(target=lambda: loop.call(lambda e: gate.wait(20)))
+        holder.start()  # the engine thread now waits: accepted requests stay in flight
+        client = openai.OpenAI(base_url=thread.base_url, api_key="unused", max_retries=0)
+        streams = [
+            client.completions.create(model="course", prompt=PROMPT, max_tokens=4, stream=True)
+            for _ in range(2)
+        ]
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model="course", prompt=PROMPT, max_tokens=4)
+        assert info.value.status_code == 429 and "queues at most 2" in str(info.value)
+        gate.set()
+        assert all(len([c for c in s]) == 4 for s in streams)
+        holder.join()
+    finally:
+        gate.set()
+        thread.stop()
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(client, server):
+    loop = server.app.state.loop
+    aborted = loop.num_aborted
+    stream = client.completions.create(
+        model="course",
+        prompt=" ".join([PROMPT] * 4),
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        n=2,
+    )
+    received = [next(iter(stream)) for _ in range(3)]
+    assert all(c.choices[0].text for c in received)
+    stream.close()  # the client goes away mid-stream
+    free, total = wait_idle(server)
+    assert loop.num_aborted == aborted + 2
+    assert free == total
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_200_concurrent_streaming_clients(server, model, served):
+    rng = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(8, 128, (int(n),), generator=rng).tolist() for n in range(4, 204)]
+    max_tokens = 8
+
+    async def one(client, prompt):
+        start, times, pieces = time.perf_counter(), [], []
+        stream = await client.completions.create(
+            model="course",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                times.append(time.perf_counter() - start)
+                pieces.append(choice.text)
+        return dict(pieces=pieces, times=times, usage=usage)
+
+    async def run():
+        async with openai.AsyncOpenAI(
+            base_url=server.base_url, api_key="unused", max_retries=0, timeout=90
+        ) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    started = time.perf_counter()
+    results = asyncio.run(run())
+    seconds = time.perf_counter() - started
+    assert len(results) == 200
+    engine = LLMEngine(model, **{**ENGINE, "max_model_len": 512})
+    oracle = engine.generate(prompts, SamplingParams(max_tokens=max_tokens), use_tqdm=False)
+    for result, expected in zip(results, oracle):
+        assert result["usage"].completion_tokens == max_tokens  # every request completed once
+        assert len(result["pieces"]) == max_tokens  # no token lost or duplicated
+        assert "".join(result["pieces"]) == " " + served.decode(expected.output_token_ids)
+    free, total = wait_idle(server)
+    assert free == total
+    ttft = [r["times"][0] for r in results]
+    tpot = [(r["times"][-1] - r["times"][0]) / (max_tokens - 1) for r in results]
+
+    def pct(values, q):
+        return statistics.quantiles(values, n=100)[q - 1] * 1e3
+
+    print(
+        f"\n200 streaming clients in {seconds:.1f} s: TTFT p50 {pct(ttft, 50):.0f} ms, "
+        f"p99 {pct(ttft, 99):.0f} ms; TPOT p50 {pct(tpot, 50):.1f} ms, p99 {pct(tpot, 99):.1f} ms"
+    )
