@@ -438,3 +438,68 @@ def test_200_concurrent_streaming_clients(server, model, served):
         f"\n200 streaming clients in {seconds:.1f} s: TTFT p50 {pct(ttft, 50):.0f} ms, "
         f"p99 {pct(ttft, 99):.0f} ms; TPOT p50 {pct(tpot, 50):.1f} ms, p99 {pct(tpot, 99):.1f} ms"
     )
+
+
+# --- SmolLM2 through the command line ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_smollm2_chat_through_the_command_line():
+    """`python -m kvlib.serve --model smollm2` in a subprocess: the chat template, EOS from the
+    GGUF metadata, streaming chat; greedy text equal to LLMEngine's on the template's ids; the
+    detokenizer on byte-level BPE tokens that split characters."""
+    import subprocess
+    import sys
+
+    from kvlib.serve.models import load_served_model
+    from kvlib.serve.server import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "kvlib.serve", "--model", "smollm2", "--port", str(port)]
+    process = subprocess.Popen(command + ["--num-blocks", "64"], stderr=subprocess.PIPE)
+    try:
+        served = load_served_model("smollm2")
+        tokenizer = served.tokenizer
+        text = "🦙 llama, naïve 日本語"
+        ids = tokenizer.encode(text)
+        assert REPLACEMENT_CHARACTER in "".join(tokenizer.decode([i]) for i in ids)  # the pitfall
+        detokenizer = IncrementalDetokenizer(served.decode)
+        deltas = [detokenizer.push(i) for i in ids] + [detokenizer.flush()]
+        assert "".join(deltas) == text and REPLACEMENT_CHARACTER not in "".join(deltas)
+
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        engine = LLMEngine(served.model, num_blocks=64, max_model_len=1024)
+        params = SamplingParams(max_tokens=24, stop_token_ids=served.eos_token_ids)
+        (expected,) = engine.generate([prompt], params, use_tqdm=False)
+
+        base_url = f"http://127.0.0.1:{port}/v1"
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert process.poll() is None, process.stderr.read().decode()[-2000:]
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.5)
+        r = client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=24, temperature=0
+        )
+        assert r.choices[0].message.content == served.decode(expected.output_token_ids)
+        finish = "stop" if expected.output_token_ids[-1] in served.eos_token_ids else "length"
+        assert r.choices[0].finish_reason == finish
+        assert r.usage.prompt_tokens == len(prompt)
+        chunks = list(
+            client.chat.completions.create(
+                model="smollm2", messages=messages, max_tokens=24, temperature=0, stream=True
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert streamed == r.choices[0].message.content
+    finally:
+        process.terminate()
+        process.wait(20)
