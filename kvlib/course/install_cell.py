@@ -69,7 +69,11 @@ def rewrite_install_lines(path: Path, *, check: bool = False) -> bool:
 
     notebook = nbformat.read(path, as_version=4)
     cell = next(c for c in notebook.cells if c.cell_type == "code")
-    smollm2 = any("load_smollm2" in c.source for c in notebook.cells if c.cell_type == "code")
+    smollm2 = any(
+        "load_smollm2" in c.source or "smollm2_gguf_path" in c.source  # the model, or its file
+        for c in notebook.cells
+        if c.cell_type == "code"
+    )
     block, rest = _split_install_block(cell.source)
     wanted = install_lines(smollm2=smollm2)
     if block == wanted:
