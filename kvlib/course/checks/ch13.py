@@ -1,0 +1,173 @@
+"""Chapter 13's graded questions: the text each byte-level token releases when streamed (never a
+partial UTF-8 character), a stop-string matcher with hold-back, and a goodput count under an SLO.
+Oracles: the rules of `kvlib.serve.detokenize` and `kvlib.serve.load` written out here (Python's
+incremental UTF-8 decoder for the first)."""
+
+from __future__ import annotations
+
+import codecs
+
+import numpy as np
+
+from kvlib.course.grading import Submission, question
+
+# --- question 1: incremental UTF-8 ---------------------------------------------------------------
+
+
+def _utf8_deltas(token_bytes):
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    return [decoder.decode(b) for b in token_bytes]
+
+
+def _split_bytes(text: str, rng) -> list[bytes]:
+    """`text`'s UTF-8 bytes cut into tokens of 1 to 4 bytes (characters get cut)."""
+    data, tokens, i = text.encode(), [], 0
+    while i < len(data):
+        n = int(rng.integers(1, 5))
+        tokens.append(data[i : i + n])
+        i += n
+    return tokens
+
+
+_ALPHABET = list("ab ,") + ["é", "ï", "ß", "€", "日", "本", "🦙", "🙂"]
+
+
+@question(function="utf8_deltas", blocked=("kvlib.serve.detokenize.IncrementalDetokenizer",))
+def test_utf8_deltas(submission: Submission) -> None:
+    utf8_deltas = submission.function("utf8_deltas")
+    rng = submission.rng()
+    cases = [
+        ([b"\xf0\x9f", b"\xa6\x99", b" l", b"lama"], "an emoji cut in two tokens"),
+        ([b"na", b"\xc3", b"\xafve"], "a 2-byte character cut after its lead byte"),
+        ([b"\xe6\x97", b"\xa5\xe6", b"\x9c\xac"], "two 3-byte characters cut twice"),
+        ([b"plain", b" ascii"], "ASCII only"),
+        ([b"\xf0", b"\x9f", b"\x99", b"\x82"], "one byte per token"),
+    ]
+    for _ in range(6):
+        text = "".join(rng.choice(_ALPHABET, size=int(rng.integers(3, 12))))
+        cases.append((_split_bytes(text, rng), f"random text {text!r}"))
+    for token_bytes, what in cases:
+        expected = _utf8_deltas(token_bytes)
+        got = utf8_deltas(list(token_bytes))
+        assert isinstance(got, list) and all(isinstance(d, str) for d in got), (
+            f"utf8_deltas should return a list of str, got {got!r}"
+        )
+        assert got == expected, (
+            f"{what}: tokens {token_bytes!r}: expected {expected!r} (each token releases the "
+            f"characters it completes, and nothing of a character still missing bytes), got "
+            f"{got!r}"
+        )
+
+
+# --- question 2: stop strings with hold-back ----------------------------------------------------
+
+
+def _stop_stream(pieces, stops):
+    held, sent = "", []
+    for piece in pieces:
+        held += piece
+        starts = [i for i in (held.find(s) for s in stops) if i >= 0]
+        if starts:
+            sent.append(held[: min(starts)])
+            return sent, True
+        keep = 0
+        for s in stops:
+            for n in range(min(len(s) - 1, len(held)), keep, -1):
+                if held.endswith(s[:n]):
+                    keep = n
+                    break
+        sent.append(held[: len(held) - keep])
+        held = held[len(held) - keep :]
+    sent.append(held)
+    return sent, False
+
+
+@question(function="stop_stream", blocked=("kvlib.serve.detokenize.StopStringMatcher",))
+def test_stop_stream(submission: Submission) -> None:
+    stop_stream = submission.function("stop_stream")
+    rng = submission.rng()
+    cases = [
+        ([" v2", " SET", " k4", " v16"], ["SET k4"], "a stop string spanning two pieces"),
+        ([" v2", " SE", "T x"], ["SET k4"], "a partial match that fails: released"),
+        (["ab", "c\n", "\nd"], ["\n\n"], "a stop string made of two newlines"),
+        (["hello", " world"], ["xyz"], "no stop string anywhere"),
+        (["aXb", "Yc"], ["bY", "X"], "two stop strings: the earliest wins"),
+        (
+            ["a", "b", "c"],
+            ["abcd", "bc"],
+            "a longer stop string still possible, a shorter one hits",
+        ),
+    ]
+    for _ in range(8):
+        text = "".join(rng.choice(list("ab\n"), size=int(rng.integers(1, 16))))
+        cuts = sorted(set(rng.integers(1, max(2, len(text)), size=3).tolist()))
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)]) if text[i:j]]
+        stops = ["".join(rng.choice(list("ab\n"), size=int(rng.integers(1, 4)))) for _ in "ab"]
+        cases.append((pieces, stops, f"random pieces {pieces!r}"))
+    for pieces, stops, what in cases:
+        expected_sent, expected_stopped = _stop_stream(pieces, stops)
+        got = stop_stream(list(pieces), list(stops))
+        assert isinstance(got, tuple) and len(got) == 2, (
+            f"stop_stream should return a tuple (sent, stopped), got {got!r}"
+        )
+        sent, stopped = got
+        assert stopped == expected_stopped, (
+            f"{what}, stops {stops!r}: expected stopped={expected_stopped}, got {stopped!r}"
+        )
+        assert list(sent) == expected_sent, (
+            f"{what}, stops {stops!r}: expected sent {expected_sent!r} (after each piece, "
+            f"release all but the longest tail that is a proper prefix of some stop string; on a "
+            f"match, release the text before the earliest stop string and end; at the end, "
+            f"release what is held), got {sent!r}"
+        )
+
+
+# --- question 3: goodput -------------------------------------------------------------------------
+
+
+def _slo_goodput(requests, ttft_slo_s, tpot_slo_s):
+    good = 0
+    for arrival, token_times in requests:
+        ttft = token_times[0] - arrival
+        n = len(token_times)
+        tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+        good += ttft <= ttft_slo_s and tpot <= tpot_slo_s
+    start = min(a for a, _ in requests)
+    end = max(t[-1] for _, t in requests)
+    return good, good / (end - start)
+
+
+@question(function="slo_goodput", blocked=("kvlib.serve.load.goodput",))
+def test_slo_goodput(submission: Submission) -> None:
+    slo_goodput = submission.function("slo_goodput")
+    rng = submission.rng()
+    cases = [
+        ([(0.0, [0.1, 0.15, 0.2]), (0.5, [0.9, 0.95])], 0.25, 0.06, "one TTFT too slow"),
+        ([(0.0, [0.1, 0.3]), (0.1, [0.2, 0.25, 0.3])], 0.25, 0.1, "one TPOT too slow"),
+        ([(1.0, [1.05]), (2.0, [2.5])], 0.25, 0.01, "one-token requests: TPOT 0"),
+        ([(0.0, [0.25, 0.30])], 0.25, 0.05, "exactly at the SLO counts"),
+    ]
+    for _ in range(4):
+        requests = []
+        for arrival in np.cumsum(rng.exponential(0.1, size=int(rng.integers(2, 8)))):
+            first = arrival + rng.exponential(0.2)
+            gaps = rng.exponential(0.04, size=int(rng.integers(0, 6)))
+            times = (first + np.concatenate([[0.0], np.cumsum(gaps)])).round(4).tolist()
+            requests.append((round(float(arrival), 4), times))
+        cases.append((requests, 0.2, 0.05, f"{len(requests)} random requests"))
+    for requests, ttft_slo, tpot_slo, what in cases:
+        expected = _slo_goodput(requests, ttft_slo, tpot_slo)
+        got = slo_goodput([(a, list(t)) for a, t in requests], ttft_slo, tpot_slo)
+        assert isinstance(got, tuple) and len(got) == 2, (
+            f"slo_goodput should return (count, per_second), got {got!r}"
+        )
+        assert got[0] == expected[0], (
+            f"{what}: SLO TTFT <= {ttft_slo} s and TPOT <= {tpot_slo} s, requests {requests}: "
+            f"expected {expected[0]} requests meeting it (TTFT = first token - arrival; TPOT = "
+            f"(last - first token) / (tokens - 1), 0 for one token; both within the SLO), got "
+            f"{got[0]!r}"
+        )
+        assert abs(got[1] - expected[1]) <= 1e-9 * max(1.0, abs(expected[1])), (
+            f"{what}: expected {expected[1]:.6f} requests/s (the count divided by the time from "
+            f"the first arrival to the last token of any request), got {got[1]!r}"
+        )
