@@ -120,21 +120,34 @@ def test_incremental_detokenizer_never_splits_a_character(text, sizes):
     st.lists(st.integers(1, 5), min_size=1, max_size=5),
 )
 def test_stop_string_matcher_against_find(text, stops, cuts):
-    matcher, sent, i, k, stopped = StopStringMatcher(stops), "", 0, 0, False
-    while i < len(text) and not stopped:
-        piece = text[i : i + cuts[k % len(cuts)]]
-        i, k = i + len(piece), k + 1
+    matcher, sent, i, stopped = StopStringMatcher(stops), "", 0, False
+    for piece in _pieces(text, cuts):
+        i += len(piece)
         safe, stopped = matcher.push(piece)
         sent += safe
         received = text[:i]
         # never leaked: what was sent is the received text with any stop-string start held back
         assert received.startswith(sent)
         assert not any(s in sent for s in stops)
+        if stopped:
+            break
     if not stopped:
         sent += matcher.flush()
-    hits = [text.find(s) for s in stops if s in text]
-    assert sent == (text[: min(hits)] if hits else text)
-    assert stopped == bool(hits)
+    received, expected, found = "", text, False  # the spec: after each piece, the earliest stop
+    for piece in _pieces(text, cuts):  # string present in what was received
+        received += piece
+        hits = [received.find(s) for s in stops if s in received]
+        if hits:
+            expected, found = received[: min(hits)], True
+            break
+    assert (sent, stopped) == (expected, found)
+
+
+def _pieces(text, cuts):
+    i, k = 0, 0
+    while i < len(text):
+        yield text[i : i + cuts[k % len(cuts)]]
+        i, k = i + cuts[k % len(cuts)], k + 1
 
 
 def test_stop_string_matcher_refuses_empty():
@@ -149,7 +162,7 @@ def test_abort_frees_blocks_and_keeps_invariants(model):
     engine = LLMEngine(model, **ENGINE)
     prompt = CourseTokenizer().encode(PROMPT) * 3
     for i in range(3):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=40))
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=12))
     for _ in range(5):
         engine.step()
     assert engine.abort_request("r1") and engine.abort_request("r2")
@@ -162,11 +175,12 @@ def test_abort_frees_blocks_and_keeps_invariants(model):
     assert list(engine.requests) == ["r0"]
 
 
-@pytest.mark.parametrize("prompt_len", [31, 32, 33])  # the fork's last block: partial, full, one
+@pytest.mark.parametrize("prompt_len", [7, 8, 9])  # the fork's last block: partial, full, one
 def test_fork_matches_independent_requests(model, prompt_len):
-    prompt = (CourseTokenizer().encode(PROMPT) * 4)[:prompt_len]
-    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=20, logprobs=1) for s in (7, 8, 9)]
-    forked = LLMEngine(model, **ENGINE)
+    prompt = CourseTokenizer().encode(PROMPT)[:prompt_len]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=10, logprobs=1) for s in (7, 8, 9)]
+    small_blocks = {**ENGINE, "block_size": 4}
+    forked = LLMEngine(model, **small_blocks)
     forked.add_parallel_requests(["a", "b", "c"], prompt, params)
     outputs, shared = {}, False
     while forked.has_unfinished_requests():
@@ -178,7 +192,7 @@ def test_fork_matches_independent_requests(model, prompt_len):
             shared |= tables["a"][0] == tables["b"][0]  # the prompt's first block, shared
     assert shared
     assert forked.manager.pool.num_free_blocks == ENGINE["num_blocks"]
-    alone = LLMEngine(model, **ENGINE).generate([prompt] * 3, params, use_tqdm=False)
+    alone = LLMEngine(model, **small_blocks).generate([prompt] * 3, params, use_tqdm=False)
     assert [outputs[i] for i in "abc"] == [list(o.output_token_ids) for o in alone]
 
 
