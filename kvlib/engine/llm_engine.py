@@ -21,6 +21,11 @@ Clock: a step's time is its wall time; the engine's clock is the sum of the step
 spent idle between arrivals is not counted, and a request added before step s arrives at the
 clock's value then.
 
+For a server (chapter 13, `kvlib.serve`): `abort_request` drops a request whose client left and
+frees its blocks; `add_parallel_requests` serves one prompt n times, forking the children from
+the first request's blocks once its prefill is done (copy-on-write, chapter 7); a request with
+`SamplingParams(logprobs=k)` gets each token's log-probability and the top k in its outputs.
+
 Sampling seeds: `SamplingParams(seed=None)` seeds a request's generator with 0, so two requests
 with the same prompt and no seed sample the same tokens, and a rerun repeats a run exactly. vLLM
 differs: there, no seed means fresh randomness per request; pass distinct seeds to get that here.
