@@ -11,7 +11,7 @@ KV dtype and the chunk's hash for that reason; vLLM salts its prefix-cache hashe
 `block_key(salt, block_hash)` is SHA-256 of the salt followed by the chained block hash. The chain
 already covers the whole prefix (so the block's position: a rotated key is only valid at the
 offset it was computed at), and the salt covers the rest. What it deliberately does not cover:
-the weights' bytes beyond a fingerprint of the embedding (`engine_salt`), or a block that is not
+a block that another process wrote under a salt it lied about, or a block that is not
 full (a partial block is never keyed: its content still changes).
 """
 
@@ -25,7 +25,7 @@ import torch
 
 from kvlib.cache.block_pool import hash_block_tokens
 
-__all__ = ["block_key", "engine_salt", "kv_salt", "salted_block_keys"]
+__all__ = ["block_key", "engine_salt", "kv_salt", "salted_block_keys", "weights_fingerprint"]
 
 
 def kv_salt(
@@ -45,18 +45,26 @@ def kv_salt(
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 
 
+def weights_fingerprint(model) -> str:
+    """SHA-256 (hex) over every parameter's name and bytes, in order: two checkpoints of one
+    architecture (a fine-tune, an uptrained variant) get different fingerprints."""
+    digest = hashlib.sha256()
+    for name, parameter in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(parameter.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def engine_salt(model, *, kv_scheme=None, block_size: int = 16) -> bytes:
     """The salt of an engine serving `model` (a `kvlib.model.LlamaModel`) with K/V stored as
-    `kv_scheme` (a `kvlib.quant.QuantScheme` or None): the model's config, a SHA-256 fingerprint of
-    its token embedding (two checkpoints of one architecture differ there), its dtype, the scheme
-    and the RoPE fields."""
+    `kv_scheme` (a `kvlib.quant.QuantScheme` or None): the model's type and size and its weights'
+    fingerprint, its dtype, the scheme, the RoPE fields and the block size."""
     c = model.config
-    embedding = model.model.embed_tokens.weight.detach()
-    fingerprint = hashlib.sha256(embedding.cpu().contiguous().view(torch.uint8).numpy()).hexdigest()
+    dtype = model.lm_head.weight.dtype
     rope = json.dumps(dict(theta=c.rope_theta, scaling=c.rope_scaling), sort_keys=True)
     return kv_salt(
-        model_id=f"{c.model_type}/{c.num_hidden_layers}x{c.hidden_size}/{fingerprint[:16]}",
-        dtype=str(embedding.dtype).removeprefix("torch."),
+        model_id=f"{c.model_type}/{c.num_hidden_layers}x{c.hidden_size}/{weights_fingerprint(model)}",
+        dtype=str(dtype).removeprefix("torch."),
         kv_scheme=None if kv_scheme is None else repr(kv_scheme),
         rope=rope,
         block_size=block_size,
