@@ -318,3 +318,64 @@ def test_an_unsalted_store_shared_by_two_models_gives_wrong_tokens(course, tmp_p
         (got,) = second.generate([prompt], params, use_tqdm=False)
         assert (got.output_token_ids == own.output_token_ids) == salted
         assert (sum(second.manager.promoted.values()) > 0) == (not salted)
+
+
+# --- KV transfer between two processes -----------------------------------------------------------
+
+
+def test_a_decode_engine_continues_from_shipped_blocks_token_identically(course):
+    """A prefill process ships each prompt's full blocks over ZeroMQ (loopback); the decode engine
+    in this process admits the prompt as a prefix hit on them and generates exactly what one
+    engine doing both generates; full precision and int8 blocks (with their scales)."""
+    import zmq
+
+    from kvlib.offload.transfer import import_blocks, request_prefill
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvlib.offload.transfer", "--model", "course"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    context = zmq.Context()
+    socket = context.socket(zmq.REQ)
+    socket.setsockopt(zmq.RCVTIMEO, 60_000)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(f"tcp://127.0.0.1:{int(server.stdout.readline())}")
+        params = SamplingParams(max_tokens=8)
+        for scheme in (None, "int8"):
+            kv_scheme = None if scheme is None else QuantScheme(scheme)
+            prompts = COURSE_PROMPTS[1:5]
+            one = LLMEngine(course, num_blocks=64, kv_scheme=kv_scheme)
+            expected = [o.output_token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+            store = TieredStore([MemoryTier("received", 10**8, 25e9)])
+            decode = OffloadEngine(course, store=store, num_blocks=64, kv_scheme=kv_scheme)
+            for prompt, tokens in zip(prompts, expected):
+                header = import_blocks(request_prefill(socket, prompt, scheme), store, decode.salt)
+                num_full = (len(prompt) - 1) // 16
+                assert len(header["keys"]) == num_full and header["first_token"] == tokens[0]
+                assert header["nbytes"] >= num_full * decode.block_bytes  # + headers
+                computed_before = decode.summary()["prefill_tokens"] if decode.stats else 0
+                (output,) = decode.generate([prompt], params, use_tqdm=False)
+                assert output.output_token_ids == tokens
+                computed = decode.summary()["prefill_tokens"] - computed_before
+                assert computed == len(prompt) - 16 * num_full  # only the partial block's tokens
+            # every full block came over the wire (prompts 1 and 3 share two: the second time,
+            # those are device hits)
+            assert (
+                0 < decode.manager.promoted["received"] <= sum((len(p) - 1) // 16 for p in prompts)
+            )
+        other = OffloadEngine(course, store=store, num_blocks=64)  # float blocks, int8 sent
+        frames = request_prefill(socket, COURSE_PROMPTS[1], "int8")
+        with pytest.raises(ValueError, match="salt"):
+            import_blocks(frames, store, other.salt)
+        socket.send_json({"stop": True})
+        socket.recv_multipart()
+        assert server.wait(timeout=30) == 0
+    finally:
+        socket.close()
+        context.term()
+        server.kill()
+        server.wait()
+        server.stdout.close()
