@@ -320,7 +320,36 @@ def test_an_unsalted_store_shared_by_two_models_gives_wrong_tokens(course, tmp_p
         assert (sum(second.manager.promoted.values()) > 0) == (not salted)
 
 
-# --- KV transfer between two processes -----------------------------------------------------------
+# --- ship or recompute ----------------------------------------------------------------------------
+
+
+def test_prefill_flops_match_torchs_count_and_bytes_match_the_engines_blocks(course):
+    """Oracles: torch's FlopCounterMode over the model's forward (which computes the full n × n
+    scores and the LM head: both taken out), and the engine's own block bytes."""
+    import dataclasses
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from kvlib.offload.breakeven import break_even_bandwidth, kv_transfer_bytes, prefill_flops
+
+    config = dataclasses.asdict(course.config)
+    n, c = 40, course.config
+    with FlopCounterMode(display=False) as counter:
+        course(torch.arange(n)[None])
+    attention = c.num_hidden_layers * c.num_attention_heads * c.head_dim
+    expected = counter.get_total_flops() - 2 * n * c.hidden_size * c.vocab_size
+    expected -= 4 * attention * n * n - 2 * attention * n * (n + 1)  # full scores -> causal half
+    assert prefill_flops(config, n) == expected
+    engine = LLMEngine(course, num_blocks=4, block_size=16)
+    assert kv_transfer_bytes(config, 16) == engine.block_bytes
+    speed = 1e12
+    bandwidth = break_even_bandwidth(config, n, speed)
+    assert kv_transfer_bytes(config, n) / bandwidth == pytest.approx(
+        prefill_flops(config, n) / speed
+    )
+
+
+# --- KV transfer between two processes ------------------------------------------------------------
 
 
 def test_a_decode_engine_continues_from_shipped_blocks_token_identically(course):
