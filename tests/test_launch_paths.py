@@ -24,7 +24,7 @@ NOTEBOOKS = sorted(
 
 
 def test_every_notebook_starts_with_the_rendered_install_lines():
-    assert len(NOTEBOOKS) == 36
+    assert len(NOTEBOOKS) == 39
     differ = [p.name for p in NOTEBOOKS if rewrite_install_lines(p, check=True)]
     assert not differ, "run `make install-cells`: " + ", ".join(differ)
     url = repository_url()
@@ -43,6 +43,7 @@ def test_every_notebook_starts_with_the_rendered_install_lines():
             "09_compaction",
             "10_quantized_cache",
             "12_serving_engine",
+            "14_offload",
         )
     ]
 
