@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("course", "smollm2"), default="course")
     parser.add_argument("--num-blocks", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
     args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
     if args.model == "course":
         from kvlib.train import load_course_model
 
