@@ -37,6 +37,16 @@ from tests.test_engine import COURSE_PROMPTS, alone
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The course model's matrices are tiny: on busy cores, two threads mostly wait on each other
+    (this file took minutes instead of seconds)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def course():
     return load_course_model()
@@ -361,7 +371,7 @@ def test_a_decode_engine_continues_from_shipped_blocks_token_identically(course)
     from kvlib.offload.transfer import import_blocks, request_prefill
 
     server = subprocess.Popen(
-        [sys.executable, "-m", "kvlib.offload.transfer", "--model", "course"],
+        [sys.executable, "-m", "kvlib.offload.transfer", "--model", "course", "--threads", "1"],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
