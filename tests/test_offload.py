@@ -306,6 +306,26 @@ def test_tiers_change_no_token(course, references, tmp_path, name):
     assert engine.storage.num_blocks_in_use == 0
 
 
+def test_promotions_are_charged_to_the_clock_and_the_first_token(course):
+    """A slow host tier (1 kB/s: minutes per block, beyond any step's wall time): the step that
+    promotes a prefix is charged its bytes' time, so the clock and the request's TTFT include it."""
+    store = TieredStore([MemoryTier("host", 10**8, 1e3)])
+    engine = OffloadEngine(course, store=store, num_blocks=7)
+    prompt, params = COURSE_PROMPTS[4][:64], SamplingParams(max_tokens=2)
+    engine.generate([prompt], params, use_tqdm=False)
+    engine.generate(
+        [[1] * 100], params, use_tqdm=False
+    )  # evicts the prompt's blocks to host memory
+    assert engine.manager.transfer_s == 0
+    clock_before = engine.clock
+    engine.generate([prompt], params, use_tqdm=False)
+    charged = 3 * engine.block_bytes / 1e3  # (64 - 1) // 16 blocks: never the last token's
+    assert engine.manager.promoted == {"host": 3}
+    assert engine.manager.transfer_s == pytest.approx(charged)
+    assert engine.clock - clock_before >= charged
+    assert engine.request_metrics()[-1]["ttft_s"] >= charged
+
+
 def test_an_unsalted_store_shared_by_two_models_gives_wrong_tokens(course, tmp_path):
     """The pitfall the salt avoids: another checkpoint of the same architecture reads the first
     one's K/V for the same tokens."""
