@@ -1068,6 +1068,100 @@ def slo_goodput(requests, ttft_slo_s, tpot_slo_s):  # TPOT divided by all tokens
 """,
         "(tokens - 1)",
     ),
+    (
+        "14_offload.ipynb",
+        "salted_block_keys",
+        """
+def salted_block_keys(salt, token_ids, block_size):  # each block hashed alone: no chain
+    return [
+        hashlib.sha256(salt + hash_block_tokens(None, token_ids[i : i + block_size])).digest()
+        for i in range(0, len(token_ids) - block_size + 1, block_size)
+    ]
+""",
+        "chained hash",
+    ),
+    (
+        "14_offload.ipynb",
+        "salted_block_keys",
+        """
+def salted_block_keys(salt, token_ids, block_size):  # keys the partial last block too
+    keys, parent = [], None
+    for i in range(0, len(token_ids), block_size):
+        parent = hash_block_tokens(parent, token_ids[i : i + block_size])
+        keys.append(hashlib.sha256(salt + parent).digest())
+    return keys
+""",
+        "none for a partial one",
+    ),
+    (
+        "14_offload.ipynb",
+        "two_tier_lru",
+        """
+def two_tier_lru(host_blocks, disk_blocks, operations):  # a disk hit stays on disk
+    host, disk, found = [], [], []
+    for op, key in operations:
+        where = "host" if key in host else "disk" if key in disk else None
+        if op == "get":
+            found.append(where)
+        if where == "host" or (op == "put" and where is None):
+            if where == "host":
+                host.remove(key)
+            host.append(key)
+            if len(host) > host_blocks:
+                disk.append(host.pop(0))
+                if len(disk) > disk_blocks:
+                    disk.pop(0)
+    return found, host, disk
+""",
+        "a put or a hit makes a block the newest",
+    ),
+    (
+        "14_offload.ipynb",
+        "two_tier_lru",
+        """
+def two_tier_lru(host_blocks, disk_blocks, operations):  # host overflow dropped, never demoted
+    host, disk, found = [], [], []
+    for op, key in operations:
+        where = "host" if key in host else "disk" if key in disk else None
+        if where is not None:
+            (host if where == "host" else disk).remove(key)
+        if op == "put" or where is not None:
+            host.append(key)
+            if len(host) > host_blocks:
+                host.pop(0)
+        if op == "get":
+            found.append(where)
+    return found, host, disk
+""",
+        "host's oldest falls to disk",
+    ),
+    (
+        "14_offload.ipynb",
+        "break_even_gbps",
+        """
+def break_even_gbps(config, num_tokens, flops_per_s):  # full n x n attention, not causal
+    L, d, I = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
+    H, H_kv, D = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    n = num_tokens
+    linear = 2 * n * L * (d * H * D + 2 * d * H_kv * D + H * D * d + 3 * d * I)
+    return 2 * L * H_kv * D * 2 * n * flops_per_s / (linear + 4 * L * H * D * n * n) / 1e9
+""",
+        "n · (n + 1)",
+    ),
+    (
+        "14_offload.ipynb",
+        "break_even_gbps",
+        """
+def break_even_gbps(config, num_tokens, flops_per_s):  # K only: half the bytes
+    L, d, I = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
+    H, H_kv, D = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    n = num_tokens
+    flops = 2 * n * L * (d * H * D + 2 * d * H_kv * D + H * D * d + 3 * d * I)
+    flops += 2 * L * H * D * n * (n + 1)
+    return L * H_kv * D * 2 * n * flops_per_s / flops / 1e9
+""",
+        "2 · L · H_kv · D · 2 (bf16) · n",
+    ),
 ]
 
 

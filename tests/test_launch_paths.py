@@ -24,7 +24,7 @@ NOTEBOOKS = sorted(
 
 
 def test_every_notebook_starts_with_the_rendered_install_lines():
-    assert len(NOTEBOOKS) == 39
+    assert len(NOTEBOOKS) == 42
     differ = [p.name for p in NOTEBOOKS if rewrite_install_lines(p, check=True)]
     assert not differ, "run `make install-cells`: " + ", ".join(differ)
     url = repository_url()
@@ -44,6 +44,7 @@ def test_every_notebook_starts_with_the_rendered_install_lines():
             "10_quantized_cache",
             "12_serving_engine",
             "13_server",
+            "14_offload",
         )
     ]
 

@@ -1,0 +1,199 @@
+"""Chapter 14's graded questions: the salted block keys of a prompt, promotion and demotion with LRU
+in a two-tier store, and the break-even bandwidth of shipping K/V against recomputing it.
+Oracles: the keys written out here over chapter 7's chained hash, kvlib's `TieredStore` (two
+memory tiers) and `kvlib.offload.breakeven`, imported before the grader blocks them."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from kvlib.cache.block_pool import hash_block_tokens
+from kvlib.course.grading import Submission, question
+from kvlib.offload.breakeven import break_even_bandwidth
+from kvlib.offload.store import MemoryTier, TieredStore
+
+
+def _keys(salt: bytes, token_ids, block_size):
+    keys, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+        keys.append(hashlib.sha256(salt + parent).digest())
+    return keys
+
+
+@question(
+    function="salted_block_keys",
+    blocked=("kvlib.offload.keys.salted_block_keys", "kvlib.offload.keys.block_key"),
+)
+def test_salted_block_keys(submission: Submission) -> None:
+    salted_block_keys = submission.function("salted_block_keys")
+    rng = submission.rng()
+    random_cases = []
+    for _ in range(3):  # drawn per run (seeded from the answer's source)
+        block_size = int(rng.choice([2, 4, 16]))
+        tokens = [
+            int(t) for t in rng.integers(0, 50_000, size=int(rng.integers(0, 5 * block_size)))
+        ]
+        random_cases.append((bytes(rng.integers(0, 256, size=32).tolist()), tokens, block_size))
+    salt = hashlib.sha256(b"course model / float32").digest()
+    for salt_, tokens, block_size, what in (
+        (salt, list(range(8)), 4, "two full blocks"),
+        (salt, list(range(10)), 4, "a partial last block (it gets no key)"),
+        (salt, [5, 6, 7], 4, "fewer tokens than a block"),
+        (b"another salt", list(range(8)), 4, "the same tokens under another salt"),
+        (salt, [1, 2, 3, 4, 1, 2, 3, 4], 4, "the same block at two offsets"),
+        *((s, t, b, "a random case") for s, t, b in random_cases),
+    ):
+        expected = _keys(salt_, tokens, block_size)
+        got = salted_block_keys(salt_, list(tokens), block_size)
+        assert isinstance(got, list) and all(isinstance(k, bytes) for k in got), (
+            f"salted_block_keys should return a list of bytes, got {got!r}"
+        )
+        assert len(got) == len(expected), (
+            f"{what} ({len(tokens)} tokens, block size {block_size}): expected "
+            f"{len(expected)} keys (one per full block, none for a partial one), got {len(got)}"
+        )
+        wrong = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+        assert not wrong, (
+            f"{what} ({len(tokens)} tokens, block size {block_size}): key {wrong[0]} differs; "
+            f"each key is sha256(salt + the block's chained hash), the chained hash being "
+            f"hash_block_tokens(previous block's chained hash, the block's tokens), None before "
+            f"the first block"
+        )
+
+
+def _lru(host_blocks, disk_blocks, operations):
+    """kvlib's TieredStore, both tiers in memory, every block 4 bytes."""
+    store = TieredStore(
+        [MemoryTier("host", 4 * host_blocks, 1.0), MemoryTier("disk", 4 * disk_blocks, 1.0)]
+    )
+    payload = {"x": torch.zeros(1)}
+    found = []
+    for op, key in operations:
+        if op == "put":
+            store.put(key.encode(), payload)
+        else:
+            hit = store.get(key.encode())
+            found.append(None if hit is None else store.tiers[hit[0]].name)
+    return (
+        found,
+        [k.decode() for k in store.tiers[0].keys()],
+        [k.decode() for k in store.tiers[1].keys()],
+    )
+
+
+@question(
+    function="two_tier_lru",
+    blocked=("kvlib.offload.store.TieredStore", "kvlib.offload.engine.OffloadEngine"),
+)
+def test_two_tier_lru(submission: Submission) -> None:
+    two_tier_lru = submission.function("two_tier_lru")
+    rng = submission.rng()
+    random_cases = []
+    for _ in range(3):
+        ops = [
+            (str(rng.choice(["put", "put", "get"])), str(rng.choice(list("ABCDEFG"))))
+            for _ in range(int(rng.integers(5, 25)))
+        ]
+        random_cases.append((int(rng.integers(1, 4)), int(rng.integers(1, 5)), ops))
+    puts = [("put", k) for k in "ABCDE"]
+    for host, disk, operations, what in (
+        (2, 2, puts, "five puts: the oldest fall to disk, then off it"),
+        (2, 3, puts + [("get", "B"), ("get", "A"), ("get", "E")], "hits in each tier, a miss"),
+        (1, 2, [("put", "A"), ("put", "B"), ("put", "A"), ("get", "B")], "a put of a disk key"),
+        (2, 2, puts[:3] + [("get", "A"), ("put", "D")], "a promoted block is the newest"),
+        *((h, d, ops, "a random case") for h, d, ops in random_cases),
+    ):
+        expected = _lru(host, disk, operations)
+        got = two_tier_lru(host, disk, list(operations))
+        assert isinstance(got, tuple) and len(got) == 3, (
+            f"two_tier_lru should return (found, host_keys, disk_keys), got {got!r}"
+        )
+        got = (list(got[0]), list(got[1]), list(got[2]))
+        assert got == expected, (
+            f"{what}: host holds {host} blocks, disk {disk}, operations {operations}: expected "
+            f"found {expected[0]}, host {expected[1]}, disk {expected[2]} (least recently used "
+            f"first; a put or a hit makes a block the newest in host memory; host's oldest falls "
+            f"to disk, disk's oldest is dropped), got found {got[0]}, host {got[1]}, "
+            f"disk {got[2]}"
+        )
+
+
+_CONFIGS = [
+    # (config, what)
+    (
+        dict(
+            num_hidden_layers=30,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+        ),
+        "SmolLM2-135M",
+    ),
+    (
+        dict(
+            num_hidden_layers=32,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+        ),
+        "Llama 3 8B",
+    ),
+    (
+        dict(
+            num_hidden_layers=4,
+            hidden_size=128,
+            intermediate_size=352,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=32,
+        ),
+        "the course model (MHA)",
+    ),
+]
+
+
+@question(
+    function="break_even_gbps",
+    blocked=(
+        "kvlib.offload.breakeven.break_even_bandwidth",
+        "kvlib.offload.breakeven.prefill_flops",
+        "kvlib.offload.breakeven.kv_transfer_bytes",
+    ),
+)
+def test_break_even_gbps(submission: Submission) -> None:
+    break_even_gbps = submission.function("break_even_gbps")
+    rng = submission.rng()
+    cases = [(c, n, 400e12, what) for c, what in _CONFIGS for n in (1, 4096)]
+    for _ in range(3):
+        heads = int(rng.choice([4, 8, 16]))
+        config = dict(
+            num_hidden_layers=int(rng.integers(2, 40)),
+            hidden_size=heads * 64,
+            intermediate_size=int(rng.integers(1, 8)) * 512,
+            num_attention_heads=heads,
+            num_key_value_heads=int(rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0])),
+            head_dim=64,
+        )
+        flops = float(rng.choice([100e12, 400e12, 1000e12]))
+        cases.append((config, int(rng.integers(1, 20_000)), flops, "a random config"))
+    for config, n, flops, what in cases:
+        config_ = dict(config, model_type="llama", torch_dtype="bfloat16")
+        expected = break_even_bandwidth(config_, n, flops) / 1e9
+        got = break_even_gbps(dict(config), n, flops)
+        assert isinstance(got, int | float) and math.isfinite(got), (
+            f"break_even_gbps should return a finite number (GB/s), got {got!r}"
+        )
+        assert math.isclose(got, expected, rel_tol=1e-9), (
+            f"{what}, {n} tokens at {flops:.3g} FLOP/s: expected {expected:.6g} GB/s (bytes = "
+            f"2 · L · H_kv · D · 2 (bf16) · n; FLOPs = 2 · n · L · (d·H·D + 2·d·H_kv·D + H·D·d + "
+            f"3·d·I) + 2 · L · H · D · n · (n + 1); bandwidth = bytes · FLOP/s / FLOPs, in "
+            f"GB/s = 1e9 bytes/s), got {got:.6g}"
+        )
