@@ -289,6 +289,48 @@ def test_logprobs_match_a_full_forward(client, model, served):
         len(top) == 3 and max(top.values()) == p
         for top, p in zip(lp.top_logprobs, lp.token_logprobs)
     )
+    # the chosen token's entry is keyed by its text in `tokens` (leading space included)
+    assert [top[t] for t, top in zip(lp.tokens, lp.top_logprobs)] == lp.token_logprobs
+    assert all(all(k.startswith(" ") for k in top) for top in lp.top_logprobs)
+    stream = client.completions.create(
+        model="course", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, stream=True
+    )
+    streamed = [c.choices[0].logprobs for c in stream if c.choices[0].logprobs is not None]
+    assert sum((x.tokens for x in streamed), []) == lp.tokens
+    assert sum((x.top_logprobs for x in streamed), []) == lp.top_logprobs
+
+
+def test_top_logprob_keys_follow_byte_level_tokens():
+    """SmolLM2's byte-level tokens (tokenizer only, made-up logprobs): a top logprob's key is the
+    text its token adds after the previous one; the chosen token's key is its text in `tokens`,
+    also when that text is "" (an unfinished character) or completes one."""
+    from kvlib.engine import FinishReason, RequestOutput
+    from kvlib.engine.request import TokenLogprobs
+    from kvlib.gguf import load_gguf_tokenizer
+    from kvlib.serve.choices import Choice
+    from kvlib.smollm2 import smollm2_gguf_path
+
+    tokenizer = load_gguf_tokenizer(smollm2_gguf_path())
+    served = ServedModel("smollm2", None, tokenizer, (tokenizer.eos_token_id,), 2048)
+    prompt, out = tokenizer.encode("Say:"), tokenizer.encode(" naïve 日本 ok")
+    choice = Choice("r", 0, served, prompt, stop=[], logprobs=2)
+    for k, token_id in enumerate(out):
+        other = (token_id + 1) % 1000
+        entry = TokenLogprobs(token_id, -0.5, ((token_id, -0.5), (other, -1.5)))
+        done = k == len(out) - 1
+        reason = FinishReason.LENGTH if done else None
+        output = RequestOutput("r", prompt, out[: k + 1], [token_id], done, reason, [entry])
+        choice.accept(output)
+    lp = choice.completion_logprobs()
+    assert "".join(lp["tokens"]) == choice.text == " naïve 日本 ok"
+    assert "" in lp["tokens"]  # some token ends inside a character
+    assert [top[t] for t, top in zip(lp["tokens"], lp["top_logprobs"])] == [-0.5] * len(out)
+    for prev, token_id, text, top in zip(
+        [prompt[-1], *out[:-1]], out, lp["tokens"], lp["top_logprobs"]
+    ):
+        other = (token_id + 1) % 1000
+        key = tokenizer.decode([prev, other])[len(tokenizer.decode([prev])) :]
+        assert key == text or top[key] == -1.5, (key, top)
 
 
 @pytest.mark.parametrize(
