@@ -1825,6 +1825,52 @@ BLOCKED_ANSWERS = [
         "    return x * angles.cos() + rotate_half(x) * angles.sin()\n",
         "unavailable",
     ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        "from kvlib.serve.detokenize import StopStringMatcher\n\n"
+        "def stop_stream(pieces, stops):\n"
+        "    matcher, sent = StopStringMatcher(stops), []\n"
+        "    for piece in pieces:\n"
+        "        safe, stopped = matcher.push(piece)\n"
+        "        sent.append(safe)\n"
+        "        if stopped:\n"
+        "            return sent, True\n"
+        "    return sent + [matcher.flush()], False\n",
+        "unavailable",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        "from kvlib.course.checks.ch13 import _stop_stream as stop_stream\n",
+        "unavailable",
+    ),
+    (
+        "13_server.ipynb",
+        "slo_goodput",
+        "from kvlib.serve.load import goodput\n\n"
+        "def slo_goodput(requests, ttft_slo_s, tpot_slo_s):\n"
+        "    rows = [dict(ttft_s=t[0] - a, tpot_s=(t[-1] - t[0]) / max(1, len(t) - 1))\n"
+        "            for a, t in requests]\n"
+        "    good = goodput(rows, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)\n"
+        "    start, end = min(a for a, _ in requests), max(t[-1] for _, t in requests)\n"
+        "    return good, good / (end - start)\n",
+        "unavailable",
+    ),
+    (
+        "13_server.ipynb",
+        "utf8_deltas",
+        "from kvlib.serve.detokenize import IncrementalDetokenizer\n\n"
+        "def utf8_deltas(token_bytes):  # token ids: indices into a table of the tokens\n"
+        "    table = list(dict.fromkeys(token_bytes))\n"
+        "    detok = IncrementalDetokenizer(\n"
+        "        lambda ids: b''.join(table[i] for i in ids).decode('utf-8', 'replace')\n"
+        "    )\n"
+        "    deltas = [detok.push(table.index(t)) for t in token_bytes]\n"
+        "    deltas[-1] += detok.flush()\n"
+        "    return deltas\n",
+        "unavailable",
+    ),
 ]
 
 
