@@ -396,6 +396,46 @@ def test_a_failing_step_fails_its_requests_not_the_loop(client, server):
     assert free == total
 
 
+def test_a_step_failing_with_a_value_error_is_still_a_500(client, server):
+    """Only `add` refusing a request is the client's fault (400); a step that raises, whatever
+    its exception type, is the server's (500)."""
+    engine = server.app.state.loop.engine
+    original = engine.step
+
+    def broken():
+        engine.step = original
+        raise ValueError("injected")
+
+    server.app.state.loop.call(lambda e: setattr(e, "step", broken))
+    with pytest.raises(openai.InternalServerError, match="injected"):
+        client.completions.create(model="course", prompt=PROMPT, max_tokens=4)
+    free, total = wait_idle(server)
+    assert free == total
+
+
+def test_n2_with_a_one_token_prompt_fails_nobody(client, server):
+    """A one-token prompt has nothing to fork (a child keeps prompt - 1 = 0 tokens): its choices
+    are served as separate requests, and a request in flight beside it is not failed."""
+    loop = server.app.state.loop
+    errors_before = loop.num_step_errors
+    other = client.completions.create(
+        model="course", prompt=PROMPT, max_tokens=200, temperature=0, stream=True
+    )
+    first = next(iter(other))
+    r = client.completions.create(model="course", prompt="BOS", max_tokens=3, n=2, seed=5)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 6
+    alone = [
+        client.completions.create(model="course", prompt="BOS", max_tokens=3, seed=s)
+        for s in (5, 6)
+    ]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    rest = [c.choices[0] for c in other]
+    assert rest[-1].finish_reason == "length" and first.choices[0].text
+    assert loop.num_step_errors == errors_before
+    free, total = wait_idle(server)
+    assert free == total
+
+
 def test_full_queue_is_a_429(served):
     thread = start_server(served, max_queued_requests=2)
     loop, gate = thread.app.state.loop, threading.Event()
