@@ -349,6 +349,8 @@ def test_top_logprob_keys_follow_byte_level_tokens():
         (dict(prompt="hello world"), 400, "prompt"),
         (dict(prompt=[1, 2, 999]), 400, "prompt"),
         (dict(prompt=[]), 400, "prompt"),
+        (dict(prompt=[True, False]), 400, "prompt"),  # not token ids
+        (dict(prompt=[[1, 2.5]]), 400, "prompt"),
         (dict(max_tokens=600), 400, "prompt"),  # prompt + max_tokens > max_model_len (512)
         (dict(prompt=[1] * 600), 400, "prompt"),
         (dict(model="gpt-4o"), 404, "model"),
