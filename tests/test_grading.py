@@ -1162,6 +1162,443 @@ def break_even_gbps(config, num_tokens, flops_per_s):  # K only: half the bytes
 """,
         "2 · L · H_kv · D · 2 (bf16) · n",
     ),
+    (
+        "13_server.ipynb",
+        "utf8_deltas",
+        """
+def utf8_deltas(token_bytes):  # holds everything while pending does not decode
+    pending, out = b"", []
+    for t in token_bytes:
+        pending += t
+        try:
+            out.append(pending.decode("utf-8"))
+            pending = b""
+        except UnicodeDecodeError:
+            out.append("")
+    return out
+""",
+        "two 3-byte characters cut twice",
+    ),
+    (
+        "13_server.ipynb",
+        "utf8_deltas",
+        """
+def utf8_deltas(token_bytes):  # 1110xxxx read as 4 bytes: off by one on 3-byte characters
+    pending, deltas = b"", []
+    for token in token_bytes:
+        pending += token
+        end = 0
+        while end < len(pending):
+            lead = pending[end]
+            size = 1 if lead < 0x80 else 2 if lead < 0xE0 else 4
+            if end + size > len(pending):
+                break
+            end += size
+        deltas.append(pending[:end].decode("utf-8", errors="replace"))
+        pending = pending[end:]
+    return deltas
+""",
+        "two 3-byte characters cut twice",
+    ),
+    (
+        "13_server.ipynb",
+        "utf8_deltas",
+        """
+def utf8_deltas(token_bytes):  # releases only when a token ends in ASCII (or at the end)
+    pending, out = b"", []
+    for i, t in enumerate(token_bytes):
+        pending += t
+        if t[-1] < 0x80 or i == len(token_bytes) - 1:
+            out.append(pending.decode("utf-8"))
+            pending = b""
+        else:
+            out.append("")
+    return out
+""",
+        "an emoji cut in two tokens",
+    ),
+    (
+        "13_server.ipynb",
+        "utf8_deltas",
+        """
+def utf8_deltas(token_bytes):  # each token alone, replacement characters dropped
+    return [t.decode("utf-8", errors="replace").replace("\\ufffd", "") for t in token_bytes]
+""",
+        "an emoji cut in two tokens",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):  # looks for stop strings inside each piece only
+    sent = []
+    for piece in pieces:
+        starts = [piece.find(s) for s in stops if s in piece]
+        if starts:
+            sent.append(piece[: min(starts)])
+            return sent, True
+        sent.append(piece)
+    sent.append("")
+    return sent, False
+""",
+        "a stop string spanning two pieces",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):  # the first stop string in the list wins, not the earliest
+    held, sent = "", []
+    for piece in pieces:
+        held += piece
+        for s in stops:
+            if s in held:
+                sent.append(held[: held.find(s)])
+                return sent, True
+        keep = 0
+        for s in stops:
+            for n in range(min(len(s) - 1, len(held)), keep, -1):
+                if held.endswith(s[:n]):
+                    keep = n
+                    break
+        sent.append(held[: len(held) - keep])
+        held = held[len(held) - keep :]
+    sent.append(held)
+    return sent, False
+""",
+        "the earliest wins",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):  # the stop string that ends first wins
+    held, sent = "", []
+    for piece in pieces:
+        held += piece
+        ends = [(held.find(s) + len(s), held.find(s)) for s in stops if s in held]
+        if ends:
+            sent.append(held[: min(ends)[1]])
+            return sent, True
+        keep = 0
+        for s in stops:
+            for n in range(min(len(s) - 1, len(held)), keep, -1):
+                if held.endswith(s[:n]):
+                    keep = n
+                    break
+        sent.append(held[: len(held) - keep])
+        held = held[len(held) - keep :]
+    sent.append(held)
+    return sent, False
+""",
+        "the earliest start wins",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):  # always holds back len(longest stop) - 1 characters
+    held, sent = "", []
+    w = max(len(s) for s in stops) - 1
+    for piece in pieces:
+        held += piece
+        starts = [held.find(s) for s in stops if s in held]
+        if starts:
+            sent.append(held[: min(starts)])
+            return sent, True
+        cut = max(0, len(held) - w)
+        sent.append(held[:cut])
+        held = held[cut:]
+    sent.append(held)
+    return sent, False
+""",
+        "proper prefix of some stop string",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):  # holds at most len(s) - 2 characters: off by one
+    held, sent = "", []
+    for piece in pieces:
+        held += piece
+        starts = [held.find(s) for s in stops if s in held]
+        if starts:
+            sent.append(held[: min(starts)])
+            return sent, True
+        keep = 0
+        for s in stops:
+            for n in range(min(len(s) - 2, len(held)), keep, -1):
+                if held.endswith(s[:n]):
+                    keep = n
+                    break
+        sent.append(held[: len(held) - keep])
+        held = held[len(held) - keep :]
+    sent.append(held)
+    return sent, False
+""",
+        "a stop string made of two newlines",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):  # holds back prefixes of the first stop string only
+    held, sent = "", []
+    for piece in pieces:
+        held += piece
+        starts = [held.find(s) for s in stops if s in held]
+        if starts:
+            sent.append(held[: min(starts)])
+            return sent, True
+        s, keep = stops[0], 0
+        for n in range(min(len(s) - 1, len(held)), 0, -1):
+            if held.endswith(s[:n]):
+                keep = n
+                break
+        sent.append(held[: len(held) - keep])
+        held = held[len(held) - keep :]
+    sent.append(held)
+    return sent, False
+""",
+        "the second stop string's start held back",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):  # holds back the SHORTEST matching prefix
+    held, sent = "", []
+    for piece in pieces:
+        held += piece
+        starts = [held.find(s) for s in stops if s in held]
+        if starts:
+            sent.append(held[: min(starts)])
+            return sent, True
+        keep = 0
+        for n in range(1, len(held) + 1):
+            if any(n < len(s) and held.endswith(s[:n]) for s in stops):
+                keep = n
+                break
+        sent.append(held[: len(held) - keep])
+        held = held[len(held) - keep :]
+    sent.append(held)
+    return sent, False
+""",
+        "hold back the longest possible start",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):  # sends the stop string itself (include-stop behaviour)
+    held, sent = "", []
+    for piece in pieces:
+        held += piece
+        found = [(held.find(s), s) for s in stops if s in held]
+        if found:
+            i, s = min(found)
+            sent.append(held[: i + len(s)])
+            return sent, True
+        keep = 0
+        for s in stops:
+            for n in range(min(len(s) - 1, len(held)), keep, -1):
+                if held.endswith(s[:n]):
+                    keep = n
+                    break
+        sent.append(held[: len(held) - keep])
+        held = held[len(held) - keep :]
+    sent.append(held)
+    return sent, False
+""",
+        "a stop string spanning two pieces",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):  # the final flush only when something is held
+    held, sent = "", []
+    for piece in pieces:
+        held += piece
+        starts = [held.find(s) for s in stops if s in held]
+        if starts:
+            sent.append(held[: min(starts)])
+            return sent, True
+        keep = 0
+        for s in stops:
+            for n in range(min(len(s) - 1, len(held)), keep, -1):
+                if held.endswith(s[:n]):
+                    keep = n
+                    break
+        sent.append(held[: len(held) - keep])
+        held = held[len(held) - keep :]
+    if held:
+        sent.append(held)
+    return sent, False
+""",
+        "a partial match that fails",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):  # consumes the caller's list
+    held, sent = "", []
+    while pieces:
+        held += pieces.pop(0)
+        starts = [held.find(s) for s in stops if s in held]
+        if starts:
+            sent.append(held[: min(starts)])
+            return sent, True
+        keep = 0
+        for s in stops:
+            for n in range(min(len(s) - 1, len(held)), keep, -1):
+                if held.endswith(s[:n]):
+                    keep = n
+                    break
+        sent.append(held[: len(held) - keep])
+        held = held[len(held) - keep :]
+    sent.append(held)
+    return sent, False
+""",
+        "in place",
+    ),
+    (
+        "13_server.ipynb",
+        "slo_goodput",
+        """
+def slo_goodput(requests, ttft_slo_s, tpot_slo_s):  # strict < on TPOT
+    good = 0
+    for arrival, token_times in requests:
+        ttft = token_times[0] - arrival
+        n = len(token_times)
+        tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+        good += ttft <= ttft_slo_s and tpot < tpot_slo_s
+    start = min(a for a, _ in requests)
+    end = max(t[-1] for _, t in requests)
+    return good, good / (end - start)
+""",
+        "TPOT exactly at its bound",
+    ),
+    (
+        "13_server.ipynb",
+        "slo_goodput",
+        """
+def slo_goodput(requests, ttft_slo_s, tpot_slo_s):  # strict < on TTFT
+    good = 0
+    for arrival, token_times in requests:
+        ttft = token_times[0] - arrival
+        n = len(token_times)
+        tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+        good += ttft < ttft_slo_s and tpot <= tpot_slo_s
+    start = min(a for a, _ in requests)
+    end = max(t[-1] for _, t in requests)
+    return good, good / (end - start)
+""",
+        "TTFT exactly at its bound",
+    ),
+    (
+        "13_server.ipynb",
+        "slo_goodput",
+        """
+def slo_goodput(requests, ttft_slo_s, tpot_slo_s):  # either bound
+    good = 0
+    for arrival, token_times in requests:
+        ttft = token_times[0] - arrival
+        n = len(token_times)
+        tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+        good += ttft <= ttft_slo_s or tpot <= tpot_slo_s
+    start = min(a for a, _ in requests)
+    end = max(t[-1] for _, t in requests)
+    return good, good / (end - start)
+""",
+        "one TTFT too slow",
+    ),
+    (
+        "13_server.ipynb",
+        "slo_goodput",
+        """
+def slo_goodput(requests, ttft_slo_s, tpot_slo_s):  # assumes arrivals in order
+    good = 0
+    for arrival, token_times in requests:
+        ttft = token_times[0] - arrival
+        n = len(token_times)
+        tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+        good += ttft <= ttft_slo_s and tpot <= tpot_slo_s
+    start = requests[0][0]
+    end = max(t[-1] for _, t in requests)
+    return good, good / (end - start)
+""",
+        "no particular order",
+    ),
+    (
+        "13_server.ipynb",
+        "slo_goodput",
+        """
+def slo_goodput(requests, ttft_slo_s, tpot_slo_s):  # the last request's last token
+    good = 0
+    for arrival, token_times in requests:
+        ttft = token_times[0] - arrival
+        n = len(token_times)
+        tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+        good += ttft <= ttft_slo_s and tpot <= tpot_slo_s
+    start = min(a for a, _ in requests)
+    end = requests[-1][1][-1]
+    return good, good / (end - start)
+""",
+        "no particular order",
+    ),
+    (
+        "13_server.ipynb",
+        "slo_goodput",
+        """
+def slo_goodput(requests, ttft_slo_s, tpot_slo_s):  # from the first token
+    good = 0
+    for arrival, token_times in requests:
+        ttft = token_times[0] - arrival
+        n = len(token_times)
+        tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+        good += ttft <= ttft_slo_s and tpot <= tpot_slo_s
+    start = min(t[0] for _, t in requests)
+    end = max(t[-1] for _, t in requests)
+    return good, good / (end - start)
+""",
+        "from the first arrival",
+    ),
+    (
+        "13_server.ipynb",
+        "slo_goodput",
+        """
+def slo_goodput(requests, ttft_slo_s, tpot_slo_s):  # one-token requests fail
+    good = 0
+    for arrival, token_times in requests:
+        ttft = token_times[0] - arrival
+        n = len(token_times)
+        tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+        good += n > 1 and ttft <= ttft_slo_s and tpot <= tpot_slo_s
+    start = min(a for a, _ in requests)
+    end = max(t[-1] for _, t in requests)
+    return good, good / (end - start)
+""",
+        "one-token requests",
+    ),
+    (
+        "13_server.ipynb",
+        "slo_goodput",
+        """
+def slo_goodput(requests, ttft_slo_s, tpot_slo_s):  # worst gap as TPOT
+    good = 0
+    for arrival, token_times in requests:
+        ttft = token_times[0] - arrival
+        worst_gap = max([b - a for a, b in zip(token_times, token_times[1:])], default=0.0)
+        good += ttft <= ttft_slo_s and worst_gap <= tpot_slo_s
+    start = min(a for a, _ in requests)
+    end = max(t[-1] for _, t in requests)
+    return good, good / (end - start)
+""",
+        "uneven gaps: TPOT is their mean",
+    ),
 ]
 
 
@@ -1480,6 +1917,52 @@ BLOCKED_ANSWERS = [
         "    angles = positions * rope_inverse_frequencies(d, theta)\n"
         "    angles = torch.cat([angles, angles], dim=-1)\n"
         "    return x * angles.cos() + rotate_half(x) * angles.sin()\n",
+        "unavailable",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        "from kvlib.serve.detokenize import StopStringMatcher\n\n"
+        "def stop_stream(pieces, stops):\n"
+        "    matcher, sent = StopStringMatcher(stops), []\n"
+        "    for piece in pieces:\n"
+        "        safe, stopped = matcher.push(piece)\n"
+        "        sent.append(safe)\n"
+        "        if stopped:\n"
+        "            return sent, True\n"
+        "    return sent + [matcher.flush()], False\n",
+        "unavailable",
+    ),
+    (
+        "13_server.ipynb",
+        "stop_stream",
+        "from kvlib.course.checks.ch13 import _stop_stream as stop_stream\n",
+        "unavailable",
+    ),
+    (
+        "13_server.ipynb",
+        "slo_goodput",
+        "from kvlib.serve.load import goodput\n\n"
+        "def slo_goodput(requests, ttft_slo_s, tpot_slo_s):\n"
+        "    rows = [dict(ttft_s=t[0] - a, tpot_s=(t[-1] - t[0]) / max(1, len(t) - 1))\n"
+        "            for a, t in requests]\n"
+        "    good = goodput(rows, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)\n"
+        "    start, end = min(a for a, _ in requests), max(t[-1] for _, t in requests)\n"
+        "    return good, good / (end - start)\n",
+        "unavailable",
+    ),
+    (
+        "13_server.ipynb",
+        "utf8_deltas",
+        "from kvlib.serve.detokenize import IncrementalDetokenizer\n\n"
+        "def utf8_deltas(token_bytes):  # token ids: indices into a table of the tokens\n"
+        "    table = list(dict.fromkeys(token_bytes))\n"
+        "    detok = IncrementalDetokenizer(\n"
+        "        lambda ids: b''.join(table[i] for i in ids).decode('utf-8', 'replace')\n"
+        "    )\n"
+        "    deltas = [detok.push(table.index(t)) for t in token_bytes]\n"
+        "    deltas[-1] += detok.flush()\n"
+        "    return deltas\n",
         "unavailable",
     ),
 ]

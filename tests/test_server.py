@@ -289,6 +289,48 @@ def test_logprobs_match_a_full_forward(client, model, served):
         len(top) == 3 and max(top.values()) == p
         for top, p in zip(lp.top_logprobs, lp.token_logprobs)
     )
+    # the chosen token's entry is keyed by its text in `tokens` (leading space included)
+    assert [top[t] for t, top in zip(lp.tokens, lp.top_logprobs)] == lp.token_logprobs
+    assert all(all(k.startswith(" ") for k in top) for top in lp.top_logprobs)
+    stream = client.completions.create(
+        model="course", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, stream=True
+    )
+    streamed = [c.choices[0].logprobs for c in stream if c.choices[0].logprobs is not None]
+    assert sum((x.tokens for x in streamed), []) == lp.tokens
+    assert sum((x.top_logprobs for x in streamed), []) == lp.top_logprobs
+
+
+def test_top_logprob_keys_follow_byte_level_tokens():
+    """SmolLM2's byte-level tokens (tokenizer only, made-up logprobs): a top logprob's key is the
+    text its token adds after the previous one; the chosen token's key is its text in `tokens`,
+    also when that text is "" (an unfinished character) or completes one."""
+    from kvlib.engine import FinishReason, RequestOutput
+    from kvlib.engine.request import TokenLogprobs
+    from kvlib.gguf import load_gguf_tokenizer
+    from kvlib.serve.choices import Choice
+    from kvlib.smollm2 import smollm2_gguf_path
+
+    tokenizer = load_gguf_tokenizer(smollm2_gguf_path())
+    served = ServedModel("smollm2", None, tokenizer, (tokenizer.eos_token_id,), 2048)
+    prompt, out = tokenizer.encode("Say:"), tokenizer.encode(" naïve 日本 ok")
+    choice = Choice("r", 0, served, prompt, stop=[], logprobs=2)
+    for k, token_id in enumerate(out):
+        other = (token_id + 1) % 1000
+        entry = TokenLogprobs(token_id, -0.5, ((token_id, -0.5), (other, -1.5)))
+        done = k == len(out) - 1
+        reason = FinishReason.LENGTH if done else None
+        output = RequestOutput("r", prompt, out[: k + 1], [token_id], done, reason, [entry])
+        choice.accept(output)
+    lp = choice.completion_logprobs()
+    assert "".join(lp["tokens"]) == choice.text == " naïve 日本 ok"
+    assert "" in lp["tokens"]  # some token ends inside a character
+    assert [top[t] for t, top in zip(lp["tokens"], lp["top_logprobs"])] == [-0.5] * len(out)
+    for prev, token_id, text, top in zip(
+        [prompt[-1], *out[:-1]], out, lp["tokens"], lp["top_logprobs"]
+    ):
+        other = (token_id + 1) % 1000
+        key = tokenizer.decode([prev, other])[len(tokenizer.decode([prev])) :]
+        assert key == text or top[key] == -1.5, (key, top)
 
 
 @pytest.mark.parametrize(
@@ -307,6 +349,8 @@ def test_logprobs_match_a_full_forward(client, model, served):
         (dict(prompt="hello world"), 400, "prompt"),
         (dict(prompt=[1, 2, 999]), 400, "prompt"),
         (dict(prompt=[]), 400, "prompt"),
+        (dict(prompt=[True, False]), 400, "prompt"),  # not token ids
+        (dict(prompt=[[1, 2.5]]), 400, "prompt"),
         (dict(max_tokens=600), 400, "prompt"),  # prompt + max_tokens > max_model_len (512)
         (dict(prompt=[1] * 600), 400, "prompt"),
         (dict(model="gpt-4o"), 404, "model"),
@@ -350,6 +394,46 @@ def test_a_failing_step_fails_its_requests_not_the_loop(client, server):
         client.completions.create(model="course", prompt=PROMPT, max_tokens=4)
     r = client.completions.create(model="course", prompt=PROMPT, max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
+    free, total = wait_idle(server)
+    assert free == total
+
+
+def test_a_step_failing_with_a_value_error_is_still_a_500(client, server):
+    """Only `add` refusing a request is the client's fault (400); a step that raises, whatever
+    its exception type, is the server's (500)."""
+    engine = server.app.state.loop.engine
+    original = engine.step
+
+    def broken():
+        engine.step = original
+        raise ValueError("injected")
+
+    server.app.state.loop.call(lambda e: setattr(e, "step", broken))
+    with pytest.raises(openai.InternalServerError, match="injected"):
+        client.completions.create(model="course", prompt=PROMPT, max_tokens=4)
+    free, total = wait_idle(server)
+    assert free == total
+
+
+def test_n2_with_a_one_token_prompt_fails_nobody(client, server):
+    """A one-token prompt has nothing to fork (a child keeps prompt - 1 = 0 tokens): its choices
+    are served as separate requests, and a request in flight beside it is not failed."""
+    loop = server.app.state.loop
+    errors_before = loop.num_step_errors
+    other = client.completions.create(
+        model="course", prompt=PROMPT, max_tokens=200, temperature=0, stream=True
+    )
+    first = next(iter(other))
+    r = client.completions.create(model="course", prompt="BOS", max_tokens=3, n=2, seed=5)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 6
+    alone = [
+        client.completions.create(model="course", prompt="BOS", max_tokens=3, seed=s)
+        for s in (5, 6)
+    ]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    rest = [c.choices[0] for c in other]
+    assert rest[-1].finish_reason == "length" and first.choices[0].text
+    assert loop.num_step_errors == errors_before
     free, total = wait_idle(server)
     assert free == total
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 __all__ = [
     "APIError",
@@ -117,7 +117,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """`POST /v1/completions`: a prompt as text or token ids (or a list of either)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # no true/false/1.0 ids
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False  # not implemented

@@ -23,6 +23,7 @@ class Choice:
     def __init__(self, request_id, index, model, prompt_token_ids, stop, logprobs=None):
         self.request_id, self.index, self.model = request_id, index, model
         self.detokenizer = IncrementalDetokenizer(model.decode, prompt_token_ids)
+        self.prompt_tail = [int(i) for i in prompt_token_ids][-1:]  # context for top logprobs
         self.matcher = StopStringMatcher(stop)
         self.text = ""
         self.token_ids: list[int] = []
@@ -76,17 +77,31 @@ class Choice:
     def completion_logprobs(self, start: int = 0) -> dict | None:
         """OpenAI's completions `logprobs` object for the counted tokens from `start` on: each
         token's text is what the detokenizer released for it ("" while a character was
-        unfinished), offsets count characters of the completion's text before stop strings."""
+        unfinished), offsets count characters of the completion's text before stop strings.
+        A top logprob's key is the text its token adds after the previous token (the course
+        tokenizer's leading space included), so the chosen token's entry is keyed by its text
+        in `tokens`, as a client looking it up expects."""
         if self.logprobs is None:
             return None
         decode = self.model.tokenizer.decode
         texts = self.token_texts[: len(self.token_logprobs)]
         offset = sum(len(t) for t in texts[:start])
+        context = self.prompt_tail + self.token_ids  # context[k]: the token before token k
         tokens, token_logprobs, top, offsets = [], [], [], []
-        for text, entry in zip(texts[start:], self.token_logprobs[start:]):
+        for k, (text, entry) in enumerate(zip(texts, self.token_logprobs)):
+            if k < start:
+                continue
             tokens.append(text)
             token_logprobs.append(entry.logprob)
-            top.append({decode([i]): lp for i, lp in entry.top} if self.logprobs else None)
+            if self.logprobs:
+                previous = context[k : k + 1]
+                before = decode(previous)
+                keyed = {decode(previous + [i])[len(before) :]: lp for i, lp in entry.top}
+                if self.token_ids[k] in dict(entry.top):  # the chosen token: its text in tokens
+                    keyed[text] = dict(entry.top)[self.token_ids[k]]
+                top.append(keyed)
+            else:
+                top.append(None)
             offsets.append(offset)
             offset += len(text)
         return {

@@ -23,11 +23,16 @@ from collections.abc import Callable, Sequence
 
 from kvlib.engine import LLMEngine, SamplingParams
 
-__all__ = ["EngineLoop", "QueueFullError"]
+__all__ = ["EngineLoop", "EngineStepError", "QueueFullError"]
 
 
 class QueueFullError(RuntimeError):
     """More requests in flight than `max_queued_requests`: the server answers 429."""
+
+
+class EngineStepError(RuntimeError):
+    """A step raised (a bug, whatever its exception type): the server answers 500, never the
+    400 it sends when `add` refused the request itself."""
 
 
 class EngineLoop:
@@ -107,8 +112,9 @@ class EngineLoop:
                 outputs = self.engine.step()
             except Exception as error:  # a bug in a step: fail what is in flight, keep serving
                 self.num_step_errors += 1
+                failure = EngineStepError(f"an engine step failed: {error!r}")
                 for request_id in list(self.sinks):
-                    self._finish(request_id, aborted=True, notify=error)
+                    self._finish(request_id, aborted=True, notify=failure)
                 continue
             for output in outputs:
                 sink = self.sinks.get(output.request_id)
@@ -133,12 +139,18 @@ class EngineLoop:
         kind = command[0]
         if kind == "add":
             _, request_ids, prompt, params, sink = command
+            added = []
             try:
-                if len(request_ids) == 1:
-                    self.engine.add_request(request_ids[0], prompt, params[0])
-                else:
+                if len(request_ids) > 1 and len(prompt) > 1:
                     self.engine.add_parallel_requests(request_ids, prompt, params)
+                else:  # one choice, or a one-token prompt: no prompt to share, nothing to fork
+                    for request_id, request_params in zip(request_ids, params):
+                        self.engine.add_request(request_id, prompt, request_params)
+                        added.append(request_id)
             except Exception as error:  # refused (bad prompt, too long, ...): tell its client
+                for request_id in added:
+                    self.engine.abort_request(request_id)
+                    self.engine.requests.pop(request_id, None)
                 with self._lock:
                     self.num_in_flight -= len(request_ids)
                 _deliver(sink, error)

@@ -224,7 +224,7 @@ class _Job:
             if isinstance(item, ValueError | TypeError):  # the engine refused the request
                 raise APIError(400, str(item), param="prompt")
             if isinstance(item, Exception):  # a step failed: the server's fault, not the client's
-                raise APIError(500, f"the engine failed: {item!r}", type="server_error")
+                raise APIError(500, str(item), type="server_error")
             choice = self.by_id[item.request_id]
             delta = choice.accept(item)
             if choice.needs_abort:

@@ -91,7 +91,10 @@ def test_stop_stream(submission: Submission) -> None:
         ([" v2", " SE", "T x"], ["SET k4"], "a partial match that fails: released"),
         (["ab", "c\n", "\nd"], ["\n\n"], "a stop string made of two newlines"),
         (["hello", " world"], ["xyz"], "no stop string anywhere"),
-        (["aXb", "Yc"], ["bY", "X"], "two stop strings: the earliest wins"),
+        (["a", "XbYc"], ["bY", "X"], "two stop strings in one piece: the earliest wins"),
+        (["xabc"], ["b", "abc"], "one stop string inside another: the earliest start wins"),
+        (["hi\n", "\nmore"], ["END", "\n\n"], "the second stop string's start held back"),
+        (["xaa", "b"], ["aab"], "a repeated character: hold back the longest possible start"),
         (
             ["a", "b", "c"],
             ["abcd", "bc"],
@@ -145,7 +148,16 @@ def test_slo_goodput(submission: Submission) -> None:
         ([(0.0, [0.1, 0.15, 0.2]), (0.5, [0.9, 0.95])], 0.25, 0.06, "one TTFT too slow"),
         ([(0.0, [0.1, 0.3]), (0.1, [0.2, 0.25, 0.3])], 0.25, 0.1, "one TPOT too slow"),
         ([(1.0, [1.05]), (2.0, [2.5])], 0.25, 0.01, "one-token requests: TPOT 0"),
-        ([(0.0, [0.25, 0.30])], 0.25, 0.05, "exactly at the SLO counts"),
+        ([(0.0, [0.25, 0.28125])], 0.25, 0.0625, "TTFT exactly at its bound counts"),
+        ([(0.0, [0.125, 0.25, 0.375])], 0.25, 0.125, "TPOT exactly at its bound counts"),
+        ([(0.0, [0.125, 0.25, 0.3125, 0.375])], 0.25, 0.1, "uneven gaps: TPOT is their mean"),
+        (
+            [(0.5, [0.75, 0.875]), (0.0, [2.0]), (0.25, [0.5, 0.625])],
+            0.25,
+            0.125,
+            "requests in no particular order (the first arrival and the last token are the "
+            "middle request's)",
+        ),
     ]
     for _ in range(4):
         requests = []
@@ -154,6 +166,7 @@ def test_slo_goodput(submission: Submission) -> None:
             gaps = rng.exponential(0.04, size=int(rng.integers(0, 6)))
             times = (first + np.concatenate([[0.0], np.cumsum(gaps)])).round(4).tolist()
             requests.append((round(float(arrival), 4), times))
+        requests = [requests[i] for i in rng.permutation(len(requests))]  # in any order
         cases.append((requests, 0.2, 0.05, f"{len(requests)} random requests"))
     for requests, ttft_slo, tpot_slo, what in cases:
         expected = _slo_goodput(requests, ttft_slo, tpot_slo)
@@ -162,10 +175,9 @@ def test_slo_goodput(submission: Submission) -> None:
             f"slo_goodput should return (count, per_second), got {got!r}"
         )
         assert got[0] == expected[0], (
-            f"{what}: SLO TTFT <= {ttft_slo} s and TPOT <= {tpot_slo} s, requests {requests}: "
-            f"expected {expected[0]} requests meeting it (TTFT = first token - arrival; TPOT = "
-            f"(last - first token) / (tokens - 1), 0 for one token; both within the SLO), got "
-            f"{got[0]!r}"
+            f"{what}: expected {expected[0]} requests meeting TTFT <= {ttft_slo} s and TPOT <= "
+            f"{tpot_slo} s, got {got[0]!r} (TTFT = first token - arrival; TPOT = (last - first "
+            f"token) / (tokens - 1), 0 for one token; both within the SLO); requests {requests}"
         )
         assert abs(got[1] - expected[1]) <= 1e-9 * max(1.0, abs(expected[1])), (
             f"{what}: expected {expected[1]:.6f} requests/s (the count divided by the time from "
