@@ -1358,6 +1358,104 @@ def test_blocked_functions_stay_blocked(notebook, question, source, phrase, tmp_
     assert not result.passed and phrase in result.message, report.table()
 
 
+# Twins (chapters 7-12): an answer that delegates to anything in kvlib computing the asked-for
+# result scores zero, not only one that calls the function the question names.
+TWIN_ANSWERS = [
+    (
+        "07_paged_cache.ipynb",
+        "slot_mapping",
+        "from types import SimpleNamespace\n\nimport torch\n"
+        "from kvlib.cache.paged import read_slots\n\n"
+        "def slot_mapping(block_table, positions, block_size):  # the paged cache's own lookup\n"
+        "    paged = SimpleNamespace(key_cache=torch.empty(1, block_size),\n"
+        "                            block_tables=torch.tensor([block_table or [0]]),\n"
+        "                            positions=torch.tensor([positions], dtype=torch.long))\n"
+        "    return [int(x) for x in read_slots(paged)[0]]\n",
+        "kvlib.cache.paged.read_slots is unavailable",
+    ),
+    (
+        "08_eviction.ipynb",
+        "streaming_keep",
+        "from kvlib.engine.scheduler import StreamingEviction\n\n"
+        "def streaming_keep(positions, budget, num_sinks):  # the engine's window, blocks of 1\n"
+        "    n = len(positions)\n"
+        "    if n <= budget:\n"
+        "        return [True] * n\n"
+        "    window = StreamingEviction(max(num_sinks, 1), budget - max(num_sinks, 1) - 1)\n"
+        "    drop = set(window.blocks_to_drop(n))\n"
+        "    return [i not in drop for i in range(n)]\n",
+        "StreamingEviction is unavailable",
+    ),
+    (
+        "08_eviction.ipynb",
+        "h2o_update",
+        "from kvlib.cache.evicting import EvictingCache, H2O\n\n"
+        "def h2o_update(scores, weights):  # a policy object made without its guarded __init__\n"
+        "    policy = object.__new__(H2O)\n"
+        "    return policy.observe(None, weights, None)\n",
+        "kvlib.cache.evicting.H2O is unavailable",
+    ),
+    (
+        "09_compaction.ipynb",
+        "positions_after_hole_filling",
+        "from kvlib.cache.compaction import SlotMap\n\n"
+        "def positions_after_hole_filling(positions):  # the cache's slot map does the moves\n"
+        "    live = [p >= 0 for p in positions]\n"
+        "    holes = [i for i, x in enumerate(live) if not x]\n"
+        "    moves = [(s, h) for h, s in zip(holes, reversed([i for i, x in enumerate(live) if x]))"
+        " if h < s]\n"
+        "    n = len(positions)\n"
+        "    m = SlotMap(torch.tensor(positions), torch.zeros(n), torch.zeros(n, dtype=torch.long))"
+        "\n"
+        "    return m.move(moves, sum(live)).positions.tolist()\n",
+        "kvlib.cache.compaction.SlotMap is unavailable",
+    ),
+    (
+        "10_quantized_cache.ipynb",
+        "bytes_per_token",
+        "from kvlib.quant import QuantScheme\n\n"
+        "def bytes_per_token(num_layers, num_kv_heads, head_dim, bits, group_size, scale_bytes):\n"
+        "    dtype = {2: torch.float16, 4: torch.float32}[scale_bytes]\n"
+        "    scheme = QuantScheme(f'int{bits}', False, 'channels', group_size, dtype)\n"
+        "    per_vector = head_dim * bits / 8 + scheme.scales_per_vector(head_dim) * 2 * "
+        "scale_bytes\n"
+        "    return num_layers * num_kv_heads * 2 * per_vector\n",
+        "scales_per_vector is unavailable",
+    ),
+    (
+        "10_quantized_cache.ipynb",
+        "kivi_key_scales",
+        "from kvlib.quant import QuantScheme\nfrom kvlib.cache.quantized import QuantizedCache\n\n"
+        "def kivi_key_scales(keys, group_size):  # the quantized cache quantizes for us\n"
+        "    scheme = QuantScheme('int2', False, 'tokens', group_size, torch.float32)\n"
+        "    cache = QuantizedCache(1, scheme)\n"
+        "    stored = cache.update(0, keys[None, None], keys[None, None])\n"
+        "    return stored.keys.scale[0, 0], stored.keys.zero[0, 0]\n",
+        "QuantizedCache is unavailable",
+    ),
+    (
+        "12_serving_engine.ipynb",
+        "schedule_step",
+        "from kvlib.engine.llm_engine import LLMEngine\n\n"
+        "def schedule_step(running, waiting, token_budget, max_num_seqs):  # ask the engine\n"
+        "    engine = LLMEngine(None, max_num_batched_tokens=token_budget, "
+        "max_num_seqs=max_num_seqs)\n"
+        "    return [(r.request_id, n) for r, n in engine.scheduler.schedule().scheduled]\n",
+        "LLMEngine is unavailable",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "notebook,question,source,phrase",
+    TWIN_ANSWERS,
+    ids=[f"{q}-{i}" for i, (_, q, _, _) in enumerate(TWIN_ANSWERS)],
+)
+def test_twins_of_the_asked_for_result_are_blocked(notebook, question, source, phrase, tmp_path):
+    result, report = grade_answer(notebook, question, source, tmp_path)
+    assert not result.passed and phrase in result.message, report.table()
+
+
 # Class 4: a Triton question needs a real @triton.jit kernel, run under the interpreter.
 def test_triton_questions_require_a_jit_kernel(tmp_path):
     source = (
