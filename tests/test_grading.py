@@ -1456,6 +1456,54 @@ def test_twins_of_the_asked_for_result_are_blocked(notebook, question, source, p
     assert not result.passed and phrase in result.message, report.table()
 
 
+# Class 3, kvlib's source executed again: compiled under another file name, or loaded from a copy
+# of its file, before the graded call or during it. (source, the copy's file or None)
+_SOURCE = "open(__import__('kvlib.ref.attention').ref.attention.__file__).read()"
+SOURCE_COPIES = [
+    "namespace = {}\n"  # at load time, exec under another name
+    f"exec(compile({_SOURCE}, 'x.py', 'exec'), namespace)\n\n"
+    "def stable_softmax(x):\n    return namespace['softmax'](x)\n",
+    "import importlib.util, os, shutil, tempfile\n"  # at load time, a module from a copied file
+    "copy = os.path.join(tempfile.mkdtemp(), 'mine.py')\n"
+    "shutil.copy(__import__('kvlib.ref.attention').ref.attention.__file__, copy)\n"
+    "spec = importlib.util.spec_from_file_location('mine', copy)\n"
+    "mine = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(mine)\n\n"
+    "def stable_softmax(x):\n    return mine.softmax(x)\n",
+    "def stable_softmax(x):  # during the call, exec under another name\n"
+    "    namespace = {}\n"
+    f"    exec(compile({_SOURCE}, 'y.py', 'exec'), namespace)\n"
+    "    return namespace['softmax'](x)\n",
+    "import types\n\n"  # during the call, a function built on a code object of the compiled module
+    "def stable_softmax(x):\n"
+    f"    module = compile({_SOURCE}, 'z.py', 'exec')\n"
+    "    code = [c for c in module.co_consts if getattr(c, 'co_name', '') == 'softmax'][0]\n"
+    "    return types.FunctionType(code, {'np': np})(x, -1)\n",
+    "def mine(x):\n    pass\n\n"  # during the call, a function's code replaced by a copy's
+    "def stable_softmax(x):\n"
+    f"    module = compile({_SOURCE}, 'w.py', 'exec')\n"
+    "    mine.__code__ = [c for c in module.co_consts if getattr(c, 'co_name', '') == 'softmax'][0]"
+    "\n    return mine(x, -1)\n",
+]
+
+
+@pytest.mark.parametrize("source", SOURCE_COPIES, ids=[f"copy-{i}" for i in range(5)])
+def test_kvlib_source_executed_again_stays_blocked(source, tmp_path):
+    result, report = grade_answer("01_naive_vs_cached.ipynb", "stable_softmax", source, tmp_path)
+    assert not result.passed, report.table()
+    assert "kvlib.ref.attention.softmax is unavailable" in result.message, report.table()
+
+
+def test_check_blocks_copies_of_kvlib_source_made_before_it(capsys):
+    """check() in the notebook: a copy made in an earlier cell, under another file name, is
+    guarded when the check starts, as in the grader."""
+    from kvlib.course.grading import check
+
+    namespace: dict = {}
+    exec(SOURCE_COPIES[0], namespace)
+    assert check("stable_softmax", namespace["stable_softmax"]) is False
+    assert "kvlib.ref.attention.softmax is unavailable" in capsys.readouterr().out
+
+
 # Class 4: a Triton question needs a real @triton.jit kernel, run under the interpreter.
 def test_triton_questions_require_a_jit_kernel(tmp_path):
     source = (
@@ -1819,6 +1867,37 @@ def test_random_cases_are_reproducible_and_follow_the_answer(tmp_path):
     )
     message = grade_notebook(other, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"]).questions[0]
     assert message.message.split("seed ")[1] != messages[0].split("seed ")[1]
+
+
+_TIMEOUT_SCRIPT = """
+import time
+from kvlib.course.grading import check
+
+def stable_softmax(x):  # swallows Exception: check()'s timeout is a BaseException
+    while True:
+        try:
+            time.sleep(0.05)
+        except Exception:
+            pass
+
+started = time.monotonic()
+print("VERDICT", check("stable_softmax", stable_softmax, timeout_s=3), time.monotonic() - started)
+print("AFTER", check("max_batch", lambda *args: max(0, (args[0] - args[1] - args[2]) // (args[3]
+      * args[4]))))
+"""
+
+
+def test_check_in_the_notebook_times_out():
+    """check() stops a function that runs past the question's deadline (the cell returns with the
+    grader's timeout message) and the next check() works (a fresh grader)."""
+    completed = subprocess.run(
+        [sys.executable, "-c", _TIMEOUT_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    out = completed.stdout
+    assert "❌ stable_softmax: timed out after 3 s" in out, out + completed.stderr[-2000:]
+    verdict = [line.split() for line in out.splitlines() if line.startswith("VERDICT")]
+    assert verdict and verdict[0][1] == "False" and float(verdict[0][2]) < 20, out
+    assert "AFTER True" in out, out + completed.stderr[-2000:]
 
 
 def test_check_leaves_the_notebook_process_usable(capsys):

@@ -101,7 +101,7 @@ def test_reduce_kernel(submission: Submission) -> None:
         assert_close(
             got,
             expected,
-            name=f"reduce of {rows} rows of {num_splits} splits (lse around {shift:.4g})",
+            name=f"reduce of {num_splits} splits over {rows} rows (lse around {shift:.4g})",
             rtol=1e-4,
             atol=1e-5,
         )
