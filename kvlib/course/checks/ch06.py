@@ -166,6 +166,9 @@ def test_shared_rotary_key(submission: Submission) -> None:
             f"with B={batch}, T={tokens}, d_R={d_r}: expected shape {tuple(expected.shape)} (one "
             f"rotary key per token, shared by all heads: a head axis of 1), got {tuple(got.shape)}"
         )
+        assert got.dtype == x.dtype, (
+            f"shared_rotary_key should keep the input's dtype {x.dtype}, got {got.dtype}"
+        )
         assert_close(
             got,
             expected,

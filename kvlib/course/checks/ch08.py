@@ -102,7 +102,10 @@ def test_h2o_update(submission: Submission) -> None:
             f"{what}: expected a tensor of shape {tuple(expected.shape)} (H_kv, S_old + T), got "
             f"{getattr(got, 'shape', type(got).__name__)}"
         )
-        assert torch.allclose(got.float(), expected, atol=1e-5), (
+        assert got.dtype == scores.dtype, (
+            f"{what}: expected the scores' dtype {scores.dtype}, got {got.dtype}"
+        )
+        assert torch.allclose(got, expected, atol=1e-5), (
             f"{what}: each token's old score (0 for the new tokens) plus the attention it "
             "received in this forward, summed over the T queries and the query heads of its KV "
             f"head's group; expected {expected.numpy().round(3).tolist()}, got "
