@@ -1830,6 +1830,15 @@ COVERAGE_ANSWERS = [
         "    return heads.mean(dim=1).reshape(num_kv_heads * head_dim, weight.shape[1])\n",
         "returned its argument 1",
     ),
+    (  # right values, but always float64
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        "def stable_softmax(x):\n"
+        "    x = np.asarray(x, dtype=np.float64)\n"
+        "    e = np.exp(x - x.max(axis=-1, keepdims=True))\n"
+        "    return e / e.sum(axis=-1, keepdims=True)\n",
+        "expected a float32 numpy array",
+    ),
     (  # refuses a write that fills the buffer exactly (>= instead of >)
         "02_cache_in_a_transformer.ipynb",
         "static_cache_insert",
