@@ -1978,6 +1978,176 @@ def test_blocked_functions_stay_blocked(notebook, question, source, phrase, tmp_
     assert not result.passed and phrase in result.message, report.table()
 
 
+# Twins (chapters 7-12): an answer that delegates to anything in kvlib computing the asked-for
+# result scores zero, not only one that calls the function the question names.
+TWIN_ANSWERS = [
+    (
+        "07_paged_cache.ipynb",
+        "slot_mapping",
+        "from types import SimpleNamespace\n\nimport torch\n"
+        "from kvlib.cache.paged import read_slots\n\n"
+        "def slot_mapping(block_table, positions, block_size):  # the paged cache's own lookup\n"
+        "    paged = SimpleNamespace(key_cache=torch.empty(1, block_size),\n"
+        "                            block_tables=torch.tensor([block_table or [0]]),\n"
+        "                            positions=torch.tensor([positions], dtype=torch.long))\n"
+        "    return [int(x) for x in read_slots(paged)[0]]\n",
+        "kvlib.cache.paged.read_slots is unavailable",
+    ),
+    (
+        "08_eviction.ipynb",
+        "streaming_keep",
+        "from kvlib.engine.scheduler import StreamingEviction\n\n"
+        "def streaming_keep(positions, budget, num_sinks):  # the engine's window, blocks of 1\n"
+        "    n = len(positions)\n"
+        "    if n <= budget:\n"
+        "        return [True] * n\n"
+        "    window = StreamingEviction(max(num_sinks, 1), budget - max(num_sinks, 1) - 1)\n"
+        "    drop = set(window.blocks_to_drop(n))\n"
+        "    return [i not in drop for i in range(n)]\n",
+        "StreamingEviction is unavailable",
+    ),
+    (
+        "08_eviction.ipynb",
+        "h2o_update",
+        "from kvlib.cache.evicting import EvictingCache, H2O\n\n"
+        "def h2o_update(scores, weights):  # a policy object made without its guarded __init__\n"
+        "    policy = object.__new__(H2O)\n"
+        "    return policy.observe(None, weights, None)\n",
+        "kvlib.cache.evicting.H2O is unavailable",
+    ),
+    (
+        "09_compaction.ipynb",
+        "positions_after_hole_filling",
+        "from kvlib.cache.compaction import SlotMap\n\n"
+        "def positions_after_hole_filling(positions):  # the cache's slot map does the moves\n"
+        "    live = [p >= 0 for p in positions]\n"
+        "    holes = [i for i, x in enumerate(live) if not x]\n"
+        "    moves = [(s, h) for h, s in zip(holes, reversed([i for i, x in enumerate(live) if x]))"
+        " if h < s]\n"
+        "    n = len(positions)\n"
+        "    m = SlotMap(torch.tensor(positions), torch.zeros(n), torch.zeros(n, dtype=torch.long))"
+        "\n"
+        "    return m.move(moves, sum(live)).positions.tolist()\n",
+        "kvlib.cache.compaction.SlotMap is unavailable",
+    ),
+    (
+        "10_quantized_cache.ipynb",
+        "bytes_per_token",
+        "from kvlib.quant import QuantScheme\n\n"
+        "def bytes_per_token(num_layers, num_kv_heads, head_dim, bits, group_size, scale_bytes):\n"
+        "    dtype = {2: torch.float16, 4: torch.float32}[scale_bytes]\n"
+        "    scheme = QuantScheme(f'int{bits}', False, 'channels', group_size, dtype)\n"
+        "    per_vector = head_dim * bits / 8 + scheme.scales_per_vector(head_dim) * 2 * "
+        "scale_bytes\n"
+        "    return num_layers * num_kv_heads * 2 * per_vector\n",
+        "scales_per_vector is unavailable",
+    ),
+    (
+        "10_quantized_cache.ipynb",
+        "kivi_key_scales",
+        "from kvlib.quant import QuantScheme\nfrom kvlib.cache.quantized import QuantizedCache\n\n"
+        "def kivi_key_scales(keys, group_size):  # the quantized cache quantizes for us\n"
+        "    scheme = QuantScheme('int2', False, 'tokens', group_size, torch.float32)\n"
+        "    cache = QuantizedCache(1, scheme)\n"
+        "    stored = cache.update(0, keys[None, None], keys[None, None])\n"
+        "    return stored.keys.scale[0, 0], stored.keys.zero[0, 0]\n",
+        "QuantizedCache is unavailable",
+    ),
+    (
+        "12_serving_engine.ipynb",
+        "schedule_step",
+        "from kvlib.engine.llm_engine import LLMEngine\n\n"
+        "def schedule_step(running, waiting, token_budget, max_num_seqs):  # ask the engine\n"
+        "    engine = LLMEngine(None, max_num_batched_tokens=token_budget, "
+        "max_num_seqs=max_num_seqs)\n"
+        "    return [(r.request_id, n) for r, n in engine.scheduler.schedule().scheduled]\n",
+        "LLMEngine is unavailable",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "notebook,question,source,phrase",
+    TWIN_ANSWERS,
+    ids=[f"{q}-{i}" for i, (_, q, _, _) in enumerate(TWIN_ANSWERS)],
+)
+def test_twins_of_the_asked_for_result_are_blocked(notebook, question, source, phrase, tmp_path):
+    result, report = grade_answer(notebook, question, source, tmp_path)
+    assert not result.passed and phrase in result.message, report.table()
+
+
+# Class 3, kvlib's source executed again: compiled under another file name, or loaded from a copy
+# of its file, before the graded call or during it. (source, the copy's file or None)
+_SOURCE = "open(__import__('kvlib.ref.attention').ref.attention.__file__).read()"
+SOURCE_COPIES = [
+    "namespace = {}\n"  # at load time, exec under another name
+    f"exec(compile({_SOURCE}, 'x.py', 'exec'), namespace)\n\n"
+    "def stable_softmax(x):\n    return namespace['softmax'](x)\n",
+    "import importlib.util, os, shutil, tempfile\n"  # at load time, a module from a copied file
+    "copy = os.path.join(tempfile.mkdtemp(), 'mine.py')\n"
+    "shutil.copy(__import__('kvlib.ref.attention').ref.attention.__file__, copy)\n"
+    "spec = importlib.util.spec_from_file_location('mine', copy)\n"
+    "mine = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(mine)\n\n"
+    "def stable_softmax(x):\n    return mine.softmax(x)\n",
+    "def stable_softmax(x):  # during the call, exec under another name\n"
+    "    namespace = {}\n"
+    f"    exec(compile({_SOURCE}, 'y.py', 'exec'), namespace)\n"
+    "    return namespace['softmax'](x)\n",
+    "import types\n\n"  # during the call, a function built on a code object of the compiled module
+    "def stable_softmax(x):\n"
+    f"    module = compile({_SOURCE}, 'z.py', 'exec')\n"
+    "    code = [c for c in module.co_consts if getattr(c, 'co_name', '') == 'softmax'][0]\n"
+    "    return types.FunctionType(code, {'np': np})(x, -1)\n",
+    "def mine(x):\n    pass\n\n"  # during the call, a function's code replaced by a copy's
+    "def stable_softmax(x):\n"
+    f"    module = compile({_SOURCE}, 'w.py', 'exec')\n"
+    "    mine.__code__ = [c for c in module.co_consts if getattr(c, 'co_name', '') == 'softmax'][0]"
+    "\n    return mine(x, -1)\n",
+]
+
+
+@pytest.mark.parametrize("source", SOURCE_COPIES, ids=[f"copy-{i}" for i in range(5)])
+def test_kvlib_source_executed_again_stays_blocked(source, tmp_path):
+    result, report = grade_answer("01_naive_vs_cached.ipynb", "stable_softmax", source, tmp_path)
+    assert not result.passed, report.table()
+    assert "kvlib.ref.attention.softmax is unavailable" in result.message, report.table()
+
+
+def test_check_blocks_copies_of_kvlib_source_made_before_it(capsys):
+    """check() in the notebook: a copy made in an earlier cell, under another file name, is
+    guarded when the check starts, as in the grader."""
+    from kvlib.course.grading import check
+
+    namespace: dict = {}
+    exec(SOURCE_COPIES[0], namespace)
+    assert check("stable_softmax", namespace["stable_softmax"]) is False
+    assert "kvlib.ref.attention.softmax is unavailable" in capsys.readouterr().out
+
+
+def test_every_blocked_name_resolves():
+    """A blocked name that no longer resolves (its module moved or renamed) would block nothing."""
+    import importlib
+
+    missing = []
+    for path in EXERCISES:
+        for q in chapter_questions(chapter_of(path)):
+            for dotted in q.blocked:
+                parts, value = dotted.split("."), None
+                for split in range(len(parts) - 1, 0, -1):
+                    try:
+                        value = importlib.import_module(".".join(parts[:split]))
+                    except ModuleNotFoundError:
+                        continue
+                    for name in parts[split:]:  # a class's attribute raw: a property stays one
+                        value = (vars(value) if isinstance(value, type) else {}).get(
+                            name, getattr(value, name, None)
+                        )
+                    break
+                if not (callable(value) or isinstance(value, (property, staticmethod))):
+                    missing.append(f"{q.id}: {dotted}")
+    assert not missing, missing
+
+
 # Class 4: a Triton question needs a real @triton.jit kernel, run under the interpreter.
 def test_triton_questions_require_a_jit_kernel(tmp_path):
     source = (
@@ -2113,6 +2283,8 @@ AGREEMENT_TABLE = [
     BLOCKED_ANSWERS[6][:3],  # a check module's oracle
     BLOCKED_ANSWERS[8][:3],  # SDPA with torch functions disabled
     ("05_gqa_mqa.ipynb", "mean_pool_kv", None),
+    ("01_naive_vs_cached.ipynb", "stable_softmax", SOURCE_COPIES[0]),  # kvlib's source, exec'd
+    TWIN_ANSWERS[0][:3],  # a twin: the paged cache's slot lookup
 ]
 
 _CHECK_SCRIPT = """
@@ -2156,7 +2328,7 @@ def test_check_and_the_grader_agree_on_a_table_of_answers(tmp_path):
     assert line, completed.stdout[-2000:] + completed.stderr[-2000:]
     checked = json.loads(line[0].removeprefix("VERDICTS "))
     assert checked == graded, list(zip(AGREEMENT_TABLE, graded, checked))
-    assert graded == [True, True, True, False, False, False, False, True]
+    assert graded == [True, True, True, False, False, False, False, True, False, False]
 
 
 # Class 6: the tests cover what they claim. (notebook, question, answer, phrase)
@@ -2302,6 +2474,35 @@ COVERAGE_ANSWERS = [
         "    return heads.mean(dim=1).reshape(num_kv_heads * head_dim, weight.shape[1])\n",
         "returned its argument 1",
     ),
+    (  # right values, but always float64
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
+        "def stable_softmax(x):\n"
+        "    x = np.asarray(x, dtype=np.float64)\n"
+        "    e = np.exp(x - x.max(axis=-1, keepdims=True))\n"
+        "    return e / e.sum(axis=-1, keepdims=True)\n",
+        "expected a float32 numpy array",
+    ),
+    (  # refuses a write that fills the buffer exactly (>= instead of >)
+        "02_cache_in_a_transformer.ipynb",
+        "static_cache_insert",
+        "def static_cache_insert(buffer, length, k_new):\n"
+        "    t = k_new.shape[2]\n"
+        "    if length + t >= buffer.shape[2]:\n"
+        "        raise ValueError(f'overflow: {length} + {t} tokens into {buffer.shape[2]}')\n"
+        "    buffer[:, :, length : length + t] = k_new\n"
+        "    return buffer[:, :, : length + t]\n",
+        "raised ValueError",
+    ),
+    (  # free memory exactly a whole number of sequences: one sequence short
+        "03_counting_bytes.ipynb",
+        "max_batch",
+        "def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, "
+        "seq_len):\n"
+        "    free = gpu_memory_bytes - weight_bytes - overhead_bytes\n"
+        "    return max(0, (free - 1) // (kv_bytes_per_token * seq_len))\n",
+        "expected 3 sequences",
+    ),
     (  # hard-coded answers for the fixed cases, a wrong formula elsewhere
         "01_naive_vs_cached.ipynb",
         "kv_cache_bytes",
@@ -2341,6 +2542,46 @@ def test_random_cases_are_reproducible_and_follow_the_answer(tmp_path):
     )
     message = grade_notebook(other, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"]).questions[0]
     assert message.message.split("seed ")[1] != messages[0].split("seed ")[1]
+
+
+_TIMEOUT_SCRIPT = """
+import time
+from kvlib.course.grading import check
+
+def max_batch(gpu, weights, overhead, per_token, seq_len):
+    return max(0, (gpu - weights - overhead) // (per_token * seq_len))
+
+calls = []
+
+def stable_softmax(x):  # swallows Exception: check()'s timeout is a BaseException
+    calls.append(x.shape)
+    while True:
+        try:
+            time.sleep(0.05)
+        except Exception:
+            pass
+
+print("BEFORE", check("max_batch", max_batch))  # the grader subprocess starts: not timed below
+started = time.monotonic()
+verdict = check("stable_softmax", stable_softmax, timeout_s=3)
+print("VERDICT", verdict, len(calls), time.monotonic() - started)
+print("AFTER", check("max_batch", max_batch))
+"""
+
+
+def test_check_in_the_notebook_times_out():
+    """check() stops a function that runs past the question's deadline (the cell returns with the
+    grader's timeout message) and the next check() works (a fresh grader)."""
+    completed = subprocess.run(
+        [sys.executable, "-c", _TIMEOUT_SCRIPT], capture_output=True, text=True, timeout=180
+    )
+    out = completed.stdout
+    assert "BEFORE True" in out, out + completed.stderr[-2000:]
+    assert "❌ stable_softmax: timed out after 3 s" in out, out + completed.stderr[-2000:]
+    verdict = [line.split() for line in out.splitlines() if line.startswith("VERDICT")]
+    # the function ran (once) and was stopped near its deadline, not at the grader's 60 s
+    assert verdict and verdict[0][1:3] == ["False", "1"] and float(verdict[0][3]) < 30, out
+    assert "AFTER True" in out, out + completed.stderr[-2000:]
 
 
 def test_check_leaves_the_notebook_process_usable(capsys):

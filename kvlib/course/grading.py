@@ -1,52 +1,54 @@
-"""Exercise checks and the grader.
+"""Graded questions: the registry, what a test sees of the learner's code, and how one question is
+run.
 
 A chapter's questions are test functions in `kvlib/course/checks/chNN.py`, one per question, each
 declared with `@question(...)` (points, the function the learner writes, the kvlib functions it
-replaces). The learner's code never runs in the process that holds a test:
+replaces, see `kvlib.course.blocked`). The learner's code never runs in the process that holds a
+test: a test receives a `Submission` whose functions are `Remote`s; calling one sends the inputs
+to the learner's process by value and returns the outputs by value (`kvlib.course.wire`).
+`run_question` runs a test against either learner's side:
 
-- `python -m kvlib.course.grade NOTEBOOK` (`grade_notebook`) grades each question against a fresh
-  child process (`kvlib.course.sandbox`) that executes the notebook's code cells one by one (an
-  error, a hang or an `os._exit` in one cell costs that cell only: the child is restarted without
-  it). The test, the expected values and the verdict stay here; the test's inputs go to the child
-  by value and the outputs come back by value (plain data, rebuilt without running anything from
-  the child). A call that raises, hangs (the child is killed from here: no exception to catch),
-  exits or prints megabytes costs that question its points, never the others'.
-- in the exercise notebook, `check("question_id", learner_function)` starts the same grader in a
-  subprocess, which runs the same test with the same protocol against the notebook's process:
-  the two verdicts cannot differ.
+- the grader (`python -m kvlib.course.grade NOTEBOOK`, `kvlib.course.grader`): a fresh child
+  process (`kvlib.course.sandbox`) that executed the notebook's code cells;
+- `check("question_id", function)` in the notebook (`kvlib.course.checking`): a grader subprocess
+  runs the same test with the same protocol against the notebook's process, so the two verdicts
+  cannot differ.
 
-The kvlib functions a question replaces are unavailable to the learner's code while a graded call
-runs (blocking by provenance, see `kvlib.course.sandbox`), and so are the check modules'.
+Random cases are drawn per run from `Submission.rng()` / `torch_generator()`, seeded from the
+learner's function's source (check() and the grader draw the same cases; the seed is in the
+failure message). What the learner's process measures (the torch operators a call ran, its peak
+allocations, the reads a RowReadCounter counted, whether a result aliases an input) is measured
+there, by code that the learner's code could patch; what it cannot reach is the test, the
+expected values and the verdict. Nor does the grader sandbox the machine (learner code runs with
+the learner's permissions, on the learner's machine) or grade prose.
 
-What the learner's process measures (the torch operators a call ran, its peak allocations, the
-reads a RowReadCounter counted, whether a result aliases an input) is measured there, by code
-that the learner's code could patch; what it cannot reach is the test, the expected values and the
-verdict. Nor does the grader sandbox the machine (learner code runs with the learner's
-permissions, on the learner's machine) or grade prose. check() enforces no timeout in the
-notebook: its grader gives up after 60 s, the cell runs until interrupted.
+`check`, `show`, `grade_notebook` and the rest of the grader's API stay importable from here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import importlib
-import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvlib.course.blocked import (  # noqa: F401 (the checks import them from here)
+    ATTENTION_API,
+    COMPACTION_API,
+    EVICTION_API,
+    MEMORY_API,
+    PAGING_API,
+    QUANT_API,
+    ROPE_API,
+    SCHEDULER_API,
+)
+from kvlib.course.guards import GradingError  # noqa: F401 (raised in the learner's process)
+
 ENV_GRADING = "KVLIB_GRADING"  # "1" while a notebook is executed by the grader: check() is silent
 MESSAGE_CHARS = 400  # longest message kept per question
-
-
-from kvlib.course.sandbox import GradingError  # noqa: E402,F401 (raised in the learner's process)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,39 +64,6 @@ class Question:
 
 
 _QUESTIONS: dict[str, Question] = {}
-
-# Everything in kvlib that computes a cache's bytes: a question about bytes blocks all of it (a
-# "twin" such as cache_report(...).total_bytes would answer kv_cache_bytes's question).
-MEMORY_API = (
-    "kvlib.memory.formula.dense_kv_cache_bytes",
-    "kvlib.memory.formula.kv_elements_per_token",
-    "kvlib.memory.kv_bytes_per_token",
-    "kvlib.memory.kv_cache_bytes",
-    "kvlib.memory.cache_report",
-    "kvlib.memory.layer_specs",
-    "kvlib.memory.memory_budget",
-    "kvlib.memory.max_concurrent_sequences",
-    "kvlib.memory.equation.quantized_kv_cache_bytes",
-    "kvlib.quant.QuantScheme.bytes_per_vector",
-)
-# Everything in kvlib that computes rotary embeddings
-ROPE_API = (
-    "kvlib.model.apply_rope",
-    "kvlib.model.rope_cos_sin",
-    "kvlib.model.rope_inverse_frequencies",
-    "kvlib.model.rotate_half",
-)
-# Everything in kvlib that computes attention (torch's SDPA is detected separately)
-ATTENTION_API = (
-    "kvlib.ops.attention.grouped_attention",
-    "kvlib.ops.attention.reference_attention",
-    "kvlib.ops.attention.sdpa_attention",
-    "kvlib.cache.paged.paged_attention",
-    "kvlib.kernels.paged_decode_attention",
-    "kvlib.kernels.paged_decode_attention_ref",
-    "kvlib.ref.attention.attention",
-    "kvlib.ref.attention.softmax",
-)
 
 
 def question(*, function: str, points: int = 1, blocked: tuple[str, ...] = ()) -> Callable:
@@ -208,7 +177,7 @@ class Remote:
         view of, an argument; otherwise that fails the question too)."""
         options = {"blocked": self._submission.question.blocked, **(_options or {})}
         reply = self._submission._request(("call", self.name, list(args), kwargs, options))
-        from kvlib.course.sandbox import decode
+        from kvlib.course.wire import decode
 
         if reply[0] == "raised":
             if reply[1] == "GradingError" or reply[2].startswith("expected a @triton.jit"):
@@ -296,7 +265,7 @@ def _same_value(a, b) -> bool:
     import numpy as np
     import torch
 
-    from kvlib.course.sandbox import Opaque
+    from kvlib.course.wire import Opaque
 
     if isinstance(b, Opaque) or not isinstance(a, (list, tuple, dict, set, frozenset, int, float,
                                                   str, bytes, bool, type(None), np.ndarray,
@@ -407,510 +376,17 @@ def _shorten(text: str, limit: int = MESSAGE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# --- in the notebook ------------------------------------------------------------------------------
-
-
-class _OnlyFunction(dict):
-    """check()'s namespace: the one function, under whatever name the question asks for."""
-
-    def __init__(self, function):
-        super().__init__()
-        self._function = function
-
-    def get(self, name, default=None):
-        return self._function
-
-
-def check(question_id: str, function: Callable) -> bool | None:
-    """Run question `question_id`'s test on `function` now and print the verdict.
-
-    The grader's own machinery: a grader subprocess holds the test, the expected values and the
-    verdict, and sends the test's inputs here, where `function` runs (with the same kvlib
-    functions unavailable); so a ✅ here is a pass there. The timeout is the grader's only.
-
-    Returns True/False (passed or not), or None while the grader executes the notebook (it grades
-    every question itself, in isolation).
-    """
-    if os.environ.get(ENV_GRADING) == "1":
-        return None
-    from kvlib.course.sandbox import Channel, ChannelClosed, serve
-
-    global _CHECKER
-    if _CHECKER is None or _CHECKER[0].poll() is not None:
-        # one grader subprocess serves this notebook's checks (its imports are paid once)
-        to_grader_r, to_grader_w = os.pipe()
-        to_learner_r, to_learner_w = os.pipe()
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvlib.course.grading", "--peer", str(to_grader_r),
-             str(to_learner_w)],
-            pass_fds=(to_grader_r, to_learner_w),
-            env=_child_env(),
-            stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        os.close(to_grader_r)
-        os.close(to_learner_w)
-        _CHECKER = (process, Channel(to_learner_r, to_grader_w, trusted=True))
-    process, channel = _CHECKER
-    try:
-        channel.send(("question", question_id))
-        verdict = serve(channel, _OnlyFunction(function), until="verdict")
-    except ChannelClosed:
-        _stop_checker()
-        verdict = ("verdict", False, "the grader ended unexpectedly", 0)
-    except BaseException:  # an interrupt mid-question: the next check starts a fresh grader
-        _stop_checker()
-        raise
-    _, passed, message, points = verdict
-    if passed is None:
-        raise ValueError(message)
-    if passed:
-        print(f"✅ {question_id}: passed ({points} point{'s' if points != 1 else ''})")
-        return True
-    print(f"❌ {question_id}: {message}")
-    return False
-
-
-_CHECKER = None  # check()'s grader subprocess and its channel
-
-
-def _stop_checker() -> None:
-    global _CHECKER
-    if _CHECKER is not None:
-        process, channel = _CHECKER
-        _CHECKER = None
-        for fd in (channel.read_fd, channel.write_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        with contextlib.suppress(Exception):
-            process.kill()
-            process.wait()
-
-
-class _PeerSide:
-    """The learner's side as seen by check()'s grader subprocess: the notebook process."""
-
-    def __init__(self, channel, deadline: float):
-        self.channel, self.deadline = channel, deadline
-
-    def request(self, message):
-        from kvlib.course.sandbox import ChannelClosed, ChannelTimeout
-
-        self.channel.send(message)
-        try:
-            return self.channel.recv(max(0.0, self.deadline - time.monotonic()))
-        except ChannelTimeout:
-            raise QuestionTimeout(
-                f"timed out after {self.timeout_s:g} s (an infinite loop, or far too slow)"
-            ) from None
-        except ChannelClosed:
-            raise ProcessEnded("the notebook's process ended") from None
-
-
-def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 60.0) -> None:
-    """check()'s grader subprocess: for each question the notebook asks for, run its test against
-    the notebook and send the verdict; ends when the notebook goes, or after a timeout (the
-    notebook's side is then out of step)."""
-    from kvlib.course.sandbox import Channel, ChannelClosed
-
-    channel = Channel(read_fd, write_fd, trusted=False)
-    while True:
-        try:
-            request = channel.recv()
-        except ChannelClosed:
-            return
-        if not (isinstance(request, tuple) and len(request) == 2 and request[0] == "question"):
-            return
-        try:
-            q = _find_question(str(request[1]))
-        except ValueError as exc:
-            channel.send(("verdict", None, str(exc), 0))
-            continue
-        side = _PeerSide(channel, time.monotonic() + timeout_s)
-        side.timeout_s = timeout_s
-        try:
-            passed, message = run_question(q, side, [])
-        except (QuestionTimeout, ProcessEnded) as exc:
-            with contextlib.suppress(Exception):
-                channel.send(("verdict", False, str(exc), q.points))
-            return
-        channel.send(("verdict", passed, message, q.points))
-
-
-def _find_question(question_id: str) -> Question:
-    files = sorted(Path(__file__).with_name("checks").glob("ch[0-9]*.py"))
-    # import only the chapter that defines it (each chapter's imports cost seconds)
-    owners = [p for p in files if f"def test_{question_id}(" in p.read_text(encoding="utf-8")]
-    for path in owners or files:
-        chapter_questions(path.stem.removeprefix("ch"))
-    if question_id not in _QUESTIONS:
-        raise ValueError(
-            f"question_id: unknown question {question_id!r}; known: {sorted(_QUESTIONS)}"
-        )
-    return _QUESTIONS[question_id]
-
-
-def show(function: Callable, *args, **kwargs) -> None:
-    """Call the learner's `function` on an example and print what it returned (or raised).
-
-    The line under each exercise definition: immediate sight of what the code does, before the
-    check judges it. Silent while the grader executes the notebook.
-    """
-    if os.environ.get(ENV_GRADING) == "1":
-        return
-    name = getattr(function, "__name__", None) or getattr(
-        getattr(function, "fn", None), "__name__", repr(function)
-    )
-    try:
-        result = function(*args, **kwargs)
-    except Exception as exc:  # the learner's code may raise anything
-        text = f"{type(exc).__name__}: {exc}"
-        print(
-            f"{name}: not written yet"
-            if "NotImplementedError" in text
-            else f"{name} raised {text[:MESSAGE_CHARS]}"
-        )
-        return
-    print(f"{name} returned {_short(result)}")
-
-
-def _short(value) -> str:
-    """A compact, deterministic rendering of arrays, tensors, tuples and lists."""
-    import numpy as np
-
-    if isinstance(value, (tuple, list)):
-        inner = ", ".join(_short(v) for v in value)
-        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
-    if hasattr(value, "detach"):
-        value = value.detach().cpu().numpy()
-    if isinstance(value, np.ndarray):
-        return f"array of shape {value.shape}: " + np.array2string(
-            value, precision=4, suppress_small=True, threshold=12, max_line_width=100
-        )
-    return repr(value)
-
-
-# --- the learner's child process, seen from the grader -----------------------------------------
-
-
-def _child_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLIB_")}
-    env.update(MPLBACKEND="Agg", PYTHONHASHSEED="0")
-    return env
-
-
-class _ChildSide:
-    """A child process that executed the notebook's cells and serves the test's calls. A cell that
-    hangs or ends the process is skipped in a fresh child; a call that does either ends the child
-    (killed from here: nothing the learner's code catches) and fails the question."""
-
-    def __init__(
-        self,
-        cells: list[str],
-        deadline: float,
-        timeout_s: float,
-        cell_timeout_s: float,
-        blocked: tuple[str, ...] = (),
-        skip: dict[int, str] | None = None,
-    ):
-        self.cells, self.deadline, self.timeout_s = cells, deadline, timeout_s
-        self.blocked = blocked
-        skip = {} if skip is None else skip  # cells that ended or hung a child: index -> error
-        self.cell_timeout_s = cell_timeout_s
-        self.errors: list[str] = []
-        self.process = None
-        self.skip = set(skip)
-        self.errors.extend(skip.values())
-        while True:
-            self.deadline = time.monotonic() + timeout_s  # each attempt its own window
-            failed = self._start(self.skip)
-            if failed is None:
-                return
-            self.skip.add(failed)
-            skip[failed] = self.errors[-1]
-
-    def _spawn(self):
-        from kvlib.course.sandbox import Channel
-
-        to_child_r, to_child_w = os.pipe()
-        to_grader_r, to_grader_w = os.pipe()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvlib.course.sandbox", str(to_child_r), str(to_grader_w)],
-            pass_fds=(to_child_r, to_grader_w),
-            env=_child_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=(os.name == "posix"),
-        )
-        os.close(to_child_r)
-        os.close(to_grader_w)
-        self.channel = Channel(to_grader_r, to_child_w, trusted=False)
-        self._fds = (to_grader_r, to_child_w)
-
-    def _start(self, skip: set[int]) -> int | None:
-        """Start a child and load the notebook; the index of a cell that killed or hung it."""
-        from kvlib.course.sandbox import ChannelClosed, ChannelTimeout
-
-        self._spawn()
-        # guards first (inactive until a graded call runs): whatever the notebook copies or
-        # re-imports while it loads is a guarded function already
-        self.request(("guard", list(self.blocked), ""))
-        self.channel.send(("load", self.cells, sorted(skip)))
-        expected = [i for i in range(len(self.cells)) if i not in skip]
-        for index in expected:
-            wait = min(self.cell_timeout_s, self.deadline - time.monotonic())
-            try:
-                reply = self.channel.recv(max(0.0, wait))
-            except ChannelTimeout:
-                self.close()
-                if self.deadline - time.monotonic() <= 0:
-                    raise QuestionTimeout(
-                        f"timed out after {self.timeout_s:g} s (an infinite loop, or far too slow)"
-                    ) from None
-                self.errors.append(f"cell {index}: ran longer than {self.cell_timeout_s:g} s")
-                return index
-            except ChannelClosed:
-                status = self.close()
-                self.errors.append(
-                    f"cell {index}: ended the Python process (exit status {status}); the grader "
-                    "skipped it"
-                )
-                return index
-            if reply[0] != "cell" or reply[1] != index:
-                self.close()
-                raise ProcessEnded("the notebook's process sent something unexpected")
-            if reply[2]:
-                self.errors.append(reply[2])
-        try:
-            self.channel.recv(max(0.0, self.deadline - time.monotonic()))
-        except (ChannelTimeout, ChannelClosed):
-            self.close()
-            raise ProcessEnded("the notebook's process ended after loading") from None
-        return None
-
-    def request(self, message):
-        from kvlib.course.sandbox import ChannelClosed, ChannelTimeout
-
-        try:
-            self.channel.send(message)
-            return self.channel.recv(max(0.0, self.deadline - time.monotonic()))
-        except ChannelTimeout:
-            self.close()
-            raise QuestionTimeout(
-                f"timed out after {self.timeout_s:g} s (an infinite loop, or far too slow)"
-            ) from None
-        except ChannelClosed:
-            status = self.close()
-            raise ProcessEnded(
-                f"the grading process ended (exit status {status}) before the test finished: "
-                "does the notebook call sys.exit, os._exit or crash Python?"
-            ) from None
-
-    def close(self):
-        """Kill the child's whole process group (threads, grandchildren); its exit status."""
-        if self.process is None:
-            return None
-        for fd in self._fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        try:
-            status = self.process.wait(timeout=0.2)
-        except subprocess.TimeoutExpired:
-            status = None
-        _kill(self.process)
-        self.process = None
-        return status if status is not None else "killed"
-
-
-# --- the grader -----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class QuestionResult:
-    id: str
-    passed: bool
-    points: int
-    message: str
-
-
-@dataclasses.dataclass
-class GradeReport:
-    notebook: str
-    questions: list[QuestionResult]
-    max_points: list[int]  # per question, in the same order
-
-    @property
-    def score(self) -> int:
-        return sum(q.points for q in self.questions)
-
-    @property
-    def max_score(self) -> int:
-        return sum(self.max_points)
-
-    def to_json(self) -> dict:
-        """The grader's `--json` object.
-
-        Keys: notebook, score, max_score, questions[id, passed, points, message].
-        """
-        return {
-            "notebook": self.notebook,
-            "score": self.score,
-            "max_score": self.max_score,
-            "questions": [dataclasses.asdict(q) for q in self.questions],
-        }
-
-    def table(self) -> str:
-        """A readable per-question table and the total."""
-        width = max([len(q.id) for q in self.questions] + [8])
-        lines = [
-            f"Grading {self.notebook}",
-            f"{'question':<{width}}  result  points  message",
-            "-" * (width + 40),
-        ]
-        for q, max_points in zip(self.questions, self.max_points):
-            verdict = "pass" if q.passed else "FAIL"
-            lines.append(
-                f"{q.id:<{width}}  {verdict:<6}  {q.points:>2}/{max_points:<3}  {q.message}"
-            )
-        lines.append(f"score: {self.score}/{self.max_score}")
-        return "\n".join(lines)
-
-
-def _grade_questions(cells: list[str], questions: list[Question], timeout_s: float) -> list:
-    """Grade `questions` one after the other against a child process that executed the notebook;
-    a question that timed out, ended the child or left a thread running gets the next question a
-    fresh child. Never raises for anything the learner did."""
-    results, side, skip = [], None, {}
-    for q in questions:
-        try:
-            if side is None:
-                side = _ChildSide(
-                    cells,
-                    time.monotonic() + timeout_s,
-                    timeout_s,
-                    timeout_s / 3,
-                    tuple(sorted({name for other in questions for name in other.blocked})),
-                    skip,
-                )
-            side.deadline = time.monotonic() + timeout_s
-            passed, message = run_question(q, side, side.errors)
-            if side.process is not None and side.request(("status",))[1]["threads"] > 1:
-                side.close()
-        except (QuestionTimeout, ProcessEnded) as exc:
-            passed, message = False, str(exc)
-        if side is not None and side.process is None:
-            side = None
-        results.append(QuestionResult(q.id, passed, q.points if passed else 0, message))
-    if side is not None:
-        side.close()
-    return results
-
-
-def _kill(process: subprocess.Popen) -> None:
-    if os.name == "posix":
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    else:
-        process.kill()
-    process.wait()
-
-
-def read_code_cells(path: Path) -> list[str]:
-    """The sources of a notebook's code cells.
-
-    Raises:
-        ValueError: the file is not a Jupyter notebook (one clear usage error).
-    """
-    try:
-        notebook = json.loads(Path(path).read_text(encoding="utf-8"))
-        cells = notebook["cells"]
-        if not isinstance(cells, list):
-            raise TypeError("cells is not a list")
-        sources = []
-        for cell in cells:
-            if cell.get("cell_type") == "code":
-                source = cell.get("source", "")
-                sources.append("".join(source) if isinstance(source, list) else str(source))
-        return sources
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
-            AttributeError) as exc:  # fmt: skip
-        raise ValueError(
-            f"notebook: {Path(path).name} is not a Jupyter notebook (.ipynb JSON with a list of "
-            f"cells): {type(exc).__name__}: {exc}"
-        ) from None
-
-
-def grade_notebook(
-    notebook: str | os.PathLike, *, timeout_s: float = 60.0, only: list[str] | None = None
-) -> GradeReport:
-    """Grade an exercise notebook question by question, against a child process that executes it.
-
-    Args:
-        notebook: path to `NN_<chapter>.ipynb` (an exercise or a solution notebook).
-        timeout_s: seconds each question may take, notebook execution included.
-        only: grade just these question ids (default: all of the chapter's).
-    Returns:
-        A GradeReport.
-    Raises:
-        FileNotFoundError: no such notebook. ValueError: not a notebook, a chapter without
-            questions, or timeout_s <= 0.
-    """
-    path = Path(notebook).resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"notebook: no such file {notebook!s}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
-    cells = read_code_cells(path)
-    questions = chapter_questions(chapter_of(path))
-    if only is not None:
-        unknown = sorted(set(only) - {q.id for q in questions})
-        if unknown:
-            raise ValueError(
-                f"only: unknown question ids {unknown}; this chapter has "
-                f"{[q.id for q in questions]}"
-            )
-        questions = [q for q in questions if q.id in only]
-    results = _grade_questions(cells, questions, timeout_s)
-    return GradeReport(str(notebook), results, [q.points for q in questions])
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvlib.course.grade NOTEBOOK [--json] [--timeout S]`: exit 0 whenever grading
-    ran."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m kvlib.course.grade", description="Grade a course exercise notebook."
-    )
-    parser.add_argument("notebook", help="path to exercises/NN_<chapter>.ipynb")
-    parser.add_argument(
-        "--json", action="store_true", help="print exactly one JSON object instead of a table"
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds allowed per question (default 60)"
-    )
-    parser.add_argument(
-        "--question", action="append", metavar="ID", help="grade only this question (repeatable)"
-    )
-    args = parser.parse_args(argv)
-    started = time.perf_counter()
-    try:
-        report = grade_notebook(args.notebook, timeout_s=args.timeout, only=args.question)
-    except (FileNotFoundError, ValueError) as exc:
-        parser.error(str(exc))  # exits with status 2
-    if args.json:
-        print(json.dumps(report.to_json()))
-    else:
-        print(report.table())
-        print(f"(graded in {time.perf_counter() - started:.1f} s)")
-    return 0
-
-
-if __name__ == "__main__" and len(sys.argv) >= 4 and sys.argv[1] == "--peer":
-    # check()'s grader: run as the imported module, where the checks register their questions
-    from kvlib.course import grading as _grading
-
-    # an interrupted or shut-down notebook kernel signals its whole process group: this process
-    # then ends as it would when the notebook goes, without a traceback on the notebook's stderr
-    with contextlib.suppress(KeyboardInterrupt):
-        _grading._peer_main(int(sys.argv[2]), int(sys.argv[3]))
+_ELSEWHERE = {
+    "kvlib.course.checking": ("check", "show"),
+    "kvlib.course.grader": ("grade_notebook", "read_code_cells", "GradeReport", "QuestionResult",
+                            "main"),
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    """`check`, `show` and the grader's API, importable from here as before (imported lazily: those
+    modules import this one)."""
+    for module, names in _ELSEWHERE.items():
+        if name in names:
+            return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -39,14 +39,34 @@ def test_stable_softmax(submission: Submission) -> None:
         softmax(batched),
         name="stable_softmax over the last axis of a (2, 3, 5) input",
     )
+    drawn = submission.rng()  # drawn per run (seeded from the answer's source)
+    for dtype in (np.float32, np.float64):  # the output keeps the input's dtype
+        shape = tuple(int(n) for n in drawn.integers(1, 7, size=int(drawn.integers(1, 4))))
+        magnitude = float(10 ** drawn.uniform(0, 3))
+        x = (drawn.normal(size=shape) * magnitude + drawn.normal() * magnitude).astype(dtype)
+        got = stable_softmax(x.copy())
+        what = f"stable_softmax of a {x.dtype} input of shape {shape}, scores ~{magnitude:.3g}"
+        assert isinstance(got, np.ndarray) and got.dtype == x.dtype, (
+            f"{what}: expected a {x.dtype} numpy array (the input's dtype), got "
+            f"{type(got).__name__} {getattr(got, 'dtype', '')}"
+        )
+        tolerance = {"rtol": 1e-5, "atol": 1e-7} if x.dtype == np.float32 else {}
+        assert_close(got, softmax(x.astype(np.float64)), name=what, **tolerance)
 
 
 @question(function="cached_attention_step", blocked=("kvlib.ref.attention.cached_attention_step",))
 def test_cached_attention_step(submission: Submission) -> None:
     step = submission.function("cached_attention_step")
-    rng = np.random.default_rng(2)
-    num_steps, head_dim, value_dim = 6, 4, 3
+    rng, drawn = np.random.default_rng(2), submission.rng()
+    cases = [(6, 4, 3, 1.0), (int(drawn.integers(1, 9)), int(drawn.integers(1, 9)),
+             int(drawn.integers(1, 6)), float(10 ** drawn.uniform(0, 2)))]  # fmt: skip
+    for num_steps, head_dim, value_dim, magnitude in cases:
+        _check_steps(step, rng, num_steps, head_dim, value_dim, magnitude)
+
+
+def _check_steps(step, rng, num_steps, head_dim, value_dim, magnitude) -> None:
     qs, ks = rng.normal(size=(2, num_steps, head_dim))
+    qs = qs * magnitude  # scores ~magnitude: large ones overflow an unshifted exp
     vs = rng.normal(size=(num_steps, value_dim))
     k_cache, v_cache = np.zeros((0, head_dim)), np.zeros((0, value_dim))
     for t in range(num_steps):
@@ -67,7 +87,8 @@ def test_cached_attention_step(submission: Submission) -> None:
         assert_close(
             out,
             expected,
-            name=f"output of step {t} (cache of {t + 1} tokens, the new one included)",
+            name=f"output of step {t} (cache of {t + 1} tokens, the new one included; D="
+            f"{head_dim}, D_v={value_dim}, scores ~{magnitude:.3g})",
         )
 
 
@@ -77,7 +98,10 @@ def test_cached_attention_step(submission: Submission) -> None:
 )
 def test_predict_score_entries(submission: Submission) -> None:
     predict = submission.function("predict_score_entries")
-    for prompt_len, max_new_tokens, num_layers in [(1, 1, 1), (5, 7, 2), (12, 4, 3), (3, 20, 1)]:
+    drawn = submission.rng()
+    cases = [(1, 1, 1), (5, 7, 2), (12, 4, 3), (3, 20, 1)]
+    cases += [tuple(int(n) for n in drawn.integers(1, (16, 16, 4))) for _ in range(2)]  # per run
+    for prompt_len, max_new_tokens, num_layers in cases:
         model = ToyModel(ToyConfig(vocab_size=16, d_model=8, head_dim=4, num_layers=num_layers))
         prompt = np.arange(prompt_len) % 16
         for cached, generate in ((False, generate_naive), (True, generate_cached)):

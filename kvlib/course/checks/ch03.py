@@ -49,7 +49,22 @@ GQA_CONFIGS = [
 @question(function="gqa_bytes_per_token", blocked=_MEMORY_API)
 def test_gqa_bytes_per_token(submission: Submission) -> None:
     gqa_bytes_per_token = submission.function("gqa_bytes_per_token")
-    for config in GQA_CONFIGS:
+    drawn, configs = submission.rng(), list(GQA_CONFIGS)
+    for _ in range(3):  # drawn per run (seeded from the answer's source)
+        heads = int(drawn.choice([4, 8, 12, 16, 32, 64]))
+        divisors = [h for h in range(1, heads + 1) if heads % h == 0]
+        config = {
+            "model_type": "llama",
+            "num_hidden_layers": int(drawn.integers(1, 100)),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(drawn.choice(divisors)),
+            "hidden_size": heads * int(drawn.choice([32, 64, 128])),
+            "torch_dtype": str(drawn.choice(["bfloat16", "float16", "float32"])),
+        }
+        if drawn.random() < 0.5:  # a head_dim that is not hidden_size / num_attention_heads
+            config["head_dim"] = int(drawn.choice([64, 96, 128, 256]))
+        configs.append(config)
+    for config in configs:
         # the oracle treats every layer as full attention, as the question says (no windows)
         expected = kv_bytes_per_token(dict(config, model_type="llama"))
         got = gqa_bytes_per_token(dict(config))
@@ -60,12 +75,16 @@ def test_gqa_bytes_per_token(submission: Submission) -> None:
 @question(function="mla_cache_bytes", blocked=_MEMORY_API)
 def test_mla_cache_bytes(submission: Submission) -> None:
     mla_cache_bytes = submission.function("mla_cache_bytes")
-    for layers, rank, rope, seq_len, bytes_per_element in [
-        (61, 512, 64, 1, 2),
-        (61, 512, 64, 4096, 2),
-        (27, 512, 64, 1000, 1),
-        (2, 16, 4, 7, 4),
-    ]:
+    drawn = submission.rng()
+    cases = [(61, 512, 64, 1, 2), (61, 512, 64, 4096, 2), (27, 512, 64, 1000, 1), (2, 16, 4, 7, 4)]
+    cases += [  # drawn per run (seeded from the answer's source)
+        (
+            *(int(n) for n in drawn.integers(1, (100, 1024, 128, 10**6))),
+            int(drawn.choice([1, 2, 4])),
+        )
+        for _ in range(3)
+    ]
+    for layers, rank, rope, seq_len, bytes_per_element in cases:
         config = {
             "model_type": "deepseek_v3",
             "num_hidden_layers": layers,
@@ -90,7 +109,16 @@ def test_max_batch(submission: Submission) -> None:
         (80 * 10**9, 16 * 10**9, 4 * 10**9, 131072, 131072),
         (24 * 10**9, 14 * 10**9, 2 * 10**9, 524288, 4096),
         (141 * 10**9, 140 * 10**9, 2 * 10**9, 1024, 10),
+        (10**9 + 3 * 4096 * 100, 10**9, 0, 4096, 100),  # exactly 3 sequences: a budget met fits
     ]
+    drawn = submission.rng()
+    for _ in range(3):  # drawn per run (seeded from the answer's source)
+        per_token, seq_len = int(drawn.integers(1, 10**6)), int(drawn.integers(1, 10**5))
+        weights, overhead = (int(n) for n in drawn.integers(0, 10**11, size=2))
+        gpu = weights + overhead + int(drawn.integers(-(10**10), 10**11))
+        if drawn.random() < 0.5:  # on the boundary: free memory a whole number of sequences
+            gpu = weights + overhead + int(drawn.integers(0, 50)) * per_token * seq_len
+        cases.append((gpu, weights, overhead, per_token, seq_len))
     for gpu, weights, overhead, per_token, seq_len in cases:
         expected = max(0, (gpu - weights - overhead) // (per_token * seq_len))
         got = max_batch(gpu, weights, overhead, per_token, seq_len)

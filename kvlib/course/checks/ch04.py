@@ -28,9 +28,13 @@ MAX_TILED_BYTES = 512 * 2**10  # kvlib's tiled_attention peaks near 80 KiB at th
 )
 def test_online_softmax_update(submission: Submission) -> None:
     update = submission.function("online_softmax_update")
-    rng = np.random.default_rng(4)
-    for magnitude, block in ((1.0, 5), (50.0, 4), (400.0, 7)):
-        x = rng.normal(size=30) * magnitude
+    rng, drawn = np.random.default_rng(4), submission.rng()
+    cases = [(1.0, 5, 30), (50.0, 4, 30), (400.0, 7, 30)]
+    cases.append(
+        (float(10 ** drawn.uniform(0, 3)), int(drawn.integers(1, 9)), int(drawn.integers(1, 40)))
+    )
+    for magnitude, block, length in cases:  # the last one drawn per run
+        x = rng.normal(size=length) * magnitude
         # the maximum keeps rising: rescales needed
         x[::7] += np.linspace(0, 3 * magnitude, len(x[::7]))
         m, l = -math.inf, 0.0
@@ -49,7 +53,8 @@ def test_online_softmax_update(submission: Submission) -> None:
             assert_close(
                 np.array([m, l]),
                 np.array(expected),
-                name=f"(m, l) after the block starting at {start} (scores ~{magnitude:g})",
+                name=f"(m, l) after the block starting at {start} (blocks of {block}, scores "
+                f"~{magnitude:.3g})",
             )
         assert_close(np.exp(x - m) / l, softmax(x), name="softmax from your final (m, l)")
 
@@ -57,22 +62,30 @@ def test_online_softmax_update(submission: Submission) -> None:
 @question(function="merge_two", blocked=("kvlib.ref.online_softmax.merge_partials",))
 def test_merge_two(submission: Submission) -> None:
     merge_two = submission.function("merge_two")
-    rng = np.random.default_rng(5)
-    for magnitude in (1.0, 40.0):
+    rng, drawn = np.random.default_rng(5), submission.rng()
+    cases = [(1.0, 3, 20, 6), (40.0, 3, 20, 6)]
+    keys = int(drawn.integers(2, 30))  # drawn per run: shapes, a split point, a magnitude
+    cases.append((float(10 ** drawn.uniform(0, 2)), int(drawn.integers(1, 6)), keys,
+                  int(drawn.integers(1, keys))))  # fmt: skip
+    for magnitude, queries, keys, split in cases:
         q, k, v = (
-            rng.normal(size=(3, 8)) * magnitude,
-            rng.normal(size=(20, 8)),
-            rng.normal(size=(20, 4)),
+            rng.normal(size=(queries, 8)) * magnitude,
+            rng.normal(size=(keys, 8)),
+            rng.normal(size=(keys, 4)),
         )
-        a, b = partial_attention(q, k[:6], v[:6]), partial_attention(q, k[6:], v[6:])
+        a, b = (
+            partial_attention(q, k[:split], v[:split]),
+            partial_attention(q, k[split:], v[split:]),
+        )
         result = merge_two(a[0], a[1], b[0], b[1])
         assert isinstance(result, tuple) and len(result) == 2, (
             f"merge_two should return (out, lse), got {type(result).__name__}"
         )
         out, lse = result
         expected_out, expected_lse = merge_partials([a[0], b[0]], [a[1], b[1]])
-        assert_close(out, attention(q, k, v), name=f"merged output (scores ~{magnitude:g})")
-        assert_close(lse, expected_lse, name=f"merged lse (scores ~{magnitude:g})")
+        what = f"T={queries}, S={keys} split at {split}, scores ~{magnitude:.3g}"
+        assert_close(out, attention(q, k, v), name=f"merged output ({what})")
+        assert_close(lse, expected_lse, name=f"merged lse ({what})")
     out_a, lse_a = rng.normal(size=(2, 4)), np.array([1000.0, -3.0])
     out_b, lse_b = rng.normal(size=(2, 4)), np.array([999.0, -np.inf])  # huge lse; an empty chunk
     out, lse = merge_two(out_a, lse_a, out_b, lse_b)
@@ -102,12 +115,17 @@ def test_merge_two(submission: Submission) -> None:
 )
 def test_tiled_attention(submission: Submission) -> None:
     tiled = submission.function("tiled_attention")
-    rng = np.random.default_rng(6)
+    rng, drawn = np.random.default_rng(6), submission.rng()
+    random_case = (  # drawn per run (seeded from the answer's source)
+        *(int(n) for n in drawn.integers(1, (6, 50, 17))),
+        float(10 ** drawn.uniform(0, 1.5)),
+    )
     for t, s, tile_size, magnitude in (
         (1, 10, 4, 1.0),
         (5, 37, 8, 1.0),
         (3, 64, 16, 30.0),
         (4, 7, 32, 1.0),
+        random_case,
     ):
         q, k, v = (
             rng.normal(size=(t, 8)) * magnitude,
@@ -125,7 +143,8 @@ def test_tiled_attention(submission: Submission) -> None:
         assert_close(
             out,
             attention(q, k, v),
-            name=f"tiled_attention with T={t}, S={s}, tile_size={tile_size}",
+            name=f"tiled_attention with T={t}, S={s}, tile_size={tile_size}, queries "
+            f"~{magnitude:.3g}",
         )
         assert k_passes == 1 and v_passes == 1, (
             f"with S={s}, tile_size={tile_size} you read K {k_passes:g} times and V "

@@ -101,12 +101,15 @@ def test_grouped_attention(submission: Submission) -> None:
 )
 def test_mean_pool_kv(submission: Submission) -> None:
     mean_pool_kv = submission.function("mean_pool_kv")
-    g = torch.Generator().manual_seed(5)
+    g, drawn = torch.Generator().manual_seed(5), submission.rng()
+    new_heads, group = (int(n) for n in drawn.integers(1, 5, size=2))  # drawn per run
+    random_case = (new_heads * group, new_heads, *(int(n) for n in drawn.integers(1, 9, size=2)))
     for old_heads, new_heads, dim, d_model in (
         (4, 2, 3, 5),
         (6, 3, 4, 7),
         (8, 1, 2, 3),
         (3, 3, 2, 4),
+        random_case,
     ):
         weight = torch.randn(old_heads * dim, d_model, generator=g)
         original = weight.clone()

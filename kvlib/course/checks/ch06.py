@@ -39,10 +39,19 @@ def _expanded_scores(q_nope, q_rope, w_uk, latent, rope_key):
 @question(function="absorbed_scores", blocked=ATTENTION_API)
 def test_absorbed_scores(submission: Submission) -> None:
     absorbed_scores = submission.function("absorbed_scores")
+    drawn = submission.rng()
+    queries = int(drawn.integers(1, 5))  # drawn per run (seeded from the answer's source)
+    random_case = (
+        *(int(n) for n in drawn.integers(1, 4, size=2)),
+        queries,
+        queries + int(drawn.integers(0, 9)),
+        *(int(n) for n in drawn.integers(1, 9, size=3) * 2),
+    )
     for batch, heads, queries, keys, d_h, d_r, d_c in (
         (1, 2, 1, 5, 4, 2, 6),  # decode
         (2, 4, 3, 3, 8, 4, 16),  # prefill
         (1, 3, 2, 7, 6, 2, 10),  # a chunk after 5 cached tokens
+        random_case,
     ):
         inputs = _score_inputs(batch, heads, queries, keys, d_h, d_r, d_c, seed=keys)
         got = absorbed_scores(*inputs)
@@ -98,7 +107,18 @@ _LATENT_CONFIGS = [
 )
 def test_latent_cache_bytes(submission: Submission) -> None:
     latent_cache_bytes = submission.function("latent_cache_bytes")
-    for config, seq_len, batch_size in _LATENT_CONFIGS:
+    drawn, cases = submission.rng(), list(_LATENT_CONFIGS)
+    for _ in range(3):  # drawn per run (seeded from the answer's source)
+        config = {
+            "num_hidden_layers": int(drawn.integers(1, 100)),
+            "kv_lora_rank": int(drawn.integers(1, 17)) * 32,
+            "qk_rope_head_dim": int(drawn.choice([16, 32, 64])),
+            "torch_dtype": str(drawn.choice(["bfloat16", "float16", "float32"])),
+        }
+        if drawn.random() < 0.5:  # heads are irrelevant to the latent cache
+            config["num_attention_heads"] = int(drawn.integers(1, 129))
+        cases.append((config, int(drawn.integers(1, 2**17)), int(drawn.integers(1, 65))))
+    for config, seq_len, batch_size in cases:
         expected = kv_cache_bytes(
             {**config, "model_type": "deepseek_v2"}, seq_len, batch_size=batch_size
         )
@@ -120,11 +140,18 @@ def test_latent_cache_bytes(submission: Submission) -> None:
 )
 def test_shared_rotary_key(submission: Submission) -> None:
     shared_rotary_key = submission.function("shared_rotary_key")
-    g = torch.Generator().manual_seed(3)
+    g, drawn = torch.Generator().manual_seed(3), submission.rng()
+    random_case = (  # drawn per run (seeded from the answer's source)
+        *(int(n) for n in drawn.integers(1, (4, 8, 24))),
+        2 * int(drawn.integers(1, 9)),
+        int(drawn.integers(0, 5000)),
+        float(drawn.choice([10000.0, 500000.0])),
+    )
     for batch, tokens, d_model, d_r, start, theta in (
         (1, 4, 8, 4, 0, 10000.0),
         (2, 6, 16, 8, 0, 10000.0),
         (1, 3, 12, 6, 37, 500000.0),  # a chunk starting at position 37
+        random_case,
     ):
         x = torch.randn(batch, tokens, d_model, generator=g)
         w_kr = torch.randn(d_r, d_model, generator=g) / d_model**0.5
@@ -138,6 +165,9 @@ def test_shared_rotary_key(submission: Submission) -> None:
         assert tuple(got.shape) == tuple(expected.shape), (
             f"with B={batch}, T={tokens}, d_R={d_r}: expected shape {tuple(expected.shape)} (one "
             f"rotary key per token, shared by all heads: a head axis of 1), got {tuple(got.shape)}"
+        )
+        assert got.dtype == x.dtype, (
+            f"shared_rotary_key should keep the input's dtype {x.dtype}, got {got.dtype}"
         )
         assert_close(
             got,

@@ -7,14 +7,14 @@ from __future__ import annotations
 import copy
 
 from kvlib.cache.block_pool import BlockManager, BlockPool, hash_block_tokens
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import PAGING_API, Submission, question
 
 
 def _slots(block_table, positions, block_size):
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
-@question(function="slot_mapping")
+@question(function="slot_mapping", blocked=PAGING_API)
 def test_slot_mapping(submission: Submission) -> None:
     slot_mapping = submission.function("slot_mapping")
     rng = submission.rng()
@@ -71,10 +71,20 @@ _APPEND_CASES = [
 ]
 
 
-@question(function="append_token", blocked=("kvlib.cache.block_pool.BlockManager",))
+@question(function="append_token", blocked=PAGING_API)
 def test_append_token(submission: Submission) -> None:
     append_token = submission.function("append_token")
-    for table, num_tokens, ref_cnt, free, block_size, what in _APPEND_CASES:
+    drawn, cases = submission.rng(), list(_APPEND_CASES)
+    for _ in range(4):  # drawn per run (seeded from the answer's source)
+        block_size = int(drawn.choice([1, 2, 4, 8]))
+        ids = [int(b) for b in drawn.permutation(30)]
+        table, free = ids[: int(drawn.integers(0, 6))], ids[20 : 20 + int(drawn.integers(1, 4))]
+        last_block_start = (len(table) - 1) * block_size
+        num_tokens = int(drawn.integers(last_block_start + 1, len(table) * block_size + 1))
+        num_tokens = num_tokens if table else 0
+        ref_cnt = {b: int(drawn.integers(1, 4)) for b in table}
+        cases.append((table, num_tokens, ref_cnt, free, block_size, "a random sequence"))
+    for table, num_tokens, ref_cnt, free, block_size, what in cases:
         state = (list(table), dict(ref_cnt), list(free))
         expected_state = copy.deepcopy(state)
         expected = _append_token(*expected_state[:1], num_tokens, *expected_state[1:], block_size)
@@ -115,7 +125,7 @@ def chained_block_hashes(tokens, block_size):
     return hashes
 
 
-@question(function="prefix_hit_tokens", blocked=("kvlib.cache.block_pool.BlockManager",))
+@question(function="prefix_hit_tokens", blocked=PAGING_API)
 def test_prefix_hit_tokens(submission: Submission) -> None:
     prefix_hit_tokens = submission.function("prefix_hit_tokens")
     system = list(range(100, 112))  # three blocks of 4
@@ -133,9 +143,20 @@ def test_prefix_hit_tokens(submission: Submission) -> None:
         (system[:4] + [5, 5, 5, 5, 1], other, "a block cached only under another parent"),
         ([1, 2, 3], cached, "a prompt shorter than a block"),
     ]
-    for tokens, hashes, what in cases:
-        expected = cached_prefix_tokens(tokens, hashes, 4)
-        got = prefix_hit_tokens(list(tokens), set(hashes), 4)
+    cases = [(tokens, hashes, 4, what) for tokens, hashes, what in cases]
+    drawn = submission.rng()
+    for _ in range(3):  # drawn per run: earlier prompts cached, a new one sharing a prefix
+        block_size = int(drawn.choice([1, 2, 3, 4]))
+        earlier = [int(t) for t in drawn.integers(0, 3, size=int(drawn.integers(0, 20)))]
+        hashes = set(chained_block_hashes(earlier, block_size))
+        shared = int(drawn.integers(0, len(earlier) + 1))
+        tokens = earlier[:shared] + [
+            int(t) for t in drawn.integers(0, 3, size=int(drawn.integers(0, 8)))
+        ]
+        cases.append((tokens or [0], hashes, block_size, f"random tokens, block size {block_size}"))
+    for tokens, hashes, block_size, what in cases:
+        expected = cached_prefix_tokens(tokens, hashes, block_size)
+        got = prefix_hit_tokens(list(tokens), set(hashes), block_size)
         assert got == expected, (
             f"{what}, {len(tokens)} tokens: expected {expected} cached tokens (whole blocks, each "
             f"hash chained to its parent's, stopping at the first miss, at most n - 1 tokens), "

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlib.cache.evicting import H2O, LayerState, StreamingLLM
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import EVICTION_API, Submission, question
 
 
 def _streaming_keep(positions, budget, num_sinks):
@@ -25,7 +25,7 @@ def _streaming_keep(positions, budget, num_sinks):
     return keep
 
 
-@question(function="streaming_keep", blocked=("kvlib.cache.evicting.StreamingLLM",))
+@question(function="streaming_keep", blocked=EVICTION_API)
 def test_streaming_keep(submission: Submission) -> None:
     streaming_keep = submission.function("streaming_keep")
     rng = submission.rng()
@@ -75,15 +75,22 @@ def _h2o_update(scores, weights):
     return state.scores[0]
 
 
-@question(function="h2o_update", blocked=("kvlib.cache.evicting.H2O",))
+@question(function="h2o_update", blocked=EVICTION_API)
 def test_h2o_update(submission: Submission) -> None:
     h2o_update = submission.function("h2o_update")
-    g = torch.Generator().manual_seed(8)
+    g, drawn = torch.Generator().manual_seed(8), submission.rng()
+    h_kv, group = (int(n) for n in drawn.integers(1, 4, size=2))  # drawn per run
+    random_case = (h_kv * group, h_kv, *(int(n) for n in drawn.integers((0, 1), (12, 6))))
     for h, h_kv, s_old, t, what in (
         (2, 2, 5, 1, "one decode step, one query head per KV head"),
         (6, 2, 7, 1, "one decode step, groups of 3 (GQA)"),
         (4, 1, 3, 4, "a 4-token chunk, one KV head (MQA)"),
         (4, 2, 0, 5, "the first forward (no scores yet)"),
+        (
+            *random_case,
+            f"random: H={random_case[0]}, H_kv={random_case[1]}, S_old="
+            f"{random_case[2]}, T={random_case[3]}",
+        ),
     ):
         scores = torch.rand(h_kv, s_old, generator=g)
         logits = torch.randn(h, t, s_old + t, generator=g)
@@ -95,7 +102,10 @@ def test_h2o_update(submission: Submission) -> None:
             f"{what}: expected a tensor of shape {tuple(expected.shape)} (H_kv, S_old + T), got "
             f"{getattr(got, 'shape', type(got).__name__)}"
         )
-        assert torch.allclose(got.float(), expected, atol=1e-5), (
+        assert got.dtype == scores.dtype, (
+            f"{what}: expected the scores' dtype {scores.dtype}, got {got.dtype}"
+        )
+        assert torch.allclose(got, expected, atol=1e-5), (
             f"{what}: each token's old score (0 for the new tokens) plus the attention it "
             "received in this forward, summed over the T queries and the query heads of its KV "
             f"head's group; expected {expected.numpy().round(3).tolist()}, got "
@@ -113,7 +123,7 @@ def _snapkv_select(votes, budget, window, kernel_size):
     return ranked.sort(dim=-1).values
 
 
-@question(function="snapkv_select", blocked=("kvlib.cache.evicting.SnapKV",))
+@question(function="snapkv_select", blocked=EVICTION_API)
 def test_snapkv_select(submission: Submission) -> None:
     snapkv_select = submission.function("snapkv_select")
     g = torch.Generator().manual_seed(3)

@@ -4,17 +4,15 @@ plans (`kvlib.cache.compaction`, imported before the grader blocks them)."""
 
 from __future__ import annotations
 
-import random
-
 import torch
 
 from kvlib.cache.compaction import freeable_blocks, plan_hole_filling, plan_repack
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import COMPACTION_API, Submission, question
 
 
-def _patterns(seed: int):
-    """(live, block_size, what) cases: the chapter's toy, edge cases, random scatters."""
-    rng = random.Random(seed)
+def _patterns(rng):
+    """(live, block_size, what) cases: the chapter's toy, edge cases, random scatters drawn from
+    `rng` (a numpy Generator: per run, seeded from the answer's source)."""
     yield [t not in (2, 9, 13, 21) for t in range(24)], 4, "the chapter's toy (T2, T9, T13, T21)"
     yield [not 4 <= t < 12 for t in range(20)], 4, "two whole blocks evicted"
     yield [t >= 16 for t in range(22)], 8, "the first 16 evicted, a partly filled last block"
@@ -22,13 +20,15 @@ def _patterns(seed: int):
     yield [True] * 9, 4, "nothing evicted"
     yield [t % 10 == 0 for t in range(160)], 16, "every 10th token kept"
     for n in (17, 40, 63):
-        yield [rng.random() < 0.4 for _ in range(n)], rng.choice((2, 4, 8)), f"random, {n} slots"
+        keep = float(rng.uniform(0.1, 0.9))
+        live = [bool(x) for x in rng.random(n) < keep]
+        yield live, int(rng.choice((1, 2, 4, 8))), f"random, {n} slots"
 
 
-@question(function="blocks_freeable", blocked=("kvlib.cache.compaction.freeable_blocks",))
+@question(function="blocks_freeable", blocked=COMPACTION_API)
 def test_blocks_freeable(submission: Submission) -> None:
     blocks_freeable = submission.function("blocks_freeable")
-    for live, block_size, what in _patterns(9):
+    for live, block_size, what in _patterns(submission.rng()):
         expected = len(freeable_blocks(live, block_size))
         got = blocks_freeable(list(live), block_size)
         assert isinstance(got, int) and not isinstance(got, bool), (
@@ -42,10 +42,10 @@ def test_blocks_freeable(submission: Submission) -> None:
         )
 
 
-@question(function="repack", blocked=("kvlib.cache.compaction.plan_repack",))
+@question(function="repack", blocked=COMPACTION_API)
 def test_repack(submission: Submission) -> None:
     repack = submission.function("repack")
-    for live, _, what in _patterns(10):
+    for live, _, what in _patterns(submission.rng(1)):
         n = len(live)
         slots = torch.arange(n * 3, dtype=torch.float32).view(n, 3)  # row i: token i's K (say)
         original = slots.clone()
@@ -76,12 +76,10 @@ def _positions_after(positions):
     return moved[: sum(live)]
 
 
-@question(
-    function="positions_after_hole_filling", blocked=("kvlib.cache.compaction.plan_hole_filling",)
-)
+@question(function="positions_after_hole_filling", blocked=COMPACTION_API)
 def test_positions_after_hole_filling(submission: Submission) -> None:
     positions_after = submission.function("positions_after_hole_filling")
-    rng = random.Random(11)
+    rng = submission.rng()
     cases = [
         ([p if p not in (2, 9, 13, 21) else -1 for p in range(24)], "the chapter's toy"),
         ([0, 1, -1, -1, 4, 5, 6, -1, 8], "holes next to each other"),
@@ -90,8 +88,11 @@ def test_positions_after_hole_filling(submission: Submission) -> None:
         ([-1, -1, 5, 6], "holes only at the front"),
         ([0, 1, -1, -1], "holes only at the back"),
     ]
-    scattered = [p if rng.random() < 0.6 else -1 for p in range(40)]
-    cases.append((scattered, "random, 40 slots"))
+    for n in (int(rng.integers(1, 12)), 40):  # drawn per run (seeded from the answer's source)
+        scattered = [p if rng.random() < 0.6 else -1 for p in range(n)]
+        cases.append((scattered, f"random, {n} slots"))
+    scrambled = [int(p) for p in rng.permutation(30)]  # an earlier round left them out of order
+    cases.append(([p if rng.random() < 0.6 else -1 for p in scrambled], "random, scrambled"))
     for positions, what in cases:
         expected = _positions_after(positions)
         got = positions_after(list(positions))

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.course.grading import MEMORY_API, Submission, question
+from kvlib.course.grading import MEMORY_API, QUANT_API, Submission, question
 from kvlib.quant import QuantScheme, quantize, unpack_bits
 
 
-def _rows(seed: int) -> list[tuple[torch.Tensor, str]]:
+def _rows(seed: int, drawn) -> list[tuple[torch.Tensor, str]]:
+    """Fixed cases, and rows drawn from `drawn` (a numpy Generator seeded per run)."""
     g = torch.Generator().manual_seed(seed)
+    n, d = int(drawn.integers(1, 7)), 2 * int(drawn.integers(1, 17))
+    magnitude, offset = float(10 ** drawn.uniform(-2, 3)), float(drawn.normal() * 100)
+    random_rows = torch.from_numpy(drawn.normal(size=(n, d)) * magnitude + offset).float()
     outlier = torch.randn(6, 16, generator=g)
     outlier[:, 3] *= 40
     constant = torch.randn(4, 8, generator=g)
@@ -22,16 +26,17 @@ def _rows(seed: int) -> list[tuple[torch.Tensor, str]]:
         (torch.rand(3, 32, generator=g) + 2.0, "all-positive rows (min far from 0)"),
         (outlier, "rows with an outlier channel"),
         (constant, "rows whose max equals their min (all 0, all 1.5)"),
+        (random_rows, f"random ({n}, {d}) rows ~{magnitude:.3g} around {offset:.3g}"),
     ]
 
 
 @question(
     function="quantize_int4",
-    blocked=("kvlib.quant.quantize", "kvlib.quant.pack_bits"),
+    blocked=QUANT_API,
 )
 def test_quantize_int4(submission: Submission) -> None:
     quantize_int4 = submission.function("quantize_int4")
-    for x, what in _rows(10):
+    for x, what in _rows(10, submission.rng()):
         result = quantize_int4(x.clone())
         assert isinstance(result, tuple) and len(result) == 3, (
             f"quantize_int4 should return (packed, scale, zero), got {type(result).__name__}"
@@ -77,8 +82,13 @@ def test_quantize_int4(submission: Submission) -> None:
         )
 
 
-def _keys(seed: int) -> list[tuple[torch.Tensor, int, str]]:
+def _keys(seed: int, drawn) -> list[tuple[torch.Tensor, int, str]]:
+    """Fixed cases, and keys drawn from `drawn` (a numpy Generator seeded per run)."""
     g = torch.Generator().manual_seed(seed)
+    group, groups, channels = (int(n) for n in drawn.integers(1, (33, 5, 5)) * (1, 1, 4))
+    random_keys = drawn.normal(size=(group * groups, channels)) * 10 ** drawn.uniform(
+        -1, 2, channels
+    )
     keys = torch.randn(64, 16, generator=g)
     keys[:, 5] *= 30
     ramp = torch.arange(96, dtype=torch.float32)[:, None] * torch.ones(1, 4)
@@ -87,13 +97,14 @@ def _keys(seed: int) -> list[tuple[torch.Tensor, int, str]]:
         (keys, 32, "64 tokens, G = 32"),
         (ramp, 32, "a ramp: token t holds t in every channel, G = 32"),
         (torch.randn(16, 8, generator=g), 16, "one group"),
+        (torch.from_numpy(random_keys).float(), group, f"random: {groups} groups of G = {group}"),
     ]
 
 
-@question(function="kivi_key_scales", blocked=("kvlib.quant.quantize",))
+@question(function="kivi_key_scales", blocked=QUANT_API)
 def test_kivi_key_scales(submission: Submission) -> None:
     kivi_key_scales = submission.function("kivi_key_scales")
-    for keys, group, what in _keys(11):
+    for keys, group, what in _keys(11, submission.rng()):
         oracle = quantize(keys, QuantScheme("int2", False, "tokens", group, torch.float32))
         result = kivi_key_scales(keys.clone(), group)
         assert isinstance(result, tuple) and len(result) == 2, (
@@ -126,6 +137,12 @@ def test_bytes_per_token(submission: Submission) -> None:
         (4, 4, 32, 8, 32, 4, "the course model, 8 bits, fp32 scales"),
         (2, 1, 64, 2, 16, 2, "groups of 16"),
     ]
+    drawn = submission.rng()
+    for _ in range(3):  # drawn per run (seeded from the answer's source)
+        group = int(drawn.choice([16, 32, 64, 128]))
+        cases.append((int(drawn.integers(1, 100)), int(drawn.integers(1, 17)),
+                      group * int(drawn.integers(1, 3)), int(drawn.choice([2, 4, 8])), group,
+                      int(drawn.choice([2, 4])), "random"))  # fmt: skip
     for layers, heads, head_dim, bits, group, scale_bytes, what in cases:
         dtype = {2: torch.float16, 4: torch.float32}[scale_bytes]
         key = QuantScheme(f"int{bits}", False, "tokens", group, dtype)

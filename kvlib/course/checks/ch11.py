@@ -15,21 +15,25 @@ try:
 except ImportError:  # macOS, native Windows: `check()` imports every chapter's questions
     triton = None  # so that chapters 1-10 and 12 grade without Triton; chapter 11's fail
 
-from kvlib.course.grading import Remote, Submission, question
+from kvlib.course.grading import PAGING_API, Remote, Submission, question
 from kvlib.ref.attention import attention
 from kvlib.ref.online_softmax import merge_partials
 from kvlib.testing import assert_close
 
 
-@question(function="physical_slots")
+@question(function="physical_slots", blocked=PAGING_API)
 def test_physical_slots(submission: Submission) -> None:
     physical_slots = submission.function("physical_slots")
-    for table, seq_len, block_size in [
-        ([3, 0, 7], 40, 16),
-        ([5], 1, 16),
-        ([2, 9, 4, 1], 128, 32),
-        ([6, 2], 17, 16),
-    ]:
+    drawn = submission.rng()
+    cases = [([3, 0, 7], 40, 16), ([5], 1, 16), ([2, 9, 4, 1], 128, 32), ([6, 2], 17, 16)]
+    for _ in range(2):  # drawn per run (seeded from the answer's source)
+        block_size = int(drawn.choice([1, 4, 16, 32]))
+        table = [int(b) for b in drawn.permutation(64)[: int(drawn.integers(1, 9))]]
+        seq_len = int(
+            drawn.integers((len(table) - 1) * block_size + 1, len(table) * block_size + 1)
+        )
+        cases.append((table, seq_len, block_size))
+    for table, seq_len, block_size in cases:
         block_table = torch.tensor(table, dtype=torch.int32)
         expected = [table[t // block_size] * block_size + t % block_size for t in range(seq_len)]
         got = physical_slots(block_table.clone(), seq_len, block_size)
@@ -78,8 +82,10 @@ def launch_reduce(kernel, partial_out: torch.Tensor, partial_lse: torch.Tensor) 
 @question(function="reduce_kernel")
 def test_reduce_kernel(submission: Submission) -> None:
     kernel = submission.function("reduce_kernel")
-    rng = np.random.default_rng(11)
-    for rows, num_splits, shift in [(3, 4, 0.0), (2, 5, 1000.0), (4, 1, 0.0)]:
+    rng, drawn = np.random.default_rng(11), submission.rng()
+    cases = [(3, 4, 0.0), (2, 5, 1000.0), (4, 1, 0.0)]
+    cases.append((*(int(n) for n in drawn.integers(1, (5, 9))), float(drawn.normal() * 300)))
+    for rows, num_splits, shift in cases:  # the last one drawn per run
         partial_out = rng.normal(size=(rows, num_splits, 16)).astype(np.float32)
         partial_lse = (rng.normal(size=(rows, num_splits)) * 3 + shift).astype(np.float32)
         if num_splits > 1:
@@ -88,14 +94,14 @@ def test_reduce_kernel(submission: Submission) -> None:
         expected, _ = merge_partials(list(partial_out.transpose(1, 0, 2)), list(partial_lse.T))
         got = launch_reduce(kernel, torch.from_numpy(partial_out), torch.from_numpy(partial_lse))
         assert torch.isfinite(got).all(), (
-            f"with {num_splits} splits and lse around {shift:g} (one split empty, lse = -inf) your "
-            "output has non-finite values: "
+            f"with {num_splits} splits and lse around {shift:.4g} (one split empty, lse = -inf) "
+            "your output has non-finite values: "
             "weight each split by exp(lse - max lse)"
         )
         assert_close(
             got,
             expected,
-            name=f"reduce of {num_splits} splits (lse around {shift:g})",
+            name=f"reduce of {num_splits} splits over {rows} rows (lse around {shift:.4g})",
             rtol=1e-4,
             atol=1e-5,
         )
@@ -113,7 +119,7 @@ def launch_masked_decode(kernel, q, k_buffer, v_buffer, seq_len, block_n=16):
 def test_masked_decode_kernel(submission: Submission) -> None:
     kernel = submission.function("masked_decode_kernel")
     rng = np.random.default_rng(12)
-    for seq_len in (1, 5, 16, 37):
+    for seq_len in (1, 5, 16, 37, int(submission.rng().integers(1, 49))):  # the last drawn per run
         q, keys, values = (
             rng.normal(size=32),
             rng.normal(size=(seq_len, 32)),

@@ -6,9 +6,9 @@ BlockManager, imported before the grader blocks it)."""
 from __future__ import annotations
 
 from kvlib.course.checks.ch07 import cached_prefix_tokens, chained_block_hashes
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import PAGING_API, SCHEDULER_API, Submission, question
 
-_BLOCKED = ("kvlib.engine.scheduler.Scheduler",)
+_BLOCKED = SCHEDULER_API
 
 
 def _schedule_step(running, waiting, token_budget, max_num_seqs):
@@ -44,7 +44,19 @@ _STEP_CASES = [
 @question(function="schedule_step", blocked=_BLOCKED)
 def test_schedule_step(submission: Submission) -> None:
     schedule_step = submission.function("schedule_step")
-    for running, waiting, budget, max_seqs, what in _STEP_CASES:
+    drawn, cases = submission.rng(), list(_STEP_CASES)
+    for _ in range(4):  # drawn per run (seeded from the answer's source)
+        names = [f"r{i}" for i in range(12)]
+        num_running, num_waiting = (int(n) for n in drawn.integers(0, 6, size=2))
+        lefts = [int(n) if drawn.random() < 0.5 else 1 for n in drawn.integers(1, 40, size=12)]
+        running = list(zip(names[:num_running], lefts[:num_running]))
+        waiting = list(zip(names[6 : 6 + num_waiting], lefts[6 : 6 + num_waiting]))
+        budget = int(drawn.integers(1, 64))
+        if drawn.random() < 0.3:  # exactly the tokens asked for: a budget met, not exceeded
+            budget = max(1, sum(left for _, left in running + waiting))
+        max_seqs = int(drawn.integers(max(1, num_running), 10))
+        cases.append((running, waiting, budget, max_seqs, "random requests"))
+    for running, waiting, budget, max_seqs, what in cases:
         expected = _schedule_step(running, waiting, budget, max_seqs)
         got = schedule_step(list(running), list(waiting), budget, max_seqs)
         assert isinstance(got, list) and all(isinstance(p, tuple) and len(p) == 2 for p in got), (
@@ -83,7 +95,13 @@ _VICTIM_CASES = [
 @question(function="preemption_victims", blocked=_BLOCKED)
 def test_preemption_victims(submission: Submission) -> None:
     preemption_victims = submission.function("preemption_victims")
-    for running, index, needed, free, held, what in _VICTIM_CASES:
+    drawn, cases = submission.rng(), list(_VICTIM_CASES)
+    for _ in range(4):  # drawn per run (seeded from the answer's source)
+        running = [f"r{i}" for i in range(int(drawn.integers(1, 8)))]
+        held = {name: int(drawn.integers(0, 5)) for name in running}
+        index = int(drawn.integers(0, len(running)))
+        cases.append((running, index, *(int(n) for n in drawn.integers(0, (8, 4))), held, "random"))
+    for running, index, needed, free, held, what in cases:
         expected = _victims(running, index, needed, free, held)
         got = preemption_victims(list(running), index, needed, free, dict(held))
         assert isinstance(got, list), f"preemption_victims should return a list, got {got!r}"
@@ -103,7 +121,7 @@ def _first_step(token_ids, cached, block_size, token_budget):
 
 @question(
     function="first_step",
-    blocked=("kvlib.cache.block_pool.BlockManager", *_BLOCKED),
+    blocked=(*PAGING_API, *_BLOCKED),
 )
 def test_first_step(submission: Submission) -> None:
     first_step = submission.function("first_step")
@@ -117,15 +135,25 @@ def test_first_step(submission: Submission) -> None:
         ([3, 1, 4], 2, "no hit, budget smaller than the prompt"),
         (system[:8] + [6], 1, "a budget of one token"),
     ]
-    for tokens, budget, what in cases:
-        expected = _first_step(tokens, cached, 4, budget)
-        got = first_step(list(tokens), set(cached), 4, budget)
+    cases = [(tokens, cached, 4, budget, what) for tokens, budget, what in cases]
+    drawn = submission.rng()
+    for _ in range(3):  # drawn per run: an earlier prompt cached, a new one sharing a prefix
+        block_size = int(drawn.choice([1, 2, 3, 4]))
+        earlier = [int(t) for t in drawn.integers(0, 3, size=int(drawn.integers(0, 20)))]
+        shared = earlier[: int(drawn.integers(0, len(earlier) + 1))]
+        tokens = shared + [int(t) for t in drawn.integers(0, 3, size=int(drawn.integers(0, 9)))]
+        cached_hashes = set(chained_block_hashes(earlier, block_size))
+        budget = int(drawn.integers(1, 24))
+        cases.append((tokens or [1], cached_hashes, block_size, budget, f"random {tokens or [1]}"))
+    for tokens, cached, block_size, budget, what in cases:
+        expected = _first_step(tokens, cached, block_size, budget)
+        got = first_step(list(tokens), set(cached), block_size, budget)
         assert isinstance(got, tuple) and len(got) == 3, (
             f"first_step should return (num_cached_tokens, num_new_tokens, num_new_blocks), got "
             f"{got!r}"
         )
         assert tuple(got) == expected, (
-            f"{what} ({len(tokens)} tokens, block size 4, budget {budget}): expected "
+            f"{what} ({len(tokens)} tokens, block size {block_size}, budget {budget}): expected "
             f"(cached, new, blocks) = {expected}: cached = whole blocks found by chained hashes, "
             f"stopping at the first miss and leaving at least the last token to compute; new = "
             f"min(tokens left, budget); blocks = those the cached + new tokens need beyond the "

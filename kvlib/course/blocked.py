@@ -1,0 +1,90 @@
+"""What each graded question blocks: everything in kvlib that computes the asked-for result (the
+function the question names and its "twins"), one tuple per family. A question lists one or more
+of them in `@question(blocked=...)`; `kvlib.course.guards` makes them unavailable to the learner's
+code while it is graded. Library code calling them is never blocked.
+"""
+
+# Everything in kvlib that computes a cache's bytes: a question about bytes blocks all of it (a
+# "twin" such as cache_report(...).total_bytes would answer kv_cache_bytes's question).
+MEMORY_API = (
+    "kvlib.memory.formula.dense_kv_cache_bytes",
+    "kvlib.memory.formula.kv_elements_per_token",
+    "kvlib.memory.kv_bytes_per_token",
+    "kvlib.memory.kv_cache_bytes",
+    "kvlib.memory.cache_report",
+    "kvlib.memory.layer_specs",
+    "kvlib.memory.memory_budget",
+    "kvlib.memory.max_concurrent_sequences",
+    "kvlib.memory.equation.quantized_kv_cache_bytes",
+    "kvlib.quant.QuantScheme.bytes_per_vector",
+    "kvlib.quant.QuantScheme.scales_per_vector",
+    "kvlib.quant.QuantizedTensor.nbytes",
+    "kvlib.cache.quantized.QuantizedCache",  # holds one token, reports its nbytes
+    "kvlib.cache.quantized.QuantizedPagedCache",
+)
+# Everything in kvlib that computes rotary embeddings
+ROPE_API = (
+    "kvlib.model.apply_rope",
+    "kvlib.model.rope_cos_sin",
+    "kvlib.model.rope_inverse_frequencies",
+    "kvlib.model.rotate_half",
+)
+# Everything in kvlib that computes attention (torch's SDPA is detected separately)
+ATTENTION_API = (
+    "kvlib.ops.attention.grouped_attention",
+    "kvlib.ops.attention.reference_attention",
+    "kvlib.ops.attention.sdpa_attention",
+    "kvlib.cache.paged.paged_attention",
+    "kvlib.kernels.paged_decode_attention",
+    "kvlib.kernels.paged_decode_attention_ref",
+    "kvlib.ref.attention.attention",
+    "kvlib.ref.attention.softmax",
+)
+
+
+# Everything in kvlib that maps a token to its pool slot through a block table
+PAGING_API = (
+    "kvlib.cache.paged.read_slots",
+    "kvlib.cache.paged.gather_kv",
+    "kvlib.cache.paged.PagedCache",
+    "kvlib.cache.block_pool.BlockManager",
+)
+# Everything in kvlib that decides which tokens an eviction policy keeps, or scores them: the
+# policies, the caches and the engine's block-level window that run them
+EVICTION_API = (
+    "kvlib.cache.evicting.EvictionPolicy",
+    "kvlib.cache.evicting.StreamingLLM",
+    "kvlib.cache.evicting.H2O",
+    "kvlib.cache.evicting.TOVA",
+    "kvlib.cache.evicting.SnapKV",
+    "kvlib.cache.evicting.RandomEviction",
+    "kvlib.cache.evicting.EvictingCache",
+    "kvlib.cache.evicting._most_recent",
+    "kvlib.cache.evicting.token_scores_from_lse",
+    "kvlib.cache.compaction.CompactingPagedCache",
+    "kvlib.engine.scheduler.StreamingEviction",
+)
+# Everything in kvlib that plans or performs a compaction pass, or frees emptied blocks
+COMPACTION_API = (
+    "kvlib.cache.compaction.freeable_blocks",
+    "kvlib.cache.compaction.plan_repack",
+    "kvlib.cache.compaction.plan_hole_filling",
+    "kvlib.cache.compaction.SlotMap",
+    "kvlib.cache.compaction.CompactingPagedCache",
+    "kvlib.cache.block_pool.BlockManager",  # drop_blocks, move_slots
+)
+# Everything in kvlib that quantizes (computes scales, zero points, codes or packed bytes)
+QUANT_API = (
+    "kvlib.quant.quantize",
+    "kvlib.quant.pack_bits",
+    "kvlib.quant._grouped",
+    "kvlib.quant.cat_quantized",
+    "kvlib.cache.quantized.QuantizedCache",
+    "kvlib.cache.quantized.QuantizedPagedCache",
+)
+# Everything in kvlib that schedules requests (the scheduler and the engines that drive it)
+SCHEDULER_API = (
+    "kvlib.engine.scheduler.Scheduler",
+    "kvlib.engine.llm_engine.LLMEngine",
+    "kvlib.engine.workload.run_workload",
+)

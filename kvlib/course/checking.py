@@ -1,0 +1,259 @@
+"""The exercise notebook's side of grading: `check("question_id", function)` and `show(function,
+...)`.
+
+check() starts a grader subprocess (`python -m kvlib.course.checking --peer`, one per notebook
+kernel), which holds the test, the expected values and the verdict, and runs the question with the
+same `run_question` as the grader; this process serves its requests (`kvlib.course.sandbox`), so
+the learner's function runs here, with the same kvlib functions unavailable. A ✅ here is a pass
+in the grader.
+
+check() has the grader's deadline (60 s by default): past it, the cell stops the function (an
+alarm raises `CheckTimeout`, a BaseException, in the main thread, again every half second while
+the function catches it) and prints the grader's timeout message. Where no alarm is available
+(Windows, or check() called outside the main thread) the function runs until it returns or is
+interrupted; the grader still times it out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvlib.course.grader import child_env
+from kvlib.course.grading import (
+    _QUESTIONS,
+    ENV_GRADING,
+    MESSAGE_CHARS,
+    ProcessEnded,
+    Question,
+    QuestionTimeout,
+    chapter_questions,
+    run_question,
+)
+
+
+class _OnlyFunction(dict):
+    """check()'s namespace: the one function, under whatever name the question asks for."""
+
+    def __init__(self, function):
+        super().__init__()
+        self._function = function
+
+    def get(self, name, default=None):
+        return self._function
+
+
+def check(question_id: str, function: Callable, *, timeout_s: float = 60.0) -> bool | None:
+    """Run question `question_id`'s test on `function` now and print the verdict.
+
+    The grader's own machinery: a grader subprocess holds the test, the expected values and the
+    verdict, and sends the test's inputs here, where `function` runs (with the same kvlib
+    functions unavailable); so a ✅ here is a pass there. Past `timeout_s` (the grader's deadline
+    per question) the function is stopped and the check fails with the grader's message.
+
+    Returns True/False (passed or not), or None while the grader executes the notebook (it grades
+    every question itself, in isolation).
+    """
+    if os.environ.get(ENV_GRADING) == "1":
+        return None
+    from kvlib.course.sandbox import CheckTimeout, serve
+    from kvlib.course.wire import Channel, ChannelClosed
+
+    global _CHECKER
+    if _CHECKER is None or _CHECKER[0].poll() is not None:
+        # one grader subprocess serves this notebook's checks (its imports are paid once)
+        to_grader_r, to_grader_w = os.pipe()
+        to_learner_r, to_learner_w = os.pipe()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvlib.course.checking", "--peer", str(to_grader_r),
+             str(to_learner_w)],
+            pass_fds=(to_grader_r, to_learner_w),
+            env=child_env(),
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        os.close(to_grader_r)
+        os.close(to_learner_w)
+        _CHECKER = (process, Channel(to_learner_r, to_grader_w, trusted=True))
+    process, channel = _CHECKER
+    try:
+        with _deadline(timeout_s, CheckTimeout):
+            channel.send(("question", question_id, float(timeout_s)))
+            verdict = serve(channel, _OnlyFunction(function), until="verdict")
+    except CheckTimeout:  # the grader is out of step: the next check starts a fresh one
+        _stop_checker()
+        message = f"timed out after {timeout_s:g} s (an infinite loop, or far too slow)"
+        verdict = ("verdict", False, message, 0)
+    except ChannelClosed:
+        _stop_checker()
+        verdict = ("verdict", False, "the grader ended unexpectedly", 0)
+    except BaseException:  # an interrupt mid-question: the next check starts a fresh grader
+        _stop_checker()
+        raise
+    _, passed, message, points = verdict
+    if passed is None:
+        raise ValueError(message)
+    if passed:
+        print(f"✅ {question_id}: passed ({points} point{'s' if points != 1 else ''})")
+        return True
+    print(f"❌ {question_id}: {message}")
+    return False
+
+
+@contextlib.contextmanager
+def _deadline(timeout_s: float, error: type):
+    """Raise `error` in this thread once `timeout_s` have passed, and every 0.5 s after while the
+    block still runs (learner code that catches it once does not keep it). Only in the main
+    thread of a POSIX process (SIGALRM); elsewhere the block runs without a deadline."""
+    if not (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()):
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise error(f"check() ran past {timeout_s:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, max(timeout_s, 1e-3), 0.5)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+_CHECKER = None  # check()'s grader subprocess and its channel
+
+
+def _stop_checker() -> None:
+    global _CHECKER
+    if _CHECKER is not None:
+        process, channel = _CHECKER
+        _CHECKER = None
+        for fd in (channel.read_fd, channel.write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(Exception):
+            process.kill()
+            process.wait()
+
+
+class _PeerSide:
+    """The learner's side as seen by check()'s grader subprocess: the notebook process."""
+
+    def __init__(self, channel, deadline: float):
+        self.channel, self.deadline = channel, deadline
+
+    def request(self, message):
+        from kvlib.course.wire import ChannelClosed, ChannelTimeout
+
+        self.channel.send(message)
+        try:
+            return self.channel.recv(max(0.0, self.deadline - time.monotonic()))
+        except ChannelTimeout:
+            raise QuestionTimeout(
+                f"timed out after {self.timeout_s:g} s (an infinite loop, or far too slow)"
+            ) from None
+        except ChannelClosed:
+            raise ProcessEnded("the notebook's process ended") from None
+
+
+def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
+    """check()'s grader subprocess: for each question the notebook asks for, run its test against
+    the notebook and send the verdict; ends when the notebook goes, or after a timeout (the
+    notebook's side is then out of step)."""
+    from kvlib.course.wire import Channel, ChannelClosed
+
+    channel = Channel(read_fd, write_fd, trusted=False)
+    while True:
+        try:
+            request = channel.recv()
+        except ChannelClosed:
+            return
+        if not (isinstance(request, tuple) and len(request) in (2, 3) and request[0] == "question"):
+            return
+        if len(request) == 3 and isinstance(request[2], float) and request[2] > 0:
+            timeout_s = request[2] + 5.0  # the notebook's own deadline comes first
+        try:
+            q = _find_question(str(request[1]))
+        except ValueError as exc:
+            channel.send(("verdict", None, str(exc), 0))
+            continue
+        side = _PeerSide(channel, time.monotonic() + timeout_s)
+        side.timeout_s = timeout_s
+        try:
+            passed, message = run_question(q, side, [])
+        except (QuestionTimeout, ProcessEnded) as exc:
+            with contextlib.suppress(Exception):
+                channel.send(("verdict", False, str(exc), q.points))
+            return
+        channel.send(("verdict", passed, message, q.points))
+
+
+def _find_question(question_id: str) -> Question:
+    files = sorted(Path(__file__).with_name("checks").glob("ch[0-9]*.py"))
+    # import only the chapter that defines it (each chapter's imports cost seconds)
+    owners = [p for p in files if f"def test_{question_id}(" in p.read_text(encoding="utf-8")]
+    for path in owners or files:
+        chapter_questions(path.stem.removeprefix("ch"))
+    if question_id not in _QUESTIONS:
+        raise ValueError(
+            f"question_id: unknown question {question_id!r}; known: {sorted(_QUESTIONS)}"
+        )
+    return _QUESTIONS[question_id]
+
+
+def show(function: Callable, *args, **kwargs) -> None:
+    """Call the learner's `function` on an example and print what it returned (or raised).
+
+    The line under each exercise definition: immediate sight of what the code does, before the
+    check judges it. Silent while the grader executes the notebook.
+    """
+    if os.environ.get(ENV_GRADING) == "1":
+        return
+    name = getattr(function, "__name__", None) or getattr(
+        getattr(function, "fn", None), "__name__", repr(function)
+    )
+    try:
+        result = function(*args, **kwargs)
+    except Exception as exc:  # the learner's code may raise anything
+        text = f"{type(exc).__name__}: {exc}"
+        print(
+            f"{name}: not written yet"
+            if "NotImplementedError" in text
+            else f"{name} raised {text[:MESSAGE_CHARS]}"
+        )
+        return
+    print(f"{name} returned {_short(result)}")
+
+
+def _short(value) -> str:
+    """A compact, deterministic rendering of arrays, tensors, tuples and lists."""
+    import numpy as np
+
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_short(v) for v in value)
+        return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        return f"array of shape {value.shape}: " + np.array2string(
+            value, precision=4, suppress_small=True, threshold=12, max_line_width=100
+        )
+    return repr(value)
+
+
+if __name__ == "__main__" and len(sys.argv) >= 4 and sys.argv[1] == "--peer":
+    # check()'s grader: run as the imported module (one registry of questions, in
+    # kvlib.course.grading, whatever imports it)
+    from kvlib.course import checking as _checking
+
+    # an interrupted or shut-down notebook kernel signals its whole process group: this process
+    # then ends as it would when the notebook goes, without a traceback on the notebook's stderr
+    with contextlib.suppress(KeyboardInterrupt):
+        _checking._peer_main(int(sys.argv[2]), int(sys.argv[3]))
