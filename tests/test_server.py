@@ -196,6 +196,23 @@ def test_fork_matches_independent_requests(model, prompt_len):
     assert [outputs[i] for i in "abc"] == [list(o.output_token_ids) for o in alone]
 
 
+def test_parallel_requests_with_a_one_token_prompt_are_not_forked(model):
+    """A one-token prompt has nothing computed to share: its choices run as separate requests
+    (a fork would keep 0 prompt tokens), with the tokens they give alone."""
+    prompt = CourseTokenizer().encode(PROMPT)[:1]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=6) for s in (3, 4)]
+    engine = LLMEngine(model, **ENGINE)
+    engine.add_parallel_requests(["a", "b"], prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine.manager.check_invariants()
+    assert engine.manager.pool.num_free_blocks == ENGINE["num_blocks"]
+    alone = LLMEngine(model, **ENGINE).generate([prompt] * 2, params, use_tqdm=False)
+    assert [outputs[i] for i in "ab"] == [list(o.output_token_ids) for o in alone]
+
+
 # --- the API with the openai client --------------------------------------------------------------
 
 

@@ -404,7 +404,12 @@ class LLMEngine:
                     arrival_time=parent.arrival_time,
                 )
             )
-        forkable = self.config.policy == "continuous" and self.config.eviction is None
+        # A one-token prompt has no computed prompt to share (the child would keep 0 tokens).
+        forkable = (
+            self.config.policy == "continuous"
+            and self.config.eviction is None
+            and len(parent.prompt_token_ids) > 1
+        )
         if forkable:
             self._pending_forks[parent.request_id] = children
         else:
