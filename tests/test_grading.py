@@ -1599,6 +1599,168 @@ def slo_goodput(requests, ttft_slo_s, tpot_slo_s):  # worst gap as TPOT
 """,
         "uneven gaps: TPOT is their mean",
     ),
+    (
+        "14_offload.ipynb",
+        "salted_block_keys",
+        """
+def salted_block_keys(salt, token_ids, block_size):  # unsalted: the chained hash alone
+    keys, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+        keys.append(parent)
+    return keys
+""",
+        "sha256(salt + the block's chained hash)",
+    ),
+    (
+        "14_offload.ipynb",
+        "salted_block_keys",
+        """
+def salted_block_keys(salt, token_ids, block_size):  # only the first block salted
+    keys, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+        keys.append(hashlib.sha256(salt + parent).digest() if i == 0 else parent)
+    return keys
+""",
+        "key 1 differs",
+    ),
+    (
+        "14_offload.ipynb",
+        "salted_block_keys",
+        """
+def salted_block_keys(salt, token_ids, block_size):  # consumes the caller's list
+    keys, parent = [], None
+    while len(token_ids) >= block_size:
+        parent = hash_block_tokens(parent, token_ids[:block_size])
+        del token_ids[:block_size]
+        keys.append(hashlib.sha256(salt + parent).digest())
+    return keys
+""",
+        "in place",
+    ),
+    (
+        "14_offload.ipynb",
+        "two_tier_lru",
+        """
+def two_tier_lru(host_blocks, disk_blocks, operations):  # a host hit does not refresh LRU
+    host, disk, found = [], [], []
+    for op, key in operations:
+        where = "host" if key in host else "disk" if key in disk else None
+        if op == "get":
+            found.append(where)
+        if where == "host" and op == "get":
+            continue
+        if where is not None:
+            (host if where == "host" else disk).remove(key)
+        if op == "put" or where is not None:
+            host.append(key)
+            if len(host) > host_blocks:
+                disk.append(host.pop(0))
+                if len(disk) > disk_blocks:
+                    disk.pop(0)
+    return found, host, disk
+""",
+        "a host hit makes the block the newest",
+    ),
+    (
+        "14_offload.ipynb",
+        "two_tier_lru",
+        """
+def two_tier_lru(host_blocks, disk_blocks, operations):  # a put of a host key is ignored
+    host, disk, found = [], [], []
+    for op, key in operations:
+        where = "host" if key in host else "disk" if key in disk else None
+        if op == "get":
+            found.append(where)
+        if where == "host" and op == "put":
+            continue
+        if where is not None:
+            (host if where == "host" else disk).remove(key)
+        if op == "put" or where is not None:
+            host.append(key)
+            if len(host) > host_blocks:
+                disk.append(host.pop(0))
+                if len(disk) > disk_blocks:
+                    disk.pop(0)
+    return found, host, disk
+""",
+        "a put of a host key refreshes it",
+    ),
+    (
+        "14_offload.ipynb",
+        "two_tier_lru",
+        """
+def two_tier_lru(host_blocks, disk_blocks, operations):  # promoted before leaving the disk
+    host, disk, found = [], [], []
+    for op, key in operations:
+        where = "host" if key in host else "disk" if key in disk else None
+        if op == "get":
+            found.append(where)
+        if where == "host":
+            host.remove(key)
+        if op == "put" or where is not None:
+            host.append(key)
+            if len(host) > host_blocks:
+                disk.append(host.pop(0))
+                if len(disk) > disk_blocks:
+                    disk.pop(0)
+        if where == "disk" and key in disk:
+            disk.remove(key)
+    return found, host, disk
+""",
+        "hits in each tier",
+    ),
+    (
+        "14_offload.ipynb",
+        "two_tier_lru",
+        """
+def two_tier_lru(host_blocks, disk_blocks, operations):  # host's newest demoted, not its oldest
+    host, disk, found = [], [], []
+    for op, key in operations:
+        where = "host" if key in host else "disk" if key in disk else None
+        if where is not None:
+            (host if where == "host" else disk).remove(key)
+        if op == "put" or where is not None:
+            if len(host) >= host_blocks:
+                disk.append(host.pop())
+                if len(disk) > disk_blocks:
+                    disk.pop(0)
+            host.append(key)
+        if op == "get":
+            found.append(where)
+    return found, host, disk
+""",
+        "the oldest fall to disk",
+    ),
+    (
+        "14_offload.ipynb",
+        "break_even_gbps",
+        """
+def break_even_gbps(config, num_tokens, flops_per_s):  # head_dim taken as hidden / heads
+    L, d, I = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
+    H, H_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    D, n = d // H, num_tokens
+    flops = 2 * n * L * (d * H * D + 2 * d * H_kv * D + H * D * d + 3 * d * I)
+    flops += 2 * L * H * D * n * (n + 1)
+    return 2 * L * H_kv * D * 2 * n * flops_per_s / flops / 1e9
+""",
+        "head_dim (256) is not hidden_size / heads",
+    ),
+    (
+        "14_offload.ipynb",
+        "break_even_gbps",
+        """
+def break_even_gbps(config, num_tokens, flops_per_s):  # GiB/s, not GB/s
+    L, d, I = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
+    H, H_kv, D = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    n = num_tokens
+    flops = 2 * n * L * (d * H * D + 2 * d * H_kv * D + H * D * d + 3 * d * I)
+    flops += 2 * L * H * D * n * (n + 1)
+    return 2 * L * H_kv * D * 2 * n * flops_per_s / flops / 2**30
+""",
+        "GB/s = 1e9 bytes/s",
+    ),
 ]
 
 
@@ -1963,6 +2125,26 @@ BLOCKED_ANSWERS = [
         "    deltas = [detok.push(table.index(t)) for t in token_bytes]\n"
         "    deltas[-1] += detok.flush()\n"
         "    return deltas\n",
+        "unavailable",
+    ),
+    (
+        "14_offload.ipynb",
+        "two_tier_lru",
+        "import torch\n"
+        "from kvlib.offload.store import MemoryTier\n\n"
+        "def two_tier_lru(host_blocks, disk_blocks, operations):  # kvlib's tier as the LRU\n"
+        "    host = MemoryTier('host', 4 * host_blocks, 1.0)\n"
+        "    host.put(b'A', {'x': torch.zeros(1)})\n"
+        "    return [], [k.decode() for k in host.keys()], []\n",
+        "unavailable",
+    ),
+    (
+        "14_offload.ipynb",
+        "break_even_gbps",
+        "from kvlib.memory import kv_bytes_per_token\n\n"
+        "def break_even_gbps(config, num_tokens, flops_per_s):  # chapter 3's function for bytes\n"
+        "    c = dict(config, model_type='llama', torch_dtype='bfloat16')\n"
+        "    return kv_bytes_per_token(c) * num_tokens * flops_per_s / 1e9\n",
         "unavailable",
     ),
 ]

@@ -303,6 +303,8 @@ def test_tiers_change_no_token(course, references, tmp_path, name):
         engine.manager.check_invariants()
     assert engine.num_demoted > 0 and sum(engine.manager.promoted.values()) > 0
     assert engine.manager.transfer_s > 0
+    if name.startswith("preemption"):  # the case tests what its name says
+        assert sum(s.num_preemptions for s in engine.stats) > 0
     assert engine.storage.num_blocks_in_use == 0
 
 

@@ -11,7 +11,7 @@ import math
 import torch
 
 from kvlib.cache.block_pool import hash_block_tokens
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import MEMORY_API, Submission, question
 from kvlib.offload.breakeven import break_even_bandwidth
 from kvlib.offload.store import MemoryTier, TieredStore
 
@@ -87,16 +87,21 @@ def _lru(host_blocks, disk_blocks, operations):
 
 @question(
     function="two_tier_lru",
-    blocked=("kvlib.offload.store.TieredStore", "kvlib.offload.engine.OffloadEngine"),
+    blocked=(
+        "kvlib.offload.store.TieredStore",
+        "kvlib.offload.store.MemoryTier",
+        "kvlib.offload.disk.DiskTier",
+        "kvlib.offload.engine.OffloadEngine",
+    ),
 )
 def test_two_tier_lru(submission: Submission) -> None:
     two_tier_lru = submission.function("two_tier_lru")
     rng = submission.rng()
     random_cases = []
-    for _ in range(3):
+    for _ in range(6):
         ops = [
-            (str(rng.choice(["put", "put", "get"])), str(rng.choice(list("ABCDEFG"))))
-            for _ in range(int(rng.integers(5, 25)))
+            (str(rng.choice(["put", "get"])), str(rng.choice(list("ABCDEF"))))
+            for _ in range(int(rng.integers(10, 30)))
         ]
         random_cases.append((int(rng.integers(1, 4)), int(rng.integers(1, 5)), ops))
     puts = [("put", k) for k in "ABCDE"]
@@ -105,6 +110,9 @@ def test_two_tier_lru(submission: Submission) -> None:
         (2, 3, puts + [("get", "B"), ("get", "A"), ("get", "E")], "hits in each tier, a miss"),
         (1, 2, [("put", "A"), ("put", "B"), ("put", "A"), ("get", "B")], "a put of a disk key"),
         (2, 2, puts[:3] + [("get", "A"), ("put", "D")], "a promoted block is the newest"),
+        (2, 2, puts[:2] + [("get", "A"), ("put", "C")], "a host hit makes the block the newest"),
+        (2, 2, puts[:2] + [("put", "A"), ("put", "C")], "a put of a host key refreshes it"),
+        (1, 2, puts[:3] + [("get", "B")], "a promotion into full tiers"),
         *((h, d, ops, "a random case") for h, d, ops in random_cases),
     ):
         expected = _lru(host, disk, operations)
@@ -157,6 +165,17 @@ _CONFIGS = [
         ),
         "the course model (MHA)",
     ),
+    (
+        dict(
+            num_hidden_layers=26,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+        ),
+        "a config whose head_dim (256) is not hidden_size / heads (288)",
+    ),
 ]
 
 
@@ -166,6 +185,7 @@ _CONFIGS = [
         "kvlib.offload.breakeven.break_even_bandwidth",
         "kvlib.offload.breakeven.prefill_flops",
         "kvlib.offload.breakeven.kv_transfer_bytes",
+        *MEMORY_API,
     ),
 )
 def test_break_even_gbps(submission: Submission) -> None:
@@ -176,11 +196,11 @@ def test_break_even_gbps(submission: Submission) -> None:
         heads = int(rng.choice([4, 8, 16]))
         config = dict(
             num_hidden_layers=int(rng.integers(2, 40)),
-            hidden_size=heads * 64,
+            hidden_size=int(rng.integers(2, 17)) * 128,  # head_dim need not be hidden / heads
             intermediate_size=int(rng.integers(1, 8)) * 512,
             num_attention_heads=heads,
             num_key_value_heads=int(rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0])),
-            head_dim=64,
+            head_dim=int(rng.choice([48, 80, 256])),
         )
         flops = float(rng.choice([100e12, 400e12, 1000e12]))
         cases.append((config, int(rng.integers(1, 20_000)), flops, "a random config"))
