@@ -238,3 +238,35 @@ def test_engine_cuda_graphs_capture_replay_and_match_eager(models):
         runner = engine.runner.graph_runner
         assert runner.capture and len(runner.graphs) >= 2, runner.steps_by_bucket
         assert engine.runner._use_varlen()
+
+
+def test_an_engine_decode_step_waits_for_the_gpu_once(models):
+    """After warm-up (kernels compiled, graphs captured), a decode step of the kernel + varlen
+    engine, eager or replayed from a CUDA graph, syncs once: `to_host`'s transfer (CUDA's sync
+    debug mode warns on every synchronizing call, blocking host-to-device copies included)."""
+    import warnings
+
+    from kvlib.engine.runner import ModelRunner
+
+    if DEVICE != "cuda":
+        pytest.skip("sync debug mode needs CUDA")
+    _, gpu = models
+    for graphs in (False, True):
+        engine = LLMEngine(gpu, num_blocks=40)
+        engine.runner = ModelRunner(gpu, engine.storage, engine.manager, cuda_graphs=graphs)
+        for i, prompt in enumerate(ENGINE_PROMPTS[:3]):
+            params = SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=8)
+            engine.add_request(str(i), prompt, params)
+        for _ in range(3):  # the prompts, then two decode steps (compile, capture)
+            engine.step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                outputs = engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert len(outputs) == 3
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        assert len(syncs) == 1, (graphs, syncs)

@@ -35,7 +35,7 @@ import torch
 from kvlib.cache.block_pool import BlockManager
 from kvlib.cache.paged import PagedCache, PagedKV
 from kvlib.engine.request import Request, TokenLogprobs
-from kvlib.engine.sampler import sample, sample_step, to_host, token_logprobs
+from kvlib.engine.sampler import device_tensor, sample, sample_step, to_host, token_logprobs
 
 __all__ = [
     "BatchKV",
@@ -91,7 +91,7 @@ def prepare_inputs(
     width = max(len(t) for t in tables)
 
     def tensor(values):
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return device_tensor(values, torch.int64, device)  # no wait for the device on CUDA
 
     return ModelInput(
         input_ids=tensor(ids),
@@ -239,17 +239,13 @@ class KernelBatchKV(BatchKV):
         # what update hands the storage: it only writes through the slot mapping and returns the
         # layer's pools with these fields
         self.handle = PagedKV(None, None, batch.block_tables, batch.seq_lens, None)
-        self.decode_rows = torch.tensor(
-            [starts[i] for i in decode], dtype=torch.int64, device=device
-        )
-        index = torch.tensor(decode, dtype=torch.int64, device=device)
+        self.decode_rows = device_tensor([starts[i] for i in decode], torch.int64, device)
+        index = device_tensor(decode, torch.int64, device)
         self.decode_tables = batch.block_tables[index].to(torch.int32)  # the kernel's int32
         self.decode_lens = batch.seq_lens[index].to(torch.int32)
         self.prefill = self._make_prefill(batch, prefill) if prefill else None
-        self.prefill_rows = torch.tensor(
-            [r for i in prefill for r in range(starts[i], starts[i + 1])],
-            dtype=torch.int64,
-            device=device,
+        self.prefill_rows = device_tensor(
+            [r for i in prefill for r in range(starts[i], starts[i + 1])], torch.int64, device
         )
 
     def _split(self, query_lens: list[int]) -> tuple[list[int], list[int]]:

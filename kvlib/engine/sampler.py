@@ -24,7 +24,7 @@ import torch
 
 from kvlib.engine.request import SamplingParams, TokenLogprobs
 
-__all__ = ["StepSample", "sample", "sample_step", "to_host", "token_logprobs"]
+__all__ = ["StepSample", "device_tensor", "sample", "sample_step", "to_host", "token_logprobs"]
 
 
 @dataclasses.dataclass
@@ -40,8 +40,18 @@ class StepSample:
     width: int  # the top-k width computed for all of them (max k)
 
 
+def device_tensor(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype, device=device)` without waiting for the device: on CUDA
+    a plain copy from pageable host memory blocks until the stream has run everything queued
+    before it; a copy from pinned memory with `non_blocking` only queues (the caching host
+    allocator keeps the pinned buffer alive until the copy has run)."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _index(rows: list[int], device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+    return device_tensor(rows, torch.int64, device)
 
 
 def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -63,7 +73,7 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         # probability of the tokens ranked higher; a scan per row, as `sample` runs it (a
         # batched scan may round differently on a GPU)
         before = torch.stack([row.cumsum(0) for row in sorted_probs]) - sorted_probs
-        threshold = torch.tensor(top_p, dtype=torch.float32, device=device)[:, None]
+        threshold = device_tensor(top_p, torch.float32, device)[:, None]
         sorted_probs = sorted_probs.masked_fill(before >= threshold, 0)
         probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
     return probs

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.engine.runner import KernelBatchKV, ModelInput
+from kvlib.engine.sampler import device_tensor
 from kvlib.ops.paged_prefill import paged_prefill_attention
 
 __all__ = ["VarlenBatchKV"]
@@ -39,7 +40,7 @@ class VarlenBatchKV(KernelBatchKV):
         query_lens = batch.query_lens
         if query_lens is None:
             query_lens = batch.query_start_loc.diff().tolist()
-        index = torch.tensor(seqs, dtype=torch.int64, device=batch.input_ids.device)
+        index = device_tensor(seqs, torch.int64, batch.input_ids.device)
         return (
             batch.block_tables[index],
             [query_lens[i] for i in seqs],
