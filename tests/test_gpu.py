@@ -186,3 +186,87 @@ def test_quantized_decode_kernel_on_the_gpu_matches_the_cpu_reference(fmt):
             **{name: s.to(DEVICE) for name, s in scales.items()},
         )
         torch.testing.assert_close(got.cpu(), expected, rtol=5e-3, atol=5e-3)
+
+
+# --- issue 36 part 3: the engine's GPU code paths ------------------------------------------------
+
+
+def test_a_sampled_step_waits_for_the_gpu_once(models):
+    """`sample_step` queues its work without a sync (CUDA's sync debug mode raises on one);
+    `to_host` is the step's single transfer."""
+    from kvlib.engine.sampler import sample_step, to_host
+
+    if DEVICE != "cuda":
+        pytest.skip("sync debug mode needs CUDA")
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.9, top_k=20, seed=1, logprobs=3),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=2),
+    ]
+    logits = torch.randn(3, 1000, device=DEVICE)
+    generators = [torch.Generator(device=DEVICE).manual_seed(p.seed or 0) for p in params]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step = sample_step(logits, params, generators)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ids, logprobs = to_host(step)
+    assert ids[0] == int(logits[0].argmax()) and set(logprobs) == {1}
+
+
+def test_engine_cuda_graphs_capture_replay_and_match_eager(models):
+    """Decode-only steps captured per bucket and replayed give the eager kernel engine's tokens
+    (greedy and seeded sampling), through the varlen prefill path (the default on CUDA)."""
+    from kvlib.engine.runner import ModelRunner
+
+    if DEVICE != "cuda":
+        pytest.skip("CUDA graphs need CUDA")
+    _, gpu = models
+    options = dict(num_blocks=40, max_num_batched_tokens=32)
+    for params in (
+        SamplingParams(max_tokens=12),
+        SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=12),
+    ):
+        eager = LLMEngine(gpu, **options).generate(ENGINE_PROMPTS, params, use_tqdm=False)
+        engine = LLMEngine(gpu, **options)
+        engine.runner = ModelRunner(
+            gpu, engine.storage, engine.manager, cuda_graphs=True, max_graph_batch=8
+        )
+        got = engine.generate(ENGINE_PROMPTS, params, use_tqdm=False)
+        assert [o.output_token_ids for o in got] == [o.output_token_ids for o in eager]
+        runner = engine.runner.graph_runner
+        assert runner.capture and len(runner.graphs) >= 2, runner.steps_by_bucket
+        assert engine.runner._use_varlen()
+
+
+def test_an_engine_decode_step_waits_for_the_gpu_once(models):
+    """After warm-up (kernels compiled, graphs captured), a decode step of the kernel + varlen
+    engine, eager or replayed from a CUDA graph, syncs once: `to_host`'s transfer (CUDA's sync
+    debug mode warns on every synchronizing call, blocking host-to-device copies included)."""
+    import warnings
+
+    from kvlib.engine.runner import ModelRunner
+
+    if DEVICE != "cuda":
+        pytest.skip("sync debug mode needs CUDA")
+    _, gpu = models
+    for graphs in (False, True):
+        engine = LLMEngine(gpu, num_blocks=40)
+        engine.runner = ModelRunner(gpu, engine.storage, engine.manager, cuda_graphs=graphs)
+        for i, prompt in enumerate(ENGINE_PROMPTS[:3]):
+            params = SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=8)
+            engine.add_request(str(i), prompt, params)
+        for _ in range(3):  # the prompts, then two decode steps (compile, capture)
+            engine.step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                outputs = engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert len(outputs) == 3
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        assert len(syncs) == 1, (graphs, syncs)

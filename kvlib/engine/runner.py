@@ -19,8 +19,10 @@ quantized cache of chapter 10 plugs in), and its attention regroups the queries 
 calls that cache's own paged attention with a mask built from the metadata: query j of a
 sequence that held `c` tokens before the step sees its slots 0 .. c + j.
 
-Sampling (`sample`) is per request, with the request's own generator, so a request's tokens do not
-depend on which others share its steps.
+Sampling is per request, with the request's own generator, so a request's tokens do not depend on
+which others share its steps: `sample` is the readable one-request sampler, and the runner samples
+a whole step on the device with the same arithmetic (`kvlib.engine.sampler.sample_step`), bringing
+the tokens to the host in one transfer.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch
 
 from kvlib.cache.block_pool import BlockManager
 from kvlib.cache.paged import PagedCache, PagedKV
-from kvlib.engine.request import Request, SamplingParams, TokenLogprobs
+from kvlib.engine.request import Request, TokenLogprobs
+from kvlib.engine.sampler import device_tensor, sample, sample_step, to_host, token_logprobs
 
 __all__ = [
     "BatchKV",
@@ -61,6 +64,7 @@ class ModelInput:
     sample_indices: torch.Tensor  # (m,) int64
     sample_requests: list[Request]
     query_lens: list[int] | None = None  # (n,) on the host: new tokens per sequence
+    seq_lens_host: list[int] | None = None  # (n,) on the host: `seq_lens`
 
 
 def prepare_inputs(
@@ -87,7 +91,7 @@ def prepare_inputs(
     width = max(len(t) for t in tables)
 
     def tensor(values):
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return device_tensor(values, torch.int64, device)  # no wait for the device on CUDA
 
     return ModelInput(
         input_ids=tensor(ids),
@@ -99,6 +103,7 @@ def prepare_inputs(
         sample_indices=tensor(sample_indices),
         sample_requests=sample_requests,
         query_lens=[num_new for _, num_new in scheduled],
+        seq_lens_host=seq_lens,
     )
 
 
@@ -230,27 +235,41 @@ class KernelBatchKV(BatchKV):
             query_lens = batch.query_start_loc.diff().tolist()
         device = batch.input_ids.device
         starts = [0, *itertools.accumulate(query_lens)]
-        decode = [i for i, n in enumerate(query_lens) if n == 1]
-        prefill = [i for i, n in enumerate(query_lens) if n > 1]
+        decode, prefill = self._split(query_lens)
         # what update hands the storage: it only writes through the slot mapping and returns the
         # layer's pools with these fields
         self.handle = PagedKV(None, None, batch.block_tables, batch.seq_lens, None)
-        self.decode_rows = torch.tensor(
-            [starts[i] for i in decode], dtype=torch.int64, device=device
-        )
-        index = torch.tensor(decode, dtype=torch.int64, device=device)
+        self.decode_rows = device_tensor([starts[i] for i in decode], torch.int64, device)
+        index = device_tensor(decode, torch.int64, device)
         self.decode_tables = batch.block_tables[index].to(torch.int32)  # the kernel's int32
         self.decode_lens = batch.seq_lens[index].to(torch.int32)
-        self.prefill = BatchKV(storage, _subset(batch, prefill)) if prefill else None
-        self.prefill_rows = torch.tensor(
-            [r for i in prefill for r in range(starts[i], starts[i + 1])],
-            dtype=torch.int64,
-            device=device,
+        self.prefill = self._make_prefill(batch, prefill) if prefill else None
+        self.prefill_rows = device_tensor(
+            [r for i in prefill for r in range(starts[i], starts[i + 1])], torch.int64, device
         )
+
+    def _split(self, query_lens: list[int]) -> tuple[list[int], list[int]]:
+        """The sequences whose rows the kernel decodes, and the others (prefilling)."""
+        return (
+            [i for i, n in enumerate(query_lens) if n == 1],
+            [i for i, n in enumerate(query_lens) if n > 1],
+        )
+
+    def _make_prefill(self, batch: ModelInput, seqs: list[int]):
+        """What attends the rows of sequences `seqs` (`_attend_prefill` uses it)."""
+        return BatchKV(self.storage, _subset(batch, seqs))
+
+    def _attend_prefill(self, q, kv, mask):
+        """q (1, H, N_prefill, D): the prefill rows, attended as `BatchKV` attends them."""
+        handle = self.prefill.handle
+        prefill_kv = kv._replace(
+            block_tables=handle.block_tables, seq_lens=handle.seq_lens, positions=handle.positions
+        )
+        return self.prefill.attention_backend(q, prefill_kv, mask)
 
     def attention_backend(self, q, kv, mask, *, weights_out=None):
         """q (1, H, N, D) -> (1, H, N, D): decode rows through the kernel, prefill rows as
-        `BatchKV` attends them."""
+        `_attend_prefill` attends them (`BatchKV`'s way here)."""
         from kvlib.kernels import paged_decode_attention
 
         if weights_out is not None:
@@ -273,53 +292,29 @@ class KernelBatchKV(BatchKV):
             )
             out[0, :, self.decode_rows] = decoded.transpose(0, 1)
         if self.prefill is not None:
-            handle = self.prefill.handle
-            prefill_kv = kv._replace(
-                block_tables=handle.block_tables,
-                seq_lens=handle.seq_lens,
-                positions=handle.positions,
-            )
-            out[:, :, self.prefill_rows] = self.prefill.attention_backend(
-                q[:, :, self.prefill_rows], prefill_kv, mask
+            out[:, :, self.prefill_rows] = self._attend_prefill(
+                q[:, :, self.prefill_rows], kv, mask
             )
         return out
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from `logits (V,)`: argmax at temperature 0; else softmax(logits / temperature)
-    restricted to the top k and to the top-p nucleus, sampled with `generator`."""
-    if params.temperature == 0:
-        return int(logits.argmax())
-    logits = logits.float() / params.temperature
-    if params.top_k is not None:
-        kth = logits.topk(min(params.top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    if params.top_p is not None and params.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(0) - sorted_probs  # probability of the tokens ranked higher
-        sorted_probs[before >= params.top_p] = 0  # the smallest set reaching top_p stays
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def token_logprobs(logits: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
-    """`token_id`'s log-probability under softmax(`logits (V,)`) and the `num_top` most likely
-    tokens' (chapter 13's `logprobs`): the model's distribution, before any sampling filter."""
-    logprobs = logits.float().log_softmax(dim=-1)  # (V,)
-    top = logprobs.topk(min(num_top, logprobs.numel())) if num_top else None
-    pairs = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
-    return TokenLogprobs(int(token_id), float(logprobs[token_id]), pairs)
-
-
 class ModelRunner:
-    """Runs a step: `prepare_inputs`, one forward of the model over a `BatchKV`, then `sample`
-    for each request that produces a token. Returns {request id: token}.
+    """Runs a step: `prepare_inputs`, one forward of the model over a `BatchKV`, then
+    `sample_step` for the requests that produce a token (`sample`'s tokens, one host transfer).
+    Returns {request id: token}.
 
     `decode_kernel`: attend decode rows through chapter 11's Triton kernel (`KernelBatchKV`).
     None (the default) uses it on a CUDA device where Triton is installed and the storage's
     layout suits it (`kernel_supports`); True asks for it anywhere it is supported (on a CPU it
     runs under Triton's interpreter: exact and slow, for tests), False never uses it.
+    `prefill_varlen`: attend prefill rows (and decode rows the kernel does not take) through
+    `kvlib.engine.varlen.VarlenBatchKV`, each sequence over its own blocks; None (the default)
+    on a CUDA device where the storage's layout suits it, True wherever it suits, False never.
+    `cuda_graphs`: run decode-only steps of up to `max_graph_batch` sequences through
+    `kvlib.engine.cuda_graph.DecodeGraphRunner` (bucketed, static buffers): captured as CUDA
+    graphs on a CUDA device with the kernel, eagerly through the same buffers elsewhere. It
+    grows the storage's pools by one scratch block for padding rows, so it is chosen here, before
+    anything is stored; False (the default) until a GPU session has measured it.
     """
 
     def __init__(
@@ -329,10 +324,20 @@ class ModelRunner:
         manager: BlockManager,
         *,
         decode_kernel: bool | None = None,
+        prefill_varlen: bool | None = None,
+        cuda_graphs: bool = False,
+        max_graph_batch: int = 64,
     ):
         self.model, self.storage, self.manager = model, storage, manager
         self.device = model.lm_head.weight.device
-        self.decode_kernel = decode_kernel
+        self.decode_kernel, self.prefill_varlen = decode_kernel, prefill_varlen
+        self.cuda_graphs, self.max_graph_batch, self.graph_runner = (
+            cuda_graphs,
+            max_graph_batch,
+            None,
+        )
+        if cuda_graphs:  # a scratch block past the pool's last one, for padding rows
+            storage._make_pools(manager.pool.num_blocks + 1, self.device)
         self.num_splits = 1
         self._workspace = None
         self.last_logprobs: dict[str, TokenLogprobs] = {}  # the last step's, for `logprobs`
@@ -347,20 +352,27 @@ class ModelRunner:
             return False
         return triton_available()
 
+    def _use_varlen(self) -> bool:
+        if self.prefill_varlen is False:
+            return False
+        if self.prefill_varlen is None and self.device.type != "cuda":
+            return False
+        return kernel_supports(self.storage, self.model.lm_head.weight.dtype)
+
     def _batch_kv(self, batch: ModelInput) -> BatchKV:
-        if not self._use_kernel():
+        use_kernel, varlen = self._use_kernel(), self._use_varlen()
+        if varlen and not use_kernel:
+            from kvlib.engine.varlen import VarlenBatchKV
+
+            return VarlenBatchKV(self.storage, batch, decode_kernel=False)
+        if not use_kernel:
             return BatchKV(self.storage, batch)
-        from kvlib.kernels import DecodeWorkspace, default_num_splits
+        from kvlib.kernels import DecodeWorkspace
 
         config = self.model.config
         n = len(batch.seq_lens)
         if self._workspace is None or self._workspace.partial_out.shape[0] < n:
-            # one split count for the runner's lifetime, for the longest sequence the pool can
-            # hold: a sequence's arithmetic must not depend on its batch
-            capacity = self.manager.pool.num_blocks * self.storage.block_size
-            self.num_splits = default_num_splits(
-                1, config.num_key_value_heads, capacity, self.device
-            )
+            self.num_splits = self._kernel_splits()
             self._workspace = DecodeWorkspace.allocate(
                 max(
                     n, 2 * (0 if self._workspace is None else self._workspace.partial_out.shape[0])
@@ -370,32 +382,60 @@ class ModelRunner:
                 max_splits=self.num_splits,
                 device=self.device,
             )
-        return KernelBatchKV(
-            self.storage, batch, num_splits=self.num_splits, workspace=self._workspace
-        )
+        kernel = dict(num_splits=self.num_splits, workspace=self._workspace)
+        if varlen:
+            from kvlib.engine.varlen import VarlenBatchKV
+
+            return VarlenBatchKV(self.storage, batch, decode_kernel=True, **kernel)
+        return KernelBatchKV(self.storage, batch, **kernel)
+
+    def _kernel_splits(self) -> int:
+        """One split count for the runner's lifetime, for the longest sequence the pool can
+        hold: a sequence's arithmetic must not depend on its batch."""
+        from kvlib.kernels import default_num_splits
+
+        capacity = self.manager.pool.num_blocks * self.storage.block_size
+        heads = self.model.config.num_key_value_heads
+        return default_num_splits(1, heads, capacity, self.device)
+
+    def _graph_logits(self, batch: ModelInput):
+        """A decode-only step's logits `(n, V)` through the graph runner, or None when graphs are
+        off or the step does not fit."""
+        if not self.cuda_graphs:
+            return None
+        if self.graph_runner is None:
+            from kvlib.engine.cuda_graph import DecodeGraphRunner
+
+            self.graph_runner = DecodeGraphRunner.for_runner(self)
+        if not self.graph_runner.can_run(batch.query_lens, batch.block_tables.shape[1]):
+            return None
+        return self.graph_runner.run(batch)
 
     @torch.no_grad()
     def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
         if not scheduled:
             return {}
         batch = prepare_inputs(scheduled, self.manager, self.device)
-        logits = self.model(
-            batch.input_ids[None],
-            cache=self._batch_kv(batch),
-            position_ids=batch.positions[None],
-            validate=False,  # the engine checked every prompt when it was added
-        )[0, batch.sample_indices]  # (m, V)
-        sampled = {
-            request.request_id: sample(
-                row, request.sampling_params, request.generator_for(row.device)
-            )
-            for request, row in zip(batch.sample_requests, logits)
-        }
+        logits = self._graph_logits(batch)
+        if logits is None:
+            logits = self.model(
+                batch.input_ids[None],
+                cache=self._batch_kv(batch),
+                position_ids=batch.positions[None],
+                validate=False,  # the engine checked every prompt when it was added
+            )[0]
+        logits = logits[batch.sample_indices]  # (m, V)
+        self.last_logprobs = {}
+        if not batch.sample_requests:  # a step of prefill chunks only: nothing to sample
+            return {}
+        step = sample_step(
+            logits,
+            [request.sampling_params for request in batch.sample_requests],
+            [request.generator_for(logits.device) for request in batch.sample_requests],
+        )
+        ids, logprobs = to_host(step)  # the step's one device-to-host transfer
+        sampled = {request.request_id: t for request, t in zip(batch.sample_requests, ids)}
         self.last_logprobs = {
-            request.request_id: token_logprobs(
-                row, sampled[request.request_id], request.sampling_params.logprobs
-            )
-            for request, row in zip(batch.sample_requests, logits)
-            if request.sampling_params.logprobs is not None
+            batch.sample_requests[row].request_id: entry for row, entry in logprobs.items()
         }
         return sampled
