@@ -79,10 +79,10 @@ MEMORY_API = (
 )
 # Everything in kvlib that computes rotary embeddings
 ROPE_API = (
-    "kvlib.model.apply_rope",
-    "kvlib.model.rope_cos_sin",
-    "kvlib.model.rope_inverse_frequencies",
-    "kvlib.model.rotate_half",
+    "kvlib.layers.llama.apply_rope",
+    "kvlib.layers.llama.rope_cos_sin",
+    "kvlib.layers.llama.rope_inverse_frequencies",
+    "kvlib.layers.llama.rotate_half",
 )
 # Everything in kvlib that computes attention (torch's SDPA is detected separately)
 ATTENTION_API = (

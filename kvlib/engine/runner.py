@@ -30,7 +30,7 @@ import itertools
 
 import torch
 
-from kvlib.cache.block_pool import BlockManager
+from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.paged import PagedCache, PagedKV
 from kvlib.engine.request import Request, SamplingParams
 
@@ -179,7 +179,7 @@ def kernel_supports(storage: PagedCache, dtype: torch.dtype) -> bool:
     `PagedCache` of that dtype, or a `QuantizedPagedCache` of int8/fp8 codes with one symmetric
     float16/float32 scale per token and KV head (no channel groups, no zero points)."""
     from kvlib.cache.quantized import QuantizedPagedCache
-    from kvlib.kernels import QUANTIZED_DTYPES, SUPPORTED_DTYPES
+    from kvlib.ops.decode_checks import QUANTIZED_DTYPES, SUPPORTED_DTYPES
 
     if dtype not in SUPPORTED_DTYPES:
         return False
@@ -339,7 +339,7 @@ class ModelRunner:
     def _batch_kv(self, batch: ModelInput) -> BatchKV:
         if not self._use_kernel():
             return BatchKV(self.storage, batch)
-        from kvlib.kernels import DecodeWorkspace, default_num_splits
+        from kvlib.ops.decode_plan import DecodeWorkspace, default_num_splits
 
         config = self.model.config
         n = len(batch.seq_lens)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import copy
 
-from kvlib.cache.block_pool import BlockManager, BlockPool, hash_block_tokens
+from kvlib.cache.block_manager import BlockManager
+from kvlib.cache.block_pool import BlockPool, hash_block_tokens
 from kvlib.course.grading import Submission, question
 
 
@@ -71,7 +72,7 @@ _APPEND_CASES = [
 ]
 
 
-@question(function="append_token", blocked=("kvlib.cache.block_pool.BlockManager",))
+@question(function="append_token", blocked=("kvlib.cache.block_manager.BlockManager",))
 def test_append_token(submission: Submission) -> None:
     append_token = submission.function("append_token")
     for table, num_tokens, ref_cnt, free, block_size, what in _APPEND_CASES:
@@ -115,7 +116,7 @@ def chained_block_hashes(tokens, block_size):
     return hashes
 
 
-@question(function="prefix_hit_tokens", blocked=("kvlib.cache.block_pool.BlockManager",))
+@question(function="prefix_hit_tokens", blocked=("kvlib.cache.block_manager.BlockManager",))
 def test_prefix_hit_tokens(submission: Submission) -> None:
     prefix_hit_tokens = submission.function("prefix_hit_tokens")
     system = list(range(100, 112))  # three blocks of 4

@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvlib.cache.evicting import H2O, LayerState, StreamingLLM
+from kvlib.cache.eviction_policies import H2O, LayerState, StreamingLLM
 from kvlib.course.grading import Submission, question
 
 
@@ -25,7 +25,7 @@ def _streaming_keep(positions, budget, num_sinks):
     return keep
 
 
-@question(function="streaming_keep", blocked=("kvlib.cache.evicting.StreamingLLM",))
+@question(function="streaming_keep", blocked=("kvlib.cache.eviction_policies.StreamingLLM",))
 def test_streaming_keep(submission: Submission) -> None:
     streaming_keep = submission.function("streaming_keep")
     rng = submission.rng()
@@ -75,7 +75,7 @@ def _h2o_update(scores, weights):
     return state.scores[0]
 
 
-@question(function="h2o_update", blocked=("kvlib.cache.evicting.H2O",))
+@question(function="h2o_update", blocked=("kvlib.cache.eviction_policies.H2O",))
 def test_h2o_update(submission: Submission) -> None:
     h2o_update = submission.function("h2o_update")
     g = torch.Generator().manual_seed(8)
@@ -113,7 +113,7 @@ def _snapkv_select(votes, budget, window, kernel_size):
     return ranked.sort(dim=-1).values
 
 
-@question(function="snapkv_select", blocked=("kvlib.cache.evicting.SnapKV",))
+@question(function="snapkv_select", blocked=("kvlib.cache.eviction_policies.SnapKV",))
 def test_snapkv_select(submission: Submission) -> None:
     snapkv_select = submission.function("snapkv_select")
     g = torch.Generator().manual_seed(3)

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from kvlib.cache.compaction import freeable_blocks, plan_hole_filling, plan_repack
+from kvlib.cache.compaction_plans import freeable_blocks, plan_hole_filling, plan_repack
 from kvlib.course.grading import Submission, question
 
 
@@ -25,7 +25,7 @@ def _patterns(seed: int):
         yield [rng.random() < 0.4 for _ in range(n)], rng.choice((2, 4, 8)), f"random, {n} slots"
 
 
-@question(function="blocks_freeable", blocked=("kvlib.cache.compaction.freeable_blocks",))
+@question(function="blocks_freeable", blocked=("kvlib.cache.compaction_plans.freeable_blocks",))
 def test_blocks_freeable(submission: Submission) -> None:
     blocks_freeable = submission.function("blocks_freeable")
     for live, block_size, what in _patterns(9):
@@ -42,7 +42,7 @@ def test_blocks_freeable(submission: Submission) -> None:
         )
 
 
-@question(function="repack", blocked=("kvlib.cache.compaction.plan_repack",))
+@question(function="repack", blocked=("kvlib.cache.compaction_plans.plan_repack",))
 def test_repack(submission: Submission) -> None:
     repack = submission.function("repack")
     for live, _, what in _patterns(10):
@@ -77,7 +77,8 @@ def _positions_after(positions):
 
 
 @question(
-    function="positions_after_hole_filling", blocked=("kvlib.cache.compaction.plan_hole_filling",)
+    function="positions_after_hole_filling",
+    blocked=("kvlib.cache.compaction_plans.plan_hole_filling",),
 )
 def test_positions_after_hole_filling(submission: Submission) -> None:
     positions_after = submission.function("positions_after_hole_filling")

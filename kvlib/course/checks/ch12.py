@@ -103,7 +103,7 @@ def _first_step(token_ids, cached, block_size, token_budget):
 
 @question(
     function="first_step",
-    blocked=("kvlib.cache.block_pool.BlockManager", *_BLOCKED),
+    blocked=("kvlib.cache.block_manager.BlockManager", *_BLOCKED),
 )
 def test_first_step(submission: Submission) -> None:
     first_step = submission.function("first_step")
