@@ -33,8 +33,8 @@ def tune_decode(out_csv: str) -> list[dict]:
     """Time `paged_decode_attention` over split count x BLOCK_N x num_warps x num_stages on each
     `TUNE_SHAPES` case (bf16, D = 128, block size 16); write every timing to `out_csv`.
 
-    The sweep is recorded, not applied at run time: `kernels.default_num_splits` and the
-    kernel's defaults freeze what it found, so CPU runs stay deterministic.
+    The sweep is recorded, not applied at run time: `kvlib.ops.decode_plan.default_num_splits` and
+    the kernel's defaults freeze what it found, so CPU runs stay deterministic.
     """
     import datetime
     import functools
@@ -163,6 +163,7 @@ def ab_decode(out_csv: str, base: str = "e40ecea", *, rounds: int = 5) -> list[d
     from triton.testing import do_bench, do_bench_cudagraph
 
     import kvlib.kernels as head
+    from kvlib.ops.decode_plan import default_num_splits
     from kvlib.testing import assert_close
 
     facts = {**device_facts(), "date": datetime.date.today().isoformat()}
@@ -179,7 +180,7 @@ def ab_decode(out_csv: str, base: str = "e40ecea", *, rounds: int = 5) -> list[d
             for batch, num_heads, num_kv_heads, context in AB_SHAPES:
                 lengths = [context] * batch
                 inputs = paged_decode_inputs(lengths, num_heads, num_kv_heads, 128, 16)
-                num_splits = head.default_num_splits(batch, num_kv_heads, context, "cuda")
+                num_splits = default_num_splits(batch, num_kv_heads, context, "cuda")
                 cache_bytes = kv_bytes_read(lengths, num_kv_heads, 128, 2)
                 versions = {
                     base: functools.partial(

@@ -11,7 +11,7 @@ from kvlib.experiments.sweep import run_sweep
 
 def _policies(snapkv_window: int) -> dict:
     """The sweep's policies, by label: fresh instances (a policy may hold state such as a seed)."""
-    from kvlib.cache import evicting as ev
+    from kvlib.cache import eviction_policies as ev
 
     return {
         "StreamingLLM": lambda: (ev.StreamingLLM(4), "original"),
