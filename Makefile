@@ -70,7 +70,7 @@ grading: $(STAMP)
 # shapes), then the decode benchmark, re-recorded and stamped with its sources' hashes.
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest tests -m gpu
-	$(BIN)/python -m kvlib.course.bench decode --out results/decode_bench.csv
+	$(BIN)/python -m kvlib.experiments.decode_bench --out results/decode_bench.csv
 	$(BIN)/python -m kvlib.course.recorded stamp results/decode_bench.csv
 
 # Which recorded results (results/) were recorded with an earlier version of their sources.

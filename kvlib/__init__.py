@@ -1,14 +1,19 @@
 """kvlib: the shared package of the course *KV Cache from Scratch*.
 
-The layout (book/architecture.md draws it): numpy references of chapters 1 and 4 (`ref/`); one
-reader of `config.json` (`config`); the model, its loaders and `generate` (`model`, `train`,
-`generation`); caches behind one interface (`cache/`); the attention backends, launch rules and
-kernels a layer calls (`ops/`, `kernels`); the memory calculator (`memory/`); and the course
-machinery, apart from the library (`grading`, `checks/`, `notebook`, `bench`, `viz`). Shared
-exceptions live in `errors`.
+Three layers (book/architecture.md draws them), dependencies pointing one way:
 
-The names below are the stable API. They are imported lazily, so `import kvlib` costs numpy only
-(chapter 1 runs without torch); modules that need torch or triton import them when first used.
+1. the library: numpy references (`ref/`); one reader of `config.json` (`config`); the model and
+   its layers (`model`, `layers/`), loaders (`loaders/`), `generation` and `training`; caches
+   behind one interface (`cache/`); attention backends, launch rules and kernels (`ops/`,
+   `kernels`); quantization (`quant`); the memory calculator (`memory/`); the serving engine
+   (`engine/`); conversions to GQA and MLA (`conversions/`); quality metrics (`metrics/`);
+2. the experiments (`experiments/`), one module per recorded result in `results/`, importing only
+   the library;
+3. the course machinery (`course/`: grading, checks, notebook helpers, timing, plots).
+
+Shared exceptions live in `errors`. The names below are the stable API. They are imported lazily,
+so `import kvlib` costs numpy only (chapter 1 runs without torch); modules that need torch or
+triton import them when first used.
 """
 
 from importlib import import_module
@@ -19,13 +24,13 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _API = {
-    "load_hf_checkpoint": "kvlib.model",
-    "load_course_model": "kvlib.train",
+    "load_hf_checkpoint": "kvlib.loaders.hf",
+    "load_course_model": "kvlib.loaders.course_model",
     "generate": "kvlib.generation",
     "kv_cache_bytes": "kvlib.memory",
     "paged_decode_attention": "kvlib.kernels",
-    "load_gguf_checkpoint": "kvlib.gguf",
-    "load_smollm2": "kvlib.smollm2",
+    "load_gguf_checkpoint": "kvlib.loaders.gguf",
+    "load_smollm2": "kvlib.loaders.smollm2",
     "KVCache": "kvlib.cache",
     "DynamicCache": "kvlib.cache",
     "StaticCache": "kvlib.cache",

@@ -1,12 +1,11 @@
-"""A decoder-only transformer with the Llama architecture, and a loader for Hugging Face
-Llama-format checkpoints.
+"""A decoder-only transformer with the Llama architecture: its configuration and the model.
 
-What it does: RMSNorm (Zhang & Sennrich, 2019), rotary position embeddings in the Hugging Face
-`rotate_half` convention (Su et al., 2021), SwiGLU MLP (Shazeer, 2020), no biases except the q/k/v
-biases of Qwen2, MHA/GQA/MQA from one code path (`num_key_value_heads`), an optional sliding window
-(Mistral). Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`), so a
-checkpoint's state dict loads as is. `model(input_ids, cache=...)` processes only the new tokens,
-at the right positions, reading and extending the cache (`kvlib.cache`).
+What it does: the layers of `kvlib.layers.llama` (RMSNorm, RoPE, SwiGLU MLP, attention; no biases
+except the q/k/v biases of Qwen2, MHA/GQA/MQA from one code path, `num_key_value_heads`), or MLA's
+(`kvlib.layers.mla`), stacked, with an optional sliding window (Mistral). Parameter names are
+Hugging Face's (`model.layers.0.self_attn.q_proj.weight`), so a checkpoint's state dict loads as
+is. `model(input_ids, cache=...)` processes only the new tokens, at the right positions, reading
+and extending the cache (`kvlib.cache`).
 
 RoPE scaling: Llama 3.1's "llama3" frequency scaling (Meta's reference `apply_scaling`) is
 implemented, so Llama 3.1 and 3.2 checkpoints load; other schemes (YaRN, dynamic NTK, LongRoPE)
@@ -20,19 +19,17 @@ Layouts: activations (B, T, d_model); q (B, H, T, D); k, v (B, H_kv, S, D).
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvlib._validate import check_positive_int
 from kvlib.config import attention_geometry, config_dtype, config_field, load_config
 from kvlib.errors import UnsupportedConfigError
-from kvlib.ops.attention import get_backend, reference_attention
+from kvlib.layers.llama import MLP, Attention, RMSNorm, rope_cos_sin
+from kvlib.layers.mla import MLAttention
+from kvlib.ops.attention import get_backend, reference_attention, visible
 
 LOADABLE_MODEL_TYPES = (
     "llama",
@@ -70,9 +67,9 @@ class ModelConfig:
     # Llama 3.1's rope_scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
     # "high_freq_factor", "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict | None = None
-    # Multi-head latent attention (DeepSeek-V2's field names; kvlib.mla): set kv_lora_rank and the
-    # three head widths to make every layer MLA. num_key_value_heads then says nothing about the
-    # cache (one latent row per token), and head_dim is unused.
+    # Multi-head latent attention (DeepSeek-V2's field names; kvlib.layers.mla): set kv_lora_rank
+    # and the three head widths to make every layer MLA. num_key_value_heads then says nothing
+    # about the cache (one latent row per token), and head_dim is unused.
     kv_lora_rank: int | None = None  # d_c
     qk_nope_head_dim: int | None = None  # d_h
     qk_rope_head_dim: int | None = None  # d_R
@@ -177,7 +174,7 @@ class ModelConfig:
                 "config: Qwen2's use_sliding_window=true (per-layer windows) is not implemented"
             )
         mla = {}
-        if model_type == "deepseek_v2":  # dense MLA models (kvlib.mla); not DeepSeek's MoE
+        if model_type == "deepseek_v2":  # dense MLA models (kvlib.layers.mla); not DeepSeek's MoE
             if config.get("q_lora_rank") is not None:
                 raise UnsupportedConfigError(
                     "config: q_lora_rank (MLA's query compression) is not implemented"
@@ -240,117 +237,11 @@ class ModelConfig:
         return config
 
 
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · weight, computed in float32 (Zhang & Sennrich, 2019)."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(
-            x.dtype
-        ) * self.weight
-
-
-def rope_inverse_frequencies(
-    head_dim: int, theta: float, scaling: dict | None = None, device=None
-) -> torch.Tensor:
-    """RoPE's angular frequencies theta^(-2i/D), i < D/2: (D/2,) float32, radians per position.
-
-    With Llama 3.1's scaling (`scaling["rope_type"] == "llama3"`; Meta's reference
-    `apply_scaling`, Grattafiori et al., 2024), frequencies whose wavelength `2π/f` is shorter than
-    `original_max_position_embeddings / high_freq_factor` are kept, those longer than
-    `original_max_position_embeddings / low_freq_factor` are divided by `factor`, and those in
-    between are interpolated linearly in `original_max_position_embeddings / wavelength`.
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    inv_freq = theta**-exponents  # (D/2,)
-    if scaling is None:
-        return inv_freq
-    factor, old_context = scaling["factor"], scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    wavelength = 2 * math.pi / inv_freq  # (D/2,) positions per turn
-    smooth = ((old_context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: long, 1: short
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, scaling: dict | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for rotary embeddings at integer `positions` (B, T): each (B, T, D).
-
-    Frequencies from `rope_inverse_frequencies` (theta^(-2i/D), optionally Llama 3.1-scaled), each
-    used twice ([f, f] concatenated): the Hugging Face convention that pairs dimension i with
-    i + D/2 (see `rotate_half`).
-    """
-    inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, positions.device)  # (D/2,)
-    angles = positions.float()[..., None] * inv_freq  # (B, T, D/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (B, T, D)
-    return angles.cos(), angles.sin()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, D) by the angles of cos, sin (B, T, D): x·cos + rotate_half(x)·sin."""
-    return (x.float() * cos[:, None] + rotate_half(x.float()) * sin[:, None]).to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.config, self.layer_idx = config, layer_idx
-        h, d = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(h, config.num_attention_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, config.num_key_value_heads * d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * d, h, bias=False)
-
-    def forward(self, x, cos, sin, mask, cache=None, backend=reference_attention, weights_out=None):
-        b, t, _ = x.shape
-        c = self.config
-        q = (
-            self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        )  # (B, H, T, D)
-        # (B, H_kv, T, D)
-        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        # (B, H_kv, T, D)
-        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        if not getattr(cache, "rotates_keys", False):  # a cache that rotates on read gets raw keys
-            k = apply_rope(k, cos, sin)  # keys are cached already rotated
-        # the seam: the cache stores K/V and says what attention reads; a backend attends over it
-        kv = (k, v) if cache is None else cache.update(self.layer_idx, k, v)
-        attend = getattr(cache, "attention_backend", None) or backend
-        out = attend(q, kv, mask, weights_out=weights_out)  # (B, H, T, D)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, c.num_attention_heads * c.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.is_mla:
-            from kvlib.mla import MLAttention
-
             self.self_attn = MLAttention(config, layer_idx)
         else:
             self.self_attn = Attention(config, layer_idx)
@@ -384,10 +275,7 @@ def attention_mask_3d(
     (a padding query sees only itself), and, with a window, j is among the last `sliding_window`."""
     query_index = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]  # (T, 1)
     key_index = torch.arange(num_keys, device=device)[None, :]  # (1, S)
-    mask = key_index <= query_index  # (T, S)
-    if sliding_window is not None:
-        mask &= key_index > query_index - sliding_window
-    mask = mask[None]  # (1, T, S)
+    mask = visible(key_index, query_index, sliding_window)[None]  # (1, T, S)
     if padding_mask is not None:
         # a padding query would see nothing (a NaN softmax row that leaks into later layers as 0 *
         # NaN);
@@ -490,95 +378,3 @@ class LlamaModel(nn.Module):
         if cache is not None:
             cache.advance(t)
         return self.lm_head(self.model.norm(x)).float()  # (B, T, V)
-
-
-# --- Hugging Face checkpoints ---------------------------------------------------------------------
-
-
-def save_hf_checkpoint(model: LlamaModel, path: str | os.PathLike) -> None:
-    """Write `config.json` and `model.safetensors` in the Hugging Face Llama layout."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2) + "\n")
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-def load_hf_checkpoint(
-    path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
-) -> LlamaModel:
-    """Load a local Hugging Face Llama-format checkpoint (config.json + *.safetensors) by parameter
-    name.
-
-    Args:
-        path: the checkpoint directory.
-        dtype: load the weights in this dtype (default: the config's `torch_dtype`/`dtype`).
-    Raises:
-        FileNotFoundError: no config.json or no safetensors files.
-        UnsupportedConfigError: see `ModelConfig.from_hf`.
-        ValueError: missing or unexpected parameters, or shapes that disagree with the config.
-    """
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"path: no config.json in {path}")
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"path: no *.safetensors files in {path}")
-    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    if dtype is None:  # the config's dtype name (normalised by kvlib.config) as a torch dtype
-        dtype = getattr(torch, config.torch_dtype, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise UnsupportedConfigError(
-                f"config: weights in {config.torch_dtype!r} are not supported; pass dtype="
-            )
-    state = {}
-    for file in files:
-        state.update(load_file(str(file), device=str(device)))
-    return model_from_state_dict(config, state, dtype=dtype, device=device, source=str(path))
-
-
-def model_from_state_dict(
-    config: ModelConfig,
-    state: dict[str, torch.Tensor],
-    *,
-    dtype: torch.dtype,
-    device: str | torch.device = "cpu",
-    source: str = "state dict",
-) -> LlamaModel:
-    """A `LlamaModel` holding `state` (Hugging Face parameter names), in `dtype`, in eval mode.
-
-    Raises:
-        ValueError: missing or unexpected parameters, or shapes that disagree with the config (the
-            message names `source`).
-    """
-    path = source
-    with torch.device("meta"):
-        model = LlamaModel(config)
-    expected = dict(model.state_dict())
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight")
-        state.pop("lm_head.weight", None)
-    state = {
-        k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")
-    }  # buffers some exports include
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path}: missing parameters {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(
-                f"checkpoint {path}: {name} has shape {tuple(tensor.shape)}, the config implies "
-                f"{tuple(expected[name].shape)}"
-            )
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(device).eval()

@@ -1,5 +1,5 @@
 """Spot checks of a committed sweep file (`results/*_sweep.csv`, rows as
-`kvlib.evaluation._run_sweep` writes them): recompute one row of each task and compare."""
+`kvlib.experiments.sweep.run_sweep` writes them): recompute one row of each task and compare."""
 
 from __future__ import annotations
 
@@ -8,16 +8,11 @@ import csv
 import numpy as np
 import torch
 
-from kvlib.evaluation import (
-    EVICTION_CHUNK,
-    EVICTION_PASSKEY_FILLER,
-    PASSKEY_DEPTHS,
-    RECALL_DISTANCES,
-    course_text,
-    passkey_trial,
-    recall_by_distance,
-    streamed_text_metrics,
-)
+from kvlib.experiments.passkey import PASSKEY_DEPTHS
+from kvlib.experiments.sweep import EVICTION_CHUNK, EVICTION_PASSKEY_FILLER, streamed_text_metrics
+from kvlib.metrics.passkey import passkey_trial
+from kvlib.metrics.quality import course_text
+from kvlib.metrics.recall import RECALL_DISTANCES, recall_by_distance
 
 
 def recorded(path, task: str, policy: str, budget) -> list[dict]:
@@ -34,7 +29,7 @@ def spot_check_recall(path, policy: str, budget, factory, distances=(8, 240)) ->
     """The course model's recall through `factory` at the shortest and longest distances matches
     the recorded rows (the documents of each distance are rows of their own in the batch, so two
     distances reproduce what the six-distance sweep computed for them)."""
-    from kvlib.train import load_course_model
+    from kvlib.loaders.course_model import load_course_model
 
     rows = recorded(path, "recall", policy, budget)
     assert sorted(int(r["x"]) for r in rows) == list(RECALL_DISTANCES)

@@ -7,7 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlib.cache.block_pool import BlockManager, BlockPool, hash_block_tokens
+from kvlib.cache.block_manager import BlockManager
+from kvlib.cache.block_pool import BlockPool, hash_block_tokens
 from kvlib.errors import OutOfBlocksError
 
 

@@ -11,18 +11,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.cache.block_pool import BlockManager, BlockPool
-from kvlib.cache.compaction import (
-    CompactingPagedCache,
-    SlotMap,
-    freeable_blocks,
-    plan_hole_filling,
-    plan_repack,
-)
-from kvlib.cache.evicting import H2O, TOVA, RandomEviction, SnapKV, StreamingLLM
+from kvlib.cache.block_manager import BlockManager
+from kvlib.cache.block_pool import BlockPool
+from kvlib.cache.compaction import CompactingPagedCache
+from kvlib.cache.compaction_plans import SlotMap, freeable_blocks, plan_hole_filling, plan_repack
+from kvlib.cache.eviction_policies import H2O, TOVA, RandomEviction, SnapKV, StreamingLLM
 from kvlib.errors import UnsupportedConfigError
 from kvlib.generation import generate
-from kvlib.train import load_course_model
+from kvlib.loaders.course_model import load_course_model
 
 
 @pytest.fixture(scope="module")

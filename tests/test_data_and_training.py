@@ -1,4 +1,4 @@
-"""kvlib.data's documents are what they claim to be; kvlib.train runs end to end; the committed
+"""kvlib.data's documents are what they claim to be; kvlib.training runs end to end; the committed
 course model loads and recalls."""
 
 import json
@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from kvlib import data
-from kvlib.model import load_hf_checkpoint
-from kvlib.train import COURSE_MODEL_DIR, evaluate, main
+from kvlib.experiments.train_course_model import main
+from kvlib.loaders.course_model import COURSE_MODEL_DIR
+from kvlib.loaders.hf import load_hf_checkpoint
+from kvlib.training import evaluate
 
 
 @pytest.mark.parametrize("seed", range(5))

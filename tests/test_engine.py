@@ -13,8 +13,8 @@ from kvlib.engine.runner import sample
 from kvlib.engine.workload import CONFIGS, WORKLOADS, engine_for, make_workload, run_workload
 from kvlib.errors import OutOfBlocksError
 from kvlib.generation import generate
+from kvlib.loaders.course_model import load_course_model
 from kvlib.quant import QuantScheme
-from kvlib.train import load_course_model
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""kvlib.evaluation: teacher-forced decoding, agreement, perplexity and passkey retrieval."""
+"""kvlib.metrics: teacher-forced decoding, agreement, perplexity and passkey retrieval."""
 
 import math
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvlib.cache import DynamicCache
-from kvlib.evaluation import agreement, decode_logits, passkey_prompt, perplexity
+from kvlib.metrics.passkey import passkey_prompt
+from kvlib.metrics.quality import agreement, decode_logits, perplexity
 from kvlib.testing import assert_close
 from tests.test_model import TINY, tiny_model
 
@@ -75,12 +76,12 @@ def test_passkey_prompt_hides_the_key_at_the_requested_depth(smollm2):
 
 
 def test_recorded_passkey_sweep_is_reproduced(smollm2):
-    """CI recomputes a sample of `results/passkey_smollm2.csv` (`python -m kvlib.evaluation
+    """CI recomputes a sample of `results/passkey_smollm2.csv` (`python -m kvlib.metrics
     passkey`): the two shortest fillers, at the middle depth (the longest take ~15 s each)."""
     import csv
     from pathlib import Path
 
-    from kvlib.evaluation import passkey_trial
+    from kvlib.metrics.passkey import passkey_trial
 
     model, tokenizer = smollm2
     rows = list(
@@ -96,7 +97,7 @@ def test_recorded_passkey_sweep_is_reproduced(smollm2):
 
 
 def test_course_text_ships_with_kvlib():
-    from kvlib.evaluation import course_text
+    from kvlib.metrics.quality import course_text
 
     text = course_text()
     assert "written for the course KV Cache from Scratch" in text and len(text.split()) > 300
@@ -105,7 +106,7 @@ def test_course_text_ships_with_kvlib():
 
 
 def test_passkey_accuracy_counts_seeded_trials(smollm2):
-    from kvlib.evaluation import passkey_accuracy
+    from kvlib.metrics.passkey import passkey_accuracy
 
     model, tokenizer = smollm2
     assert passkey_accuracy(model, tokenizer, 200, [0.5]) == 1.0  # the sweep: 20 of 20 correct
@@ -114,7 +115,7 @@ def test_passkey_accuracy_counts_seeded_trials(smollm2):
 
 
 def test_wilson_interval_matches_the_formula_by_hand():
-    from kvlib.evaluation import wilson_interval
+    from kvlib.metrics.quality import wilson_interval
 
     # Wilson (1927) at z = 1.96, values computed by hand from the closed form
     expected = {(0, 5): (0.0, 0.4345), (5, 5): (0.5655, 1.0), (4, 5): (0.3755, 0.9638)}
@@ -132,7 +133,7 @@ def test_wilson_interval_matches_the_formula_by_hand():
 
 def test_recall_fact_counts_match_the_documents_recall_scores():
     from kvlib import data
-    from kvlib.evaluation import recall_fact_counts
+    from kvlib.metrics.recall import recall_fact_counts
 
     counts = recall_fact_counts((8, 240), num_documents=3)
     for d in (8, 240):

@@ -11,24 +11,14 @@ import pytest
 import torch
 
 from kvlib.cache import DynamicCache
-from kvlib.cache.evicting import (
-    H2O,
-    TOVA,
-    EvictingCache,
-    RandomEviction,
-    SnapKV,
-    StreamingLLM,
-    rerotate_keys,
-    token_scores_from_lse,
-)
+from kvlib.cache.evicting import EvictingCache, rerotate_keys, token_scores_from_lse
+from kvlib.cache.eviction_policies import H2O, TOVA, RandomEviction, SnapKV, StreamingLLM
 from kvlib.errors import UnsupportedConfigError
-from kvlib.evaluation import (
-    decode_logits,
-    eviction_factory,
-    streamed_logits,
-)
+from kvlib.experiments.eviction_sweep import eviction_factory
 from kvlib.generation import generate
-from kvlib.model import LlamaModel, apply_rope, rope_cos_sin
+from kvlib.layers.llama import apply_rope, rope_cos_sin
+from kvlib.metrics.quality import decode_logits, streamed_logits
+from kvlib.model import LlamaModel
 from tests.sweeps import spot_check_recall, spot_check_smollm2
 from tests.test_mla import MLA
 from tests.test_model import TINY, tiny_model

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from kvlib.cache import CompactingPagedCache, EvictingCache, PagedCache, QuantizedPagedCache
-from kvlib.cache.evicting import StreamingLLM
+from kvlib.cache.eviction_policies import StreamingLLM
 from kvlib.engine import LLMEngine, SamplingParams
-from kvlib.evaluation import quant_factory
+from kvlib.experiments.quant_sweep import quant_factory
 from kvlib.generation import generate
+from kvlib.loaders.course_model import load_course_model
 from kvlib.quant import QuantScheme
-from kvlib.train import load_course_model
 
 DEVICE = os.environ.get("KVLIB_GPU_TEST_DEVICE", "cuda")
 pytestmark = [

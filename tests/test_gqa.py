@@ -1,6 +1,6 @@
-"""kvlib.gqa and grouped attention (chapter 5): grouped attention against the repeat-K/V reference
-and PyTorch's SDPA, the conversion against explicit loops and transformers' Llama, and the
-committed sweeps reproduced."""
+"""kvlib.conversions.gqa and grouped attention (chapter 5): grouped attention against the
+repeat-K/V reference and PyTorch's SDPA, the conversion against explicit loops and transformers'
+Llama, and the committed sweeps reproduced."""
 
 import csv
 import json
@@ -10,19 +10,16 @@ import pytest
 import torch
 
 from kvlib.cache import StaticCache
+from kvlib.conversions.gqa import convert_kv_heads, pool_kv_heads
 from kvlib.course.bench import torch_allocated_bytes
-from kvlib.gqa import (
-    convert_kv_heads,
-    pool_kv_heads,
-    smollm2_variant_metrics,
-    smollm2_variants,
-    uptrain,
-    uptraining_point,
-)
+from kvlib.experiments.gqa_smollm2 import smollm2_variant_metrics, smollm2_variants
+from kvlib.experiments.gqa_uptraining import uptraining_point
+from kvlib.loaders.hf import load_hf_checkpoint, save_hf_checkpoint
 from kvlib.memory import kv_cache_bytes
-from kvlib.model import ModelConfig, load_hf_checkpoint, save_hf_checkpoint
+from kvlib.model import ModelConfig
 from kvlib.ops.attention import grouped_attention, reference_attention, sdpa_attention
 from kvlib.testing import assert_close
+from kvlib.training import uptrain
 from tests.test_model import TINY, prompts, tiny_model
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -149,9 +146,10 @@ def recorded_rows():
 
 
 def test_recorded_uptraining_sweep_is_complete_and_reproduced():
-    """CI recomputes two points of `results/gqa_uptraining.csv` (`python -m kvlib.gqa uptraining`):
-    a conversion without uptraining, which must match to round-off, and one short uptraining run,
-    which must match within what a different CPU's reduction order can move it."""
+    """CI recomputes two points of `results/gqa_uptraining.csv` (`python -m
+    kvlib.experiments.gqa_uptraining`): a conversion without uptraining, which must match to
+    round-off, and one short uptraining run, which must match within what a different CPU's
+    reduction order can move it."""
     rows = recorded_rows()
     assert len(rows) == 35 and {r["init"] for r in rows} == {"none", "mean", "first", "random"}
     by_key = {(int(r["num_kv_heads"]), r["init"], float(r["alpha"])): r for r in rows}
@@ -172,7 +170,7 @@ def test_recorded_uptraining_sweep_is_complete_and_reproduced():
 def test_recorded_smollm2_conversion_is_reproduced(smollm2):
     """CI recomputes the text metrics of every variant in `results/gqa_smollm2.json` and one of
     the MQA model's passkey trials."""
-    from kvlib.evaluation import passkey_trial
+    from kvlib.metrics.passkey import passkey_trial
 
     model, tokenizer = smollm2
     recorded = json.loads((RESULTS / "gqa_smollm2.json").read_text())

@@ -12,14 +12,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import kvlib.kernels as K
+import kvlib.ops.decode_plan as P
 from kvlib.cache.block_table import shuffled_block_tables
 from kvlib.course.bench import decode_host_time_us
 from kvlib.engine import LLMEngine, SamplingParams
 from kvlib.engine.runner import kernel_supports
 from kvlib.kernels import paged_decode_attention, paged_decode_attention_ref
+from kvlib.loaders.course_model import load_course_model
 from kvlib.quant import QuantScheme
 from kvlib.testing import assert_close
-from kvlib.train import load_course_model
 
 TOLERANCES = {
     torch.float32: (1e-5, 1e-5),
@@ -303,9 +304,9 @@ def test_without_triton_the_reference_works_and_the_kernel_says_what_to_use():
 
 def test_with_triton_importing_kvlib_kernels_still_sets_the_interpreter_without_cuda():
     code = (
-        "import os, sys, torch, kvlib.kernels as K\n"
+        "import os, sys, torch, kvlib.kernels as K, kvlib.ops.interpreter as I\n"
         "assert 'triton' not in sys.modules\n"  # imported on first launch only
-        "print(K.triton_available(), K.INTERPRETED, os.environ.get('TRITON_INTERPRET'))\n"
+        "print(K.triton_available(), I.INTERPRETED, os.environ.get('TRITON_INTERPRET'))\n"
         "print(type(K._decode_split_kernel).__name__)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -377,7 +378,7 @@ def test_the_hot_call_makes_no_host_sync_and_validate_makes_one(fake_launch):
 def test_the_hot_call_with_caller_buffers_allocates_nothing(fake_launch):
     inputs = make_paged_cache([5, 40, 17], 8, 2, 16, 16, torch.float32)
     out = torch.empty_like(inputs[0])
-    workspace = K.DecodeWorkspace.allocate(4, 8, 16, max_splits=8)
+    workspace = P.DecodeWorkspace.allocate(4, 8, 16, max_splits=8)
     options = dict(num_splits=3, validate=False, out=out, workspace=workspace)
     assert K.paged_decode_attention(*inputs, **options) is out
     with CountTorchCalls() as counter:
@@ -392,7 +393,7 @@ def test_the_hot_call_with_caller_buffers_allocates_nothing(fake_launch):
 
 def test_workspace_and_out_give_the_reference_under_the_interpreter():
     inputs = make_paged_cache([5, 40, 17], 8, 2, 16, 16, torch.float32)
-    workspace = K.DecodeWorkspace.allocate(8, 8, 16, max_splits=8)  # larger than needed
+    workspace = P.DecodeWorkspace.allocate(8, 8, 16, max_splits=8)  # larger than needed
     out = torch.full_like(inputs[0], float("nan"))
     workspace.partial_out.fill_(float("nan"))  # stale contents must not matter
     result = K.paged_decode_attention(
@@ -404,11 +405,11 @@ def test_workspace_and_out_give_the_reference_under_the_interpreter():
 
 def test_caller_buffers_are_checked():
     inputs = make_paged_cache([5, 40], 4, 2, 16, 16, torch.float32)
-    small = K.DecodeWorkspace.allocate(2, 4, 16, max_splits=2)
+    small = P.DecodeWorkspace.allocate(2, 4, 16, max_splits=2)
     with pytest.raises(ValueError, match="workspace: holds 2 splits, num_splits is 4"):
         K.paged_decode_attention(*inputs, num_splits=4, workspace=small)
     with pytest.raises(ValueError, match="workspace: expected float32 buffers"):
-        K.paged_decode_attention(*inputs, workspace=K.DecodeWorkspace.allocate(1, 4, 16))
+        K.paged_decode_attention(*inputs, workspace=P.DecodeWorkspace.allocate(1, 4, 16))
     with pytest.raises(TypeError, match="workspace: expected a DecodeWorkspace, got tuple"):
         K.paged_decode_attention(*inputs, workspace=tuple(small))
     with pytest.raises(ValueError, match=r"out: expected a \(2, 4, 16\) torch.float32 tensor"):
@@ -420,9 +421,9 @@ def test_the_plan_cache_never_skips_a_check():
         [5, 20], 4, 2, 16, 16, torch.float32
     )
     K.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, validate=False)
-    plans = len(K._PLANS)
+    plans = len(P._PLANS)
     K.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, validate=False)
-    assert len(K._PLANS) == plans  # the same metadata: the cached plan
+    assert len(P._PLANS) == plans  # the same metadata: the cached plan
     # other metadata is checked afresh, however many good calls came before
     with pytest.raises(TypeError, match="expected one dtype"):
         K.paged_decode_attention(q.half(), k_cache, v_cache, block_tables, seq_lens)
@@ -443,14 +444,14 @@ def test_the_sm_count_is_queried_once_per_device(monkeypatch):
         queries.append(index)
         return types.SimpleNamespace(multi_processor_count=132)
 
-    K._num_sms.cache_clear()
+    P._num_sms.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     try:
         for batch in (1, 8, 64, 1):
-            K.default_num_splits(batch, 8, 131072, torch.device("cuda", 0))
-        assert K.default_num_splits(1, 8, 131072, "cuda:0") == 64
+            P.default_num_splits(batch, 8, 131072, torch.device("cuda", 0))
+        assert P.default_num_splits(1, 8, 131072, "cuda:0") == 64
     finally:
-        K._num_sms.cache_clear()
+        P._num_sms.cache_clear()
     assert queries == [0]
 
 
@@ -468,7 +469,7 @@ def test_hot_call_host_time_on_gpu_is_within_15_us_and_never_syncs():
         num_splits=4,
         validate=False,
         out=torch.empty_like(inputs[0]),
-        workspace=K.DecodeWorkspace.allocate(8, 32, 128, max_splits=4, device="cuda"),
+        workspace=P.DecodeWorkspace.allocate(8, 32, 128, max_splits=4, device="cuda"),
     )
     K.paged_decode_attention(*inputs, **options)  # compile
     torch.cuda.synchronize()
@@ -545,9 +546,9 @@ def test_engine_uses_the_kernel_only_where_it_fits(course_model):
 
 
 def test_the_ab_loader_runs_an_older_kernel_beside_this_one(tmp_path):
-    """`python -m kvlib.course.bench ab` on a GPU compares two commits' kernels in one process;
-    here both run under the interpreter on one small case and must agree."""
-    from kvlib.course.bench import load_kernels_at, remove_worktree
+    """`python -m kvlib.experiments.decode_tuning --ab` on a GPU compares two commits' kernels in
+    one process; here both run under the interpreter on one small case and must agree."""
+    from kvlib.experiments.decode_tuning import load_kernels_at, remove_worktree
 
     known = subprocess.run(
         ["git", "-C", ROOT, "cat-file", "-e", "e40ecea^{commit}"], capture_output=True

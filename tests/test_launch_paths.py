@@ -15,7 +15,7 @@ from kvlib.course.install_cell import install_lines, repository_url, rewrite_ins
 from kvlib.engine import LLMEngine, SamplingParams
 from kvlib.engine.request import Request
 from kvlib.generation import generate
-from kvlib.train import load_course_model
+from kvlib.loaders.course_model import load_course_model
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(
@@ -190,7 +190,7 @@ def test_relabel_refreshes_a_label_in_place_and_reports_a_new_one(tmp_path, monk
         R, "_current_sha256", lambda s: "edited" if s == "kvlib/quant.py" else current(s)
     )
     assert R.relabel(chapter) == []
-    assert "kvlib/evaluation.py, kvlib/quant.py changed since" in chapter.read_text()
+    assert "kvlib/model.py, kvlib/quant.py changed since" in chapter.read_text()
     monkeypatch.setattr(R, "_current_sha256", current)
     assert R.relabel(chapter) == [] and chapter.read_text() == original  # back as stored
     gqa = tmp_path / "05_gqa_mqa.ipynb"

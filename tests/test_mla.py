@@ -1,4 +1,4 @@
-"""kvlib.mla: the absorbed computation equals the naive one, both equal an explicit per-head
+"""kvlib.layers.mla: the absorbed computation equals the naive one, both equal an explicit per-head
 transcription of DeepSeek-V2's equations, caching through either path equals no cache, and the
 latent cache holds (d_c + d_R) values per token per layer."""
 
@@ -11,16 +11,11 @@ from kvlib.cache import DynamicCache
 from kvlib.cache.latent import LatentCache
 from kvlib.errors import UnsupportedConfigError
 from kvlib.generation import generate
+from kvlib.layers.llama import apply_rope, rope_cos_sin
+from kvlib.layers.mla import set_absorb
+from kvlib.loaders.hf import load_hf_checkpoint, save_hf_checkpoint
 from kvlib.memory import kv_cache_bytes
-from kvlib.mla import set_absorb
-from kvlib.model import (
-    LlamaModel,
-    ModelConfig,
-    apply_rope,
-    load_hf_checkpoint,
-    rope_cos_sin,
-    save_hf_checkpoint,
-)
+from kvlib.model import LlamaModel, ModelConfig
 from kvlib.testing import assert_close
 from tests.test_model import tiny_model
 
@@ -185,7 +180,7 @@ def counted_attention_flops(absorb: bool, t: int, s: int) -> int:
 
 @pytest.mark.parametrize("t,s", [(1, 9), (4, 9), (9, 9)])
 def test_attention_cost_counts_what_the_layer_computes(t, s):
-    from kvlib.mla import attention_cost
+    from kvlib.layers.mla import attention_cost
 
     assert attention_cost(MLA, t, s, "absorbed")["flops"] == counted_attention_flops(True, t, s)
     naive = attention_cost(MLA, t, s, "expanded_cache")["flops"]
@@ -197,7 +192,7 @@ def test_attention_cost_counts_what_the_layer_computes(t, s):
 
 
 def test_attention_cost_and_crossover_validate_and_agree():
-    from kvlib.mla import absorption_crossover, attention_cost
+    from kvlib.layers.mla import absorption_crossover, attention_cost
 
     with pytest.raises(ValueError, match="mode: expected one of"):
         attention_cost(MLA, 1, 4, "fused")
@@ -225,7 +220,7 @@ TINY_MHA = ModelConfig(
 
 
 def test_decoupled_rope_dims_rotate_exactly_as_the_full_head_did():
-    from kvlib.mla import decoupled_rope_dims
+    from kvlib.layers.mla import decoupled_rope_dims
 
     d, d_r = 32, 8
     nope, rope = decoupled_rope_dims(d, d_r)
@@ -244,7 +239,8 @@ def test_decoupled_rope_dims_rotate_exactly_as_the_full_head_did():
 def test_conversion_keeps_queries_and_factorises_keys_and_values():
     """At full rank the latent reproduces every head's content keys and values; queries are
     permuted, not changed; the rotary key is the heads' mean."""
-    from kvlib.mla import convert_to_mla, decoupled_rope_dims
+    from kvlib.conversions.mla import convert_to_mla
+    from kvlib.layers.mla import decoupled_rope_dims
 
     mha = tiny_model(TINY_MHA, 0).double()
     mla = convert_to_mla(mha, 64, 8)  # 64 = d_model: lossless
@@ -269,7 +265,7 @@ def test_conversion_keeps_queries_and_factorises_keys_and_values():
 
 
 def test_uptraining_point_validates_attention():
-    from kvlib.mla import uptraining_point
+    from kvlib.experiments.mla_uptraining import uptraining_point
 
     with pytest.raises(ValueError, match="attention: expected 'MLA' with a kv_lora_rank"):
         uptraining_point("MLA", 0.0)
@@ -278,15 +274,16 @@ def test_uptraining_point_validates_attention():
 
 
 def test_recorded_mla_sweep_is_complete_and_reproduced():
-    """CI recomputes points of `results/mla_uptraining.csv` (`python -m kvlib.mla uptraining`):
-    a conversion without uptraining, which must match to round-off, one short uptraining run,
-    within what another CPU's reduction order can move it, and the shipped checkpoint, which must
-    evaluate to its row."""
+    """CI recomputes points of `results/mla_uptraining.csv` (`python -m
+    kvlib.experiments.mla_uptraining`): a conversion without uptraining, which must match to
+    round-off, one short uptraining run, within what another CPU's reduction order can move it, and
+    the shipped checkpoint, which must evaluate to its row."""
     import csv
     from pathlib import Path
 
-    from kvlib.mla import load_course_mla_model, sweep_points, uptraining_point
-    from kvlib.train import evaluate
+    from kvlib.experiments.mla_uptraining import sweep_points, uptraining_point
+    from kvlib.loaders.course_model import load_course_mla_model
+    from kvlib.training import evaluate
 
     with (Path(__file__).resolve().parents[1] / "results" / "mla_uptraining.csv").open() as f:
         rows = list(csv.DictReader(f))
@@ -317,7 +314,7 @@ def test_recorded_mla_sweep_is_complete_and_reproduced():
 def test_course_mla_model_runs_on_the_grouped_backend_as_on_the_reference():
     """The grouped backend reads the one latent "KV head" once instead of repeating it H times;
     the logits are the reference backend's to round-off, and an unknown name fails early."""
-    from kvlib.mla import load_course_mla_model
+    from kvlib.loaders.course_model import load_course_mla_model
 
     tokens = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))
     reference = load_course_mla_model()

@@ -14,15 +14,9 @@ import torch
 from kvlib.cache import DynamicCache, StaticCache
 from kvlib.errors import CacheOverflowError, UnsupportedConfigError
 from kvlib.generation import generate
-from kvlib.model import (
-    LlamaModel,
-    ModelConfig,
-    apply_rope,
-    load_hf_checkpoint,
-    rope_cos_sin,
-    rope_inverse_frequencies,
-    save_hf_checkpoint,
-)
+from kvlib.layers.llama import apply_rope, rope_cos_sin, rope_inverse_frequencies
+from kvlib.loaders.hf import load_hf_checkpoint, save_hf_checkpoint
+from kvlib.model import LlamaModel, ModelConfig
 from kvlib.ref import toy_cache
 from kvlib.testing import assert_close
 

@@ -10,7 +10,7 @@ from kvlib.cache.paged import PagedKV, gather_kv, paged_attention
 from kvlib.errors import OutOfBlocksError
 from kvlib.generation import generate
 from kvlib.kernels import paged_decode_attention  # imported first: it sets TRITON_INTERPRET on CPU
-from kvlib.train import load_course_model
+from kvlib.loaders.course_model import load_course_model
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_running_out_of_blocks_raises(course_model):
         with pytest.raises(OutOfBlocksError, match="1 blocks needed, 0 of 2 free"):
             course_model(ids[:, :1], cache=cache)
     with pytest.raises(ValueError, match="MLA model caches latent rows"):
-        from kvlib.mla import load_course_mla_model
+        from kvlib.loaders.course_model import load_course_mla_model
 
         PagedCache.for_model(load_course_mla_model(), 1, 8)
 

@@ -15,11 +15,9 @@ from hypothesis import strategies as st
 
 import kvlib.memory as memory
 from kvlib.cache import DynamicCache, QuantizedCache, QuantizedPagedCache
-from kvlib.evaluation import (
-    course_text,
-    quant_factory,
-)
+from kvlib.experiments.quant_sweep import quant_factory
 from kvlib.generation import generate
+from kvlib.metrics.quality import course_text
 from kvlib.quant import (
     FORMATS,
     QuantScheme,

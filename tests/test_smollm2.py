@@ -11,9 +11,9 @@ import torch
 from kvlib.cache import StaticCache
 from kvlib.errors import UnsupportedConfigError
 from kvlib.generation import generate
-from kvlib.gguf import load_gguf_checkpoint, undo_qk_permutation
+from kvlib.loaders.gguf import load_gguf_checkpoint, undo_qk_permutation
+from kvlib.loaders.smollm2 import smollm2_gguf_path
 from kvlib.memory import kv_cache_bytes
-from kvlib.smollm2 import smollm2_gguf_path
 from kvlib.testing import assert_close
 
 TEXTS = [

@@ -3,14 +3,15 @@
 - `base.KVCache`: what the model needs of a cache (the attention seam);
 - `dense.DynamicCache`, `dense.StaticCache`: contiguous `(B, H_kv, S, D)` caches (chapter 2);
 - `latent.LatentCache`: MLA's cache of latent rows `[c_KV, k_R]` (chapter 6);
-- `block_pool.BlockPool`, `block_pool.BlockManager`: the paged cache's reference-counted block
+- `block_pool.BlockPool`, `block_manager.BlockManager`: the paged cache's reference-counted block
   allocator with prefix caching and copy-on-write, and its per-sequence block tables (chapter 7);
 - `paged.PagedCache`: K/V in blocks `(num_blocks, block_size, H_kv, D)` per layer, written through
   the slot mapping and read by paged attention (chapter 7);
 - `simulate`: a request trace replayed against contiguous and paged caches, every slot accounted
   for (reserved, internal and external fragmentation; chapter 7);
 - `evicting.EvictingCache`: a dense cache that keeps at most a budget of tokens per KV head,
-  chosen by a policy (`StreamingLLM`, `H2O`, `TOVA`, `SnapKV`, `RandomEviction`; chapter 8);
+  chosen by a policy (`eviction_policies`: `StreamingLLM`, `H2O`, `TOVA`, `SnapKV`,
+`RandomEviction`; chapter 8);
 - `compaction.CompactingPagedCache`: a paged cache whose sequences evict tokens (a chapter 8
   policy, one decision per sequence) and get their blocks back by compaction: order-preserving
   repack or hole-filling with a slot -> position map (chapter 9);

@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from kvlib.cache.block_pool import BlockManager, BlockPool
+from kvlib.cache.block_manager import BlockManager
+from kvlib.cache.block_pool import BlockPool
 
 __all__ = ["shuffled_block_tables"]
 
@@ -30,7 +31,7 @@ def shuffled_block_tables(
     """Block tables for a paged cache whose physical blocks are in random order, as a busy
     allocator leaves them (PagedAttention, Kwon et al., 2023): sequence b gets
     ceil(seq_lens[b] / block_size) distinct blocks of a pool of sum(...) + `spare_blocks` blocks,
-    allocated by `kvlib.cache.block_pool.BlockManager` from a free queue in the order `generator`
+    allocated by `kvlib.cache.block_manager.BlockManager` from a free queue in the order `generator`
     shuffles it.
 
     Returns `(block_tables, num_blocks)`: `block_tables (B, max_blocks_per_seq) int32` on `device`

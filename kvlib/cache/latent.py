@@ -6,7 +6,7 @@ normalised latent `c_KV` (`kv_lora_rank` = d_c values) from which every head's k
 up-projected, and one rotary key `k_R` (`qk_rope_head_dim` = d_R values) shared by all heads. This
 cache stores the two side by side in one row, `[c_KV, k_R]`, as FlashMLA does (512 + 64 = 576
 values for DeepSeek-V3), so that the absorbed attention reads it as an MQA cache: keys are whole
-rows (width d_c + d_R), values are their first d_c numbers (`kvlib.mla`).
+rows (width d_c + d_R), values are their first d_c numbers (`kvlib.layers.mla`).
 
 Layout per layer: `(B, 1, S, d_c + d_R)`, growing by `torch.cat` like `DynamicCache`.
 """

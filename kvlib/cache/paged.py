@@ -7,7 +7,7 @@ and chapter 11's kernel's). A step's new tokens are written through the **slot m
 read back by a **paged attention** that gathers each sequence's blocks in logical order
 (`paged_attention`, the torch reference; chapter 11's Triton kernel reads the same layout).
 
-Blocks come from `kvlib.cache.block_pool.BlockManager`: allocated as tokens arrive, shared by
+Blocks come from `kvlib.cache.block_manager.BlockManager`: allocated as tokens arrive, shared by
 `repeat` (parallel samples, beams: each block's reference count goes up instead of copying) and by
 `reorder` (beam search keeps or drops beams by forking and freeing), and copied on write when a
 sequence appends into a partly filled block it shares (the copies `BlockManager.copies` lists are
@@ -32,7 +32,8 @@ import torch
 
 from kvlib._validate import check_positive_int
 from kvlib.cache.base import check_kv_update
-from kvlib.cache.block_pool import BlockManager, BlockPool
+from kvlib.cache.block_manager import BlockManager
+from kvlib.cache.block_pool import BlockPool
 from kvlib.ops.attention import reference_attention
 
 __all__ = ["PagedCache", "PagedKV", "paged_attention", "read_slots"]

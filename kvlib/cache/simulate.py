@@ -21,7 +21,8 @@ import dataclasses
 import numpy as np
 
 from kvlib._validate import check_positive_int
-from kvlib.cache.block_pool import BlockManager, BlockPool
+from kvlib.cache.block_manager import BlockManager
+from kvlib.cache.block_pool import BlockPool
 
 __all__ = ["Request", "SimulationResult", "simulate", "synthetic_trace"]
 

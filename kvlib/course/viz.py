@@ -123,7 +123,7 @@ def decode_animation(
 
 @dataclasses.dataclass(frozen=True)
 class PoolSnapshot:
-    """A `kvlib.cache.block_pool.BlockManager` at one moment, for drawing.
+    """A `kvlib.cache.block_manager.BlockManager` at one moment, for drawing.
 
     Attributes:
         caption: what the last operation did.
@@ -290,3 +290,31 @@ def draw_block_table(
     ax.set_xticklabels([f"slot {c}" for c in range(block_size)], fontsize=8)
     ax.set_title(title)
     ax.tick_params(length=0)
+
+
+def engine_timeline(ax, engine, title: str) -> None:
+    """Draw a served `kvlib.engine.LLMEngine`'s schedule on `ax` (chapter 12): one row per
+    request, waiting (grey) from its arrival until it is first scheduled, then a cell per step it
+    computes: prefill (a chunk of more than one token, or its first step) or decode."""
+    from collections import defaultdict
+
+    seen = set()
+    cells = defaultdict(list)  # request -> [(step, kind)]
+    for s in engine.stats:
+        for rid, n in s.scheduled:
+            cells[rid].append((s.step, "prefill" if n > 1 or rid not in seen else "decode"))
+            seen.add(rid)
+    colors = {"prefill": "tab:blue", "decode": "tab:orange"}
+    for row, (rid, request) in enumerate(engine.requests.items()):
+        first = cells[rid][0][0]
+        ax.broken_barh(
+            [(request.arrival_step, first - request.arrival_step)], (row - 0.4, 0.8), color="0.85"
+        )
+        for kind in colors:
+            steps = [(step, 1) for step, k in cells[rid] if k == kind]
+            ax.broken_barh(steps, (row - 0.4, 0.8), color=colors[kind])
+    ax.set_yticks(range(len(engine.requests)))
+    ax.set_yticklabels([f"req {i}" for i in range(len(engine.requests))], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("engine step")
+    ax.set_title(title, fontsize=10)

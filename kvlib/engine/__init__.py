@@ -8,8 +8,8 @@ Modules, named as vLLM v1 and nano-vllm name theirs:
 - `runner`: the flattened batch and its attention metadata (positions, slot mapping, block tables,
   sequence lengths), one forward of the course's model, sampling;
 - `llm_engine`: `LLMEngine` (`add_request`, `step`, `generate`) and its metrics;
-- `workload`: a synthetic serving workload, the comparison chapter 12 measures, and
-  `python -m kvlib.engine.workload`, which records it (`results/serving.csv`).
+- `workload`: a synthetic serving workload and the configurations chapter 12 compares
+  (`python -m kvlib.experiments.serving` records the comparison, `results/serving.csv`).
 
 The block allocator itself is chapter 7's `kvlib.cache.block_pool`.
 """

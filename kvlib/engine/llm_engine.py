@@ -40,7 +40,8 @@ import time
 from collections.abc import Sequence
 
 from kvlib._validate import check_positive_int
-from kvlib.cache.block_pool import BlockManager, BlockPool
+from kvlib.cache.block_manager import BlockManager
+from kvlib.cache.block_pool import BlockPool
 from kvlib.cache.paged import PagedCache
 from kvlib.cache.quantized import QuantizedPagedCache
 from kvlib.engine.request import (

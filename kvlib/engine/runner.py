@@ -32,7 +32,7 @@ import itertools
 
 import torch
 
-from kvlib.cache.block_pool import BlockManager
+from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.paged import PagedCache, PagedKV
 from kvlib.engine.request import Request, TokenLogprobs
 from kvlib.engine.sampler import device_tensor, sample, sample_step, to_host, token_logprobs
@@ -185,7 +185,7 @@ def kernel_supports(storage: PagedCache, dtype: torch.dtype) -> bool:
     `PagedCache` of that dtype, or a `QuantizedPagedCache` of int8/fp8 codes with one symmetric
     float16/float32 scale per token and KV head (no channel groups, no zero points)."""
     from kvlib.cache.quantized import QuantizedPagedCache
-    from kvlib.kernels import QUANTIZED_DTYPES, SUPPORTED_DTYPES
+    from kvlib.ops.decode_checks import QUANTIZED_DTYPES, SUPPORTED_DTYPES
 
     if dtype not in SUPPORTED_DTYPES:
         return False
@@ -367,7 +367,7 @@ class ModelRunner:
             return VarlenBatchKV(self.storage, batch, decode_kernel=False)
         if not use_kernel:
             return BatchKV(self.storage, batch)
-        from kvlib.kernels import DecodeWorkspace
+        from kvlib.ops.decode_plan import DecodeWorkspace
 
         config = self.model.config
         n = len(batch.seq_lens)
@@ -392,7 +392,7 @@ class ModelRunner:
     def _kernel_splits(self) -> int:
         """One split count for the runner's lifetime, for the longest sequence the pool can
         hold: a sequence's arithmetic must not depend on its batch."""
-        from kvlib.kernels import default_num_splits
+        from kvlib.ops.decode_plan import default_num_splits
 
         capacity = self.manager.pool.num_blocks * self.storage.block_size
         heads = self.model.config.num_key_value_heads

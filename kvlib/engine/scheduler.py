@@ -42,7 +42,7 @@ import dataclasses
 from collections import deque
 
 from kvlib._validate import check_positive_int
-from kvlib.cache.block_pool import BlockManager
+from kvlib.cache.block_manager import BlockManager
 from kvlib.engine.request import Request, RequestStatus
 
 __all__ = ["SchedulerConfig", "SchedulerOutput", "Scheduler", "StreamingEviction"]

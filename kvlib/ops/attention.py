@@ -10,7 +10,7 @@ A backend is a function `backend(q, kv, mask, *, weights_out=None) -> out` with
   also takes (B, H, T, S), one mask per head: a cache that keeps different tokens per head);
 - `weights_out`: a list to append the (B, H, T, S) attention weights to (not SDPA);
 - `scale`: the softmax temperature; None: 1/sqrt(D) with D = q's last dimension. MLA's absorbed
-  path passes its own (`kvlib.mla`), because its queries are wider than the heads it scores;
+  path passes its own (`kvlib.layers.mla`), because its queries are wider than the heads it scores;
 - `out`: (B, H, T, D_v) in q's dtype (D_v: the values' last dimension, usually D).
 
 The model picks one by name (`ATTENTION_BACKENDS`); a cache whose `update` returns something else
@@ -31,6 +31,20 @@ __all__ = [
     "reference_attention",
     "sdpa_attention",
 ]
+
+
+def visible(
+    key_positions: torch.Tensor, query_positions: torch.Tensor, sliding_window: int | None = None
+) -> torch.Tensor:
+    """The visibility rule, written once: a query at position p sees the key at position j when
+    j <= p (causal) and, with a sliding window W, j > p - W (among the last W). Positions are
+    int tensors that broadcast against each other; returns their broadcast shape, bool. The
+    model's mask (`kvlib.model.attention_mask_3d`) and the caches that mask by the positions they
+    hold (`EvictingCache`, `CompactingPagedCache`) all call it."""
+    sees = key_positions <= query_positions
+    if sliding_window is not None:
+        sees &= key_positions > query_positions - sliding_window
+    return sees
 
 
 def reference_attention(

@@ -31,12 +31,12 @@ def choose_num_splits(
     `min_tokens_per_split` tokens and never passing `max_splits`.
 
     The constants are measured, not guessed: on an H100 SXM (132 SMs), the sweep in
-    `results/decode_tuning.csv` (`python -m kvlib.course.bench tune`, best launch settings at each
-    split count) found about one program per SM (0.97) reaching 63-90% of the copy bandwidth at 32k
-    tokens and more, and about four (3.9) 68-101%, 5 to 9 points more on each shape; the plateau
-    starts near two per SM, and more splits than four per SM gain at most a point. Because the
-    count doubles, the rule launches 3.9 to 7.8 programs per SM unless `max_splits` caps it. The
-    split-K idea is Flash-Decoding's (Dao et al., 2023).
+    `results/decode_tuning.csv` (`python -m kvlib.experiments.decode_tuning`, best launch settings
+    at each split count) found about one program per SM (0.97) reaching 63-90% of the copy
+    bandwidth at 32k tokens and more, and about four (3.9) 68-101%, 5 to 9 points more on each
+    shape; the plateau starts near two per SM, and more splits than four per SM gain at most a
+    point. Because the count doubles, the rule launches 3.9 to 7.8 programs per SM unless
+    `max_splits` caps it. The split-K idea is Flash-Decoding's (Dao et al., 2023).
 
     Args:
         batch_size, num_kv_heads, seq_len: the decode batch's shape (S = longest sequence).

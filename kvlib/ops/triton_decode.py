@@ -10,8 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Triton reads TRITON_INTERPRET when a decorator runs: kvlib.kernels sets it without CUDA
-import kvlib.kernels  # noqa: F401
+# Triton reads TRITON_INTERPRET when a decorator runs: kvlib.ops.interpreter sets it without CUDA
+import kvlib.ops.interpreter  # noqa: F401
 
 
 @triton.jit

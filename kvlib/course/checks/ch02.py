@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.course.grading import ROPE_API, LearnerRaised, Submission, question
-from kvlib.model import apply_rope, rope_cos_sin
+from kvlib.layers.llama import apply_rope, rope_cos_sin
 from kvlib.testing import assert_close
 
 

