@@ -27,7 +27,7 @@ def test_buckets_cover_every_batch_size_up_to_the_largest():
 
 @pytest.fixture(scope="module")
 def course():
-    from kvlib.train import load_course_model
+    from kvlib.loaders.course_model import load_course_model
 
     return load_course_model()
 

@@ -2195,7 +2195,7 @@ TWIN_ANSWERS = [
         "def h2o_update(scores, weights):  # a policy object made without its guarded __init__\n"
         "    policy = object.__new__(H2O)\n"
         "    return policy.observe(None, weights, None)\n",
-        "kvlib.cache.evicting.H2O is unavailable",
+        "kvlib.cache.eviction_policies.H2O is unavailable",
     ),
     (
         "09_compaction.ipynb",

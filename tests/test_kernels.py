@@ -16,7 +16,7 @@ import kvlib.ops.decode_plan as P
 from kvlib.cache.block_table import shuffled_block_tables
 from kvlib.course.bench import decode_host_time_us
 from kvlib.engine import LLMEngine, SamplingParams
-from kvlib.engine.runner import kernel_supports
+from kvlib.engine.batch import kernel_supports
 from kvlib.kernels import paged_decode_attention, paged_decode_attention_ref
 from kvlib.loaders.course_model import load_course_model
 from kvlib.quant import QuantScheme

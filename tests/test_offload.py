@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvlib.cache.block_pool import hash_block_tokens
 from kvlib.engine import LLMEngine, SamplingParams
+from kvlib.loaders.course_model import load_course_model
 from kvlib.offload import (
     DiskTier,
     MemoryTier,
@@ -31,7 +32,6 @@ from kvlib.offload import (
 from kvlib.offload.disk import write_block_file
 from kvlib.offload.engine import OffloadEngine
 from kvlib.quant import QuantScheme
-from kvlib.train import load_course_model
 from tests.test_engine import COURSE_PROMPTS, alone
 
 REPO = Path(__file__).resolve().parents[1]

@@ -98,7 +98,7 @@ def test_a_step_syncs_with_the_host_once(sync_counter):
 def test_the_engine_transfers_once_per_step_that_samples(monkeypatch):
     from kvlib.engine import LLMEngine
     from kvlib.engine import runner as runner_module
-    from kvlib.train import load_course_model
+    from kvlib.loaders.course_model import load_course_model
 
     transfers = []
     original = runner_module.to_host

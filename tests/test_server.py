@@ -20,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib.engine import LLMEngine, SamplingParams
+from kvlib.loaders.course_model import load_course_model
 from kvlib.serve.detokenize import REPLACEMENT_CHARACTER, IncrementalDetokenizer, StopStringMatcher
 from kvlib.serve.models import CourseTokenizer, ServedModel
 from kvlib.serve.server import ServerThread, create_app
-from kvlib.train import load_course_model
 
 ENGINE = dict(num_blocks=64, block_size=16, max_num_seqs=32, max_num_batched_tokens=256)
 PROMPT = "BOS SET k1 v2 SET k3 v4 w5 w6 w7 GET k1"
@@ -323,9 +323,9 @@ def test_top_logprob_keys_follow_byte_level_tokens():
     also when that text is "" (an unfinished character) or completes one."""
     from kvlib.engine import FinishReason, RequestOutput
     from kvlib.engine.request import TokenLogprobs
-    from kvlib.gguf import load_gguf_tokenizer
+    from kvlib.loaders.gguf import load_gguf_tokenizer
+    from kvlib.loaders.smollm2 import smollm2_gguf_path
     from kvlib.serve.choices import Choice
-    from kvlib.smollm2 import smollm2_gguf_path
 
     tokenizer = load_gguf_tokenizer(smollm2_gguf_path())
     served = ServedModel("smollm2", None, tokenizer, (tokenizer.eos_token_id,), 2048)

@@ -100,7 +100,7 @@ def test_paged_prefill_rejects_lengths_that_do_not_fit():
 
 @pytest.fixture(scope="module")
 def course():
-    from kvlib.train import load_course_model
+    from kvlib.loaders.course_model import load_course_model
 
     return load_course_model()
 

@@ -24,10 +24,10 @@ MEMORY_API = (
 )
 # Everything in kvlib that computes rotary embeddings
 ROPE_API = (
-    "kvlib.model.apply_rope",
-    "kvlib.model.rope_cos_sin",
-    "kvlib.model.rope_inverse_frequencies",
-    "kvlib.model.rotate_half",
+    "kvlib.layers.llama.apply_rope",
+    "kvlib.layers.llama.rope_cos_sin",
+    "kvlib.layers.llama.rope_inverse_frequencies",
+    "kvlib.layers.llama.rotate_half",
 )
 # Everything in kvlib that computes attention (torch's SDPA is detected separately)
 ATTENTION_API = (
@@ -47,17 +47,17 @@ PAGING_API = (
     "kvlib.cache.paged.read_slots",
     "kvlib.cache.paged.gather_kv",
     "kvlib.cache.paged.PagedCache",
-    "kvlib.cache.block_pool.BlockManager",
+    "kvlib.cache.block_manager.BlockManager",
 )
 # Everything in kvlib that decides which tokens an eviction policy keeps, or scores them: the
 # policies, the caches and the engine's block-level window that run them
 EVICTION_API = (
     "kvlib.cache.evicting.EvictionPolicy",
-    "kvlib.cache.evicting.StreamingLLM",
-    "kvlib.cache.evicting.H2O",
-    "kvlib.cache.evicting.TOVA",
-    "kvlib.cache.evicting.SnapKV",
-    "kvlib.cache.evicting.RandomEviction",
+    "kvlib.cache.eviction_policies.StreamingLLM",
+    "kvlib.cache.eviction_policies.H2O",
+    "kvlib.cache.eviction_policies.TOVA",
+    "kvlib.cache.eviction_policies.SnapKV",
+    "kvlib.cache.eviction_policies.RandomEviction",
     "kvlib.cache.evicting.EvictingCache",
     "kvlib.cache.evicting._most_recent",
     "kvlib.cache.evicting.token_scores_from_lse",
@@ -66,12 +66,12 @@ EVICTION_API = (
 )
 # Everything in kvlib that plans or performs a compaction pass, or frees emptied blocks
 COMPACTION_API = (
-    "kvlib.cache.compaction.freeable_blocks",
-    "kvlib.cache.compaction.plan_repack",
-    "kvlib.cache.compaction.plan_hole_filling",
+    "kvlib.cache.compaction_plans.freeable_blocks",
+    "kvlib.cache.compaction_plans.plan_repack",
+    "kvlib.cache.compaction_plans.plan_hole_filling",
     "kvlib.cache.compaction.SlotMap",
     "kvlib.cache.compaction.CompactingPagedCache",
-    "kvlib.cache.block_pool.BlockManager",  # drop_blocks, move_slots
+    "kvlib.cache.block_manager.BlockManager",  # drop_blocks, move_slots
 )
 # Everything in kvlib that quantizes (computes scales, zero points, codes or packed bytes)
 QUANT_API = (

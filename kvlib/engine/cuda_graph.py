@@ -147,11 +147,8 @@ class DecodeGraphRunner:
         """The graph runner of a `ModelRunner` built with `cuda_graphs=True`: the kernel (and
         capture, on CUDA) where the runner uses it, with the runner's split count and a workspace
         of its own; the torch reference, eagerly, otherwise."""
-        from kvlib.kernels import (
-            DecodeWorkspace,
-            paged_decode_attention,
-            paged_decode_attention_ref,
-        )
+        from kvlib.kernels import paged_decode_attention, paged_decode_attention_ref
+        from kvlib.ops.decode_plan import DecodeWorkspace
 
         config, kernel, launch = runner.model.config, runner._use_kernel(), {}
         if kernel:

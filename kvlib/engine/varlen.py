@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.engine.runner import KernelBatchKV, ModelInput
+from kvlib.engine.batch import KernelBatchKV, ModelInput
 from kvlib.engine.sampler import device_tensor
 from kvlib.ops.paged_prefill import paged_prefill_attention
 

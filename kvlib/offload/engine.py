@@ -28,7 +28,8 @@ import itertools
 
 import torch
 
-from kvlib.cache.block_pool import BlockManager, BlockPool, hash_block_tokens
+from kvlib.cache.block_manager import BlockManager
+from kvlib.cache.block_pool import BlockPool, hash_block_tokens
 from kvlib.engine.llm_engine import LLMEngine
 from kvlib.offload.keys import block_key, engine_salt
 from kvlib.offload.store import TieredStore, payload_nbytes

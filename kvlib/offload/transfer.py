@@ -140,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     if args.model == "course":
-        from kvlib.train import load_course_model
+        from kvlib.loaders.course_model import load_course_model
 
         model = load_course_model()
     else:
-        from kvlib.smollm2 import load_smollm2
+        from kvlib.loaders.smollm2 import load_smollm2
 
         model, _ = load_smollm2()
     serve(

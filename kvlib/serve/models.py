@@ -53,7 +53,7 @@ class ServedModel:
 
     name: str
     model: object  # kvlib.model.LlamaModel
-    tokenizer: object  # CourseTokenizer or kvlib.gguf.GGUFTokenizer
+    tokenizer: object  # CourseTokenizer or kvlib.loaders.gguf.GGUFTokenizer
     eos_token_ids: tuple[int, ...]
     max_model_len: int
 
@@ -73,14 +73,14 @@ def load_served_model(name: str) -> ServedModel:
         ValueError: another name.
     """
     if name == "course":
-        from kvlib.train import load_course_model
+        from kvlib.loaders.course_model import load_course_model
 
         model = load_course_model()
         return ServedModel(
             "course", model, CourseTokenizer(), (), model.config.max_position_embeddings
         )
     if name == "smollm2":
-        from kvlib.smollm2 import load_smollm2
+        from kvlib.loaders.smollm2 import load_smollm2
 
         model, tokenizer = load_smollm2()
         return ServedModel(

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import copy
 
-from kvlib.cache.block_pool import BlockManager, BlockPool, hash_block_tokens
+from kvlib.cache.block_manager import BlockManager
+from kvlib.cache.block_pool import BlockPool, hash_block_tokens
 from kvlib.course.grading import PAGING_API, Submission, question
 
 

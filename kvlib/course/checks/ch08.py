@@ -9,7 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvlib.cache.evicting import H2O, LayerState, StreamingLLM
+from kvlib.cache.eviction_policies import H2O, LayerState, StreamingLLM
 from kvlib.course.grading import EVICTION_API, Submission, question
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.cache.compaction import freeable_blocks, plan_hole_filling, plan_repack
+from kvlib.cache.compaction_plans import freeable_blocks, plan_hole_filling, plan_repack
 from kvlib.course.grading import COMPACTION_API, Submission, question
 
 
