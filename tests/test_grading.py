@@ -1967,6 +1967,25 @@ BLOCKED_ANSWERS = [
     (
         "01_naive_vs_cached.ipynb",
         "stable_softmax",
+        "import threading\nfrom kvlib.ref.attention import softmax\n\n"
+        "def stable_softmax(x):  # the blocked function called from a thread of the answer's own\n"
+        "    out = {}\n\n"
+        "    def work():\n"
+        "        try:\n"
+        "            out['y'] = softmax(x)\n"
+        "        except BaseException as error:\n"
+        "            out['error'] = error\n\n"
+        "    thread = threading.Thread(target=work)\n"
+        "    thread.start()\n"
+        "    thread.join()\n"
+        "    if 'error' in out:\n"
+        "        raise out['error']\n"
+        "    return out['y']\n",
+        "unavailable",
+    ),
+    (
+        "01_naive_vs_cached.ipynb",
+        "stable_softmax",
         "from kvlib.ref.attention import softmax\n\n"
         "def stable_softmax(x, _impl=softmax):  # captured as a default argument\n"
         "    return _impl(x)\n",

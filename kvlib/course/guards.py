@@ -29,6 +29,7 @@ import os
 import sys
 import types
 from pathlib import Path
+from threading import get_ident as _thread_id
 
 _KVLIB_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 _COURSE_DIR = str(Path(__file__).resolve().parent) + os.sep
@@ -110,12 +111,7 @@ def _make_guard():
     def blocked_now():
         """The names blocked by the graded call running now (a local of its frame), or None
         outside a graded call."""
-        frame = sys._getframe(2)
-        while frame is not None:
-            if frame.f_code is dispatch:
-                return frame.f_locals.get("blocked", ())
-            frame = frame.f_back
-        return None
+        return _graded_call_blocked(sys._getframe(2), dispatch)
 
     def guard(name: str) -> None:
         caller = sys._getframe(2).f_code  # 0: here, 1: the guarded function, 2: its caller
@@ -235,15 +231,22 @@ def _guard_copy(fn: types.FunctionType) -> None:
         fn.__code__ = match[1]
 
 
+def _graded_call_blocked(frame, marker):
+    """`blocked` of the graded call running now, found on this thread's stack from `frame`, or
+    on any other thread's (a thread the learner's code started runs without `call_learner` on
+    its own stack, but while it runs on the main thread's); None outside a graded call."""
+    stacks = [frame, *(f for tid, f in sys._current_frames().items() if tid != _thread_id())]
+    for frame in stacks:
+        while frame is not None:
+            if frame.f_code is marker:
+                return frame.f_locals.get("blocked", ())
+            frame = frame.f_back
+    return None
+
+
 def _blocked_now():
     """The names the graded call running now blocks, or None outside a graded call."""
-    frame = sys._getframe(1)
-    marker = call_learner.__code__
-    while frame is not None:
-        if frame.f_code is marker:
-            return frame.f_locals.get("blocked", ())
-        frame = frame.f_back
-    return None
+    return _graded_call_blocked(sys._getframe(1), call_learner.__code__)
 
 
 _AUDITED = frozenset({"exec", "function.__new__", "object.__setattr__"})
