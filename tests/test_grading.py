@@ -2091,7 +2091,7 @@ BLOCKED_ANSWERS = [
     (
         "02_cache_in_a_transformer.ipynb",
         "rope_at_offset",
-        "from kvlib.model import rope_inverse_frequencies, rotate_half\n\n"
+        "from kvlib.layers.llama import rope_inverse_frequencies, rotate_half\n\n"
         "def rope_at_offset(x, offset, theta):\n"
         "    t, d = x.shape\n"
         "    positions = torch.arange(offset, offset + t, dtype=torch.float32)[:, None]\n"
@@ -2210,7 +2210,8 @@ TWIN_ANSWERS = [
     (
         "08_eviction.ipynb",
         "h2o_update",
-        "from kvlib.cache.evicting import EvictingCache, H2O\n\n"
+        "from kvlib.cache.evicting import EvictingCache\n"
+        "from kvlib.cache.eviction_policies import H2O\n\n"
         "def h2o_update(scores, weights):  # a policy object made without its guarded __init__\n"
         "    policy = object.__new__(H2O)\n"
         "    return policy.observe(None, weights, None)\n",
@@ -2219,7 +2220,7 @@ TWIN_ANSWERS = [
     (
         "09_compaction.ipynb",
         "positions_after_hole_filling",
-        "from kvlib.cache.compaction import SlotMap\n\n"
+        "from kvlib.cache.compaction_plans import SlotMap\n\n"
         "def positions_after_hole_filling(positions):  # the cache's slot map does the moves\n"
         "    live = [p >= 0 for p in positions]\n"
         "    holes = [i for i, x in enumerate(live) if not x]\n"

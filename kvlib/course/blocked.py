@@ -59,7 +59,7 @@ EVICTION_API = (
     "kvlib.cache.eviction_policies.SnapKV",
     "kvlib.cache.eviction_policies.RandomEviction",
     "kvlib.cache.evicting.EvictingCache",
-    "kvlib.cache.evicting._most_recent",
+    "kvlib.cache.eviction_policies._most_recent",
     "kvlib.cache.evicting.token_scores_from_lse",
     "kvlib.cache.compaction.CompactingPagedCache",
     "kvlib.engine.scheduler.StreamingEviction",
