@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load, save
 
-from kvlib.offload.store import payload_nbytes
+from kvlib.offload.store import TierIndex, payload_nbytes
 
 __all__ = ["DiskTier", "write_block_file"]
 
@@ -51,7 +51,7 @@ def write_block_file(path: Path, payload: dict[str, torch.Tensor], *, atomic: bo
         os.replace(target, path)
 
 
-class DiskTier:
+class DiskTier(TierIndex):
     """Blocks as safetensors files `<key hex>.safetensors` in `directory` (created if absent);
     the same interface as `kvlib.offload.MemoryTier`, and durable: `reopen` rebuilds the index from
     the files, as a restarted process does.
@@ -105,15 +105,6 @@ class DiskTier:
         )
         self.used_bytes = sum(self.sizes.values())
         self._clock_ns = max((mtime for mtime, _, _ in found), default=0)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.sizes
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def keys(self) -> list[bytes]:
-        return list(self.sizes)
 
     def put(self, key: bytes, payload: dict[str, torch.Tensor]) -> None:
         write_block_file(self.path(key), payload, atomic=self.atomic)

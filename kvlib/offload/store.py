@@ -26,7 +26,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["MemoryTier", "StoreStats", "TieredStore", "payload_nbytes"]
+__all__ = ["MemoryTier", "StoreStats", "TierIndex", "TieredStore", "payload_nbytes"]
 
 
 def payload_nbytes(payload: dict[str, torch.Tensor]) -> int:
@@ -34,7 +34,25 @@ def payload_nbytes(payload: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in payload.values())
 
 
-class MemoryTier:
+class TierIndex:
+    """What every tier keeps the same way: `sizes`, each block's payload bytes by key, least
+    recently used first, and `used_bytes`, their sum."""
+
+    sizes: dict[bytes, int]
+    used_bytes: int
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.sizes
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def keys(self) -> list[bytes]:
+        """Keys, least recently used first."""
+        return list(self.sizes)
+
+
+class MemoryTier(TierIndex):
     """Blocks in host memory: an LRU-ordered dict key -> payload (least recently used first).
 
     Args:
@@ -57,16 +75,6 @@ class MemoryTier:
         self.blocks: OrderedDict[bytes, dict[str, torch.Tensor]] = OrderedDict()
         self.sizes: dict[bytes, int] = {}
         self.used_bytes = 0
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self.sizes
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def keys(self) -> list[bytes]:
-        """Keys, least recently used first."""
-        return list(self.sizes)
 
     def put(self, key: bytes, payload: dict[str, torch.Tensor]) -> None:
         """Add a block as most recently used (the caller makes room first)."""
