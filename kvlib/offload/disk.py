@@ -74,16 +74,9 @@ class DiskTier(TierIndex):
         name: str = "disk",
         atomic: bool = True,
     ):
-        if capacity_bytes < 0 or bandwidth_bytes_per_s <= 0:
-            raise ValueError(
-                f"capacity_bytes, bandwidth_bytes_per_s: expected >= 0 and > 0, got "
-                f"{capacity_bytes}, {bandwidth_bytes_per_s}"
-            )
-        self.name = name
+        super().__init__(name, capacity_bytes, bandwidth_bytes_per_s)
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.capacity_bytes = int(capacity_bytes)
-        self.bandwidth_bytes_per_s = float(bandwidth_bytes_per_s)
         self.atomic = atomic
         self.reopen()
 

@@ -41,6 +41,17 @@ class TierIndex:
     sizes: dict[bytes, int]
     used_bytes: int
 
+    def __init__(self, name: str, capacity_bytes: int, bandwidth_bytes_per_s: float):
+        """Raises ValueError for a negative capacity or a bandwidth that is not positive."""
+        if capacity_bytes < 0 or bandwidth_bytes_per_s <= 0:
+            raise ValueError(
+                f"capacity_bytes, bandwidth_bytes_per_s: expected >= 0 and > 0, got "
+                f"{capacity_bytes}, {bandwidth_bytes_per_s}"
+            )
+        self.name = name
+        self.capacity_bytes = int(capacity_bytes)
+        self.bandwidth_bytes_per_s = float(bandwidth_bytes_per_s)
+
     def __contains__(self, key: bytes) -> bool:
         return key in self.sizes
 
@@ -64,14 +75,7 @@ class MemoryTier(TierIndex):
     durable = False  # a crash loses it
 
     def __init__(self, name: str, capacity_bytes: int, bandwidth_bytes_per_s: float):
-        if capacity_bytes < 0 or bandwidth_bytes_per_s <= 0:
-            raise ValueError(
-                f"capacity_bytes, bandwidth_bytes_per_s: expected >= 0 and > 0, got "
-                f"{capacity_bytes}, {bandwidth_bytes_per_s}"
-            )
-        self.name = name
-        self.capacity_bytes = int(capacity_bytes)
-        self.bandwidth_bytes_per_s = float(bandwidth_bytes_per_s)
+        super().__init__(name, capacity_bytes, bandwidth_bytes_per_s)
         self.blocks: OrderedDict[bytes, dict[str, torch.Tensor]] = OrderedDict()
         self.sizes: dict[bytes, int] = {}
         self.used_bytes = 0
