@@ -62,8 +62,9 @@ def engine_salt(model, *, kv_scheme=None, block_size: int = 16) -> bytes:
     c = model.config
     dtype = model.lm_head.weight.dtype
     rope = json.dumps(dict(theta=c.rope_theta, scaling=c.rope_scaling), sort_keys=True)
+    shape = f"{c.model_type}/{c.num_hidden_layers}x{c.hidden_size}"
     return kv_salt(
-        model_id=f"{c.model_type}/{c.num_hidden_layers}x{c.hidden_size}/{weights_fingerprint(model)}",
+        model_id=f"{shape}/{weights_fingerprint(model)}",
         dtype=str(dtype).removeprefix("torch."),
         kv_scheme=None if kv_scheme is None else repr(kv_scheme),
         rope=rope,
