@@ -72,3 +72,17 @@ def check_shape(x: object, expected: Sequence[int | None], name: str = "x") -> N
         e is not None and s != e for s, e in zip(shape, expected)
     ):
         raise ValueError(f"{name}: expected shape {expected}, got {shape}")
+
+
+def same_device(a, b) -> bool:
+    """Whether two devices (`torch.device` or str) name the same device: "cuda" (no index) is the
+    current CUDA device, so it equals "cuda:0" when device 0 is current."""
+    import torch
+
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)

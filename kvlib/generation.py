@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlib._validate import check_positive_int
+from kvlib._validate import check_positive_int, same_device
 from kvlib.cache import DynamicCache, PagedCache, StaticCache
 
 
@@ -126,7 +126,7 @@ def generate(
     if temperature < 0:
         raise ValueError(f"temperature: expected >= 0, got {temperature}")
     device = next(model.parameters()).device
-    if generator is not None and generator.device != device:  # torch.multinomial would refuse it
+    if generator is not None and not same_device(generator.device, device):  # multinomial refuses
         raise ValueError(
             f"generator: expected a torch.Generator on the model's device {device}, got one on "
             f"{generator.device}"

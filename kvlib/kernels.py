@@ -137,7 +137,7 @@ def paged_decode_attention(
             capture the call. It is the default because a wrong length or block id would
             otherwise read another sequence's memory silently.
         block_n: tokens per tile: a power of two >= 16 and a multiple of block_size; default
-            max(block_size, 32) on a GPU (`GPU_LAUNCH`), max(block_size, 64) in the interpreter.
+            max(block_size, 64) on a GPU (`GPU_LAUNCH`), max(block_size, 64) in the interpreter.
         num_warps, num_stages: Triton launch options of the split kernel; default `GPU_LAUNCH`'s
             on a GPU (the interpreter ignores them).
         k_scale, v_scale: (num_blocks, block_size, H_kv) float16/float32, contiguous: a quantized

@@ -151,8 +151,8 @@ def test_varlen_engine_quantized_cache_matches_the_default_path(course, monkeypa
 
 def test_varlen_is_chosen_only_where_it_fits(course):
     engine = LLMEngine(course, num_blocks=20)
-    assert engine.runner.prefill_varlen is None  # the default: on CUDA
-    assert engine.runner._use_varlen() == torch.cuda.is_available()
+    assert engine.runner.prefill_varlen is False  # the default: BatchKV's padded batch
+    assert not engine.runner._use_varlen()
     grouped = LLMEngine(course, num_blocks=20, kv_scheme=QuantScheme("int4", group_size=8))
     grouped.runner.prefill_varlen = True
     assert not grouped.runner._use_varlen()  # packed codes, grouped scales: BatchKV's path

@@ -145,8 +145,8 @@ class DecodeGraphRunner:
     @classmethod
     def for_runner(cls, runner) -> DecodeGraphRunner:
         """The graph runner of a `ModelRunner` built with `cuda_graphs=True`: the kernel (and
-        capture, on CUDA) where the runner uses it, with the runner's split count and a workspace
-        of its own; the torch reference, eagerly, otherwise."""
+        capture, on CUDA over a plain `PagedCache`) where the runner uses it, with the runner's
+        split count and a workspace of its own; the torch reference, eagerly, otherwise."""
         from kvlib.kernels import paged_decode_attention, paged_decode_attention_ref
         from kvlib.ops.decode_plan import DecodeWorkspace
 
@@ -169,7 +169,9 @@ class DecodeGraphRunner:
             max_batch=runner.max_graph_batch,
             max_blocks=num_blocks,
             attend=paged_decode_attention if kernel else paged_decode_attention_ref,
-            capture=kernel and runner.device.type == "cuda",
+            # a quantized cache quantizes on write with a host-side finiteness check, which a
+            # capture cannot hold: its buckets run eagerly
+            capture=kernel and runner.device.type == "cuda" and type(runner.storage) is PagedCache,
             **launch,
         )
 

@@ -155,7 +155,9 @@ class LLMEngine(AbortsAndForks):
         self.scheduler = Scheduler(
             self.config, self.manager
         )  # an EngineConfig is a SchedulerConfig
-        self.runner = ModelRunner(model, self.storage, self.manager)
+        self.runner = ModelRunner(
+            model, self.storage, self.manager, max_model_len=self.config.max_model_len
+        )
         self.requests: dict[str, Request] = {}
         self.stats: list[StepStats] = []
         self.clock = 0.0

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvlib._validate import same_device
+
 __all__ = [
     "FinishReason",
     "Request",
@@ -116,7 +118,7 @@ class Request:
         logits' device: `torch.multinomial` refuses a generator on another device). Created on
         first use, then kept, so the request's random stream continues across steps."""
         device = torch.device(device)
-        if self.generator is None or self.generator.device != device:
+        if self.generator is None or not same_device(self.generator.device, device):
             self.generator = torch.Generator(device=device).manual_seed(
                 self.sampling_params.seed or 0
             )

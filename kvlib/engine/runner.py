@@ -35,13 +35,18 @@ class ModelRunner:
     layout suits it (`kernel_supports`); True asks for it anywhere it is supported (on a CPU it
     runs under Triton's interpreter: exact and slow, for tests), False never uses it.
     `prefill_varlen`: attend prefill rows (and decode rows the kernel does not take) through
-    `kvlib.engine.varlen.VarlenBatchKV`, each sequence over its own blocks; None (the default)
-    on a CUDA device where the storage's layout suits it, True wherever it suits, False never.
+    `kvlib.engine.varlen.VarlenBatchKV`, each sequence over its own blocks, where the storage's
+    layout suits it. Off by default: that reference loops over the sequences in Python, a few
+    dozen launches per sequence and layer, which on an H100 cost more than `BatchKV`'s one padded
+    batch at the course's sizes; a fused varlen kernel would change that.
     `cuda_graphs`: run decode-only steps of up to `max_graph_batch` sequences through
     `kvlib.engine.cuda_graph.DecodeGraphRunner` (bucketed, static buffers): captured as CUDA
     graphs on a CUDA device with the kernel, eagerly through the same buffers elsewhere. It
     grows the storage's pools by one scratch block for padding rows, so it is chosen here, before
-    anything is stored; False (the default) until a GPU session has measured it.
+    anything is stored. None (the default): on where the kernel runs on a CUDA device over a plain
+    `PagedCache` (measured on an H100 serving SmolLM2: `results/serving_gpu.csv`).
+    `max_model_len`: the longest sequence a request may reach (the engine's `max_model_len`); it
+    sizes the kernel's split count (`_kernel_splits`). None: the pool's capacity.
     """
 
     def __init__(
@@ -51,13 +56,18 @@ class ModelRunner:
         manager: BlockManager,
         *,
         decode_kernel: bool | None = None,
-        prefill_varlen: bool | None = None,
-        cuda_graphs: bool = False,
+        prefill_varlen: bool = False,
+        cuda_graphs: bool | None = None,
         max_graph_batch: int = 64,
+        max_model_len: int | None = None,
     ):
         self.model, self.storage, self.manager = model, storage, manager
         self.device = model.lm_head.weight.device
         self.decode_kernel, self.prefill_varlen = decode_kernel, prefill_varlen
+        if cuda_graphs is None:  # captured only over a plain PagedCache (see DecodeGraphRunner)
+            cuda_graphs = (
+                self.device.type == "cuda" and self._use_kernel() and type(storage) is PagedCache
+            )
         self.cuda_graphs, self.max_graph_batch, self.graph_runner = (
             cuda_graphs,
             max_graph_batch,
@@ -65,6 +75,7 @@ class ModelRunner:
         )
         if cuda_graphs:  # a scratch block past the pool's last one, for padding rows
             storage._make_pools(manager.pool.num_blocks + 1, self.device)
+        self.max_model_len = max_model_len
         self.num_splits = 1
         self._workspace = None
         self.last_logprobs: dict[str, TokenLogprobs] = {}  # the last step's, for `logprobs`
@@ -80,9 +91,7 @@ class ModelRunner:
         return triton_available()
 
     def _use_varlen(self) -> bool:
-        if self.prefill_varlen is False:
-            return False
-        if self.prefill_varlen is None and self.device.type != "cuda":
+        if not self.prefill_varlen:
             return False
         return kernel_supports(self.storage, self.model.lm_head.weight.dtype)
 
@@ -117,13 +126,17 @@ class ModelRunner:
         return KernelBatchKV(self.storage, batch, **kernel)
 
     def _kernel_splits(self) -> int:
-        """One split count for the runner's lifetime, for the longest sequence the pool can
-        hold: a sequence's arithmetic must not depend on its batch."""
+        """One split count for the runner's lifetime, for the longest sequence a request can
+        reach (`max_model_len`, at most the pool's capacity): a sequence's arithmetic must not
+        depend on its batch. Sized from the capacity instead, a short-context engine with a big
+        pool launches dozens of splits that find no tokens."""
         from kvlib.ops.decode_plan import default_num_splits
 
-        capacity = self.manager.pool.num_blocks * self.storage.block_size
+        longest = self.manager.pool.num_blocks * self.storage.block_size
+        if self.max_model_len is not None:
+            longest = min(longest, self.max_model_len)
         heads = self.model.config.num_key_value_heads
-        return default_num_splits(1, heads, capacity, self.device)
+        return default_num_splits(1, heads, longest, self.device)
 
     def _graph_logits(self, batch: ModelInput):
         """A decode-only step's logits `(n, V)` through the graph runner, or None when graphs are

@@ -50,7 +50,7 @@ def tune_decode(out_csv: str) -> list[dict]:
     facts = {**device_facts(), "date": datetime.date.today().isoformat()}
     copy_gbps = copy_bandwidth_gbps()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    grid = list(itertools.product([1, 2, 4, 8, 16, 32, 64], [32, 64, 128], [4, 8], [2, 3]))
+    grid = list(itertools.product([1, 2, 4, 8, 16, 32, 64, 128], [32, 64, 128], [4, 8], [2, 3]))
     rows = []
     for batch, num_heads, num_kv_heads, context in tqdm(TUNE_SHAPES, desc="tune", unit="shape"):
         lengths = [context] * batch

@@ -26,11 +26,11 @@ def next_power_of_2(n: int) -> int:
 
 
 # Launch options frozen from the H100 sweep in results/decode_tuning.csv (`python -m
-# kvlib.experiments.decode_tuning`, 7 split counts x 3 BLOCK_N x 2 num_warps x 2 num_stages on 12
-# shapes): at each shape's best split count, this one setting was within 5% of that shape's
-# fastest configuration on all twelve. Frozen, not autotuned at run time, so every run (and the
-# CPU interpreter) is repeatable.
-GPU_LAUNCH = {"block_n": 32, "num_warps": 4, "num_stages": 3}
+# kvlib.experiments.decode_tuning`, 8 split counts x 3 BLOCK_N x 2 num_warps x 2 num_stages on 12
+# shapes): at the split count `choose_num_splits` picks, this one setting was within 3% of the
+# fastest configuration anywhere in the sweep on all twelve. Frozen, not autotuned at run time,
+# so every run (and the CPU interpreter) is repeatable.
+GPU_LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 
 
 @functools.cache
@@ -62,11 +62,11 @@ class DecodeWorkspace(NamedTuple):
 
     @classmethod
     def allocate(
-        cls, max_batch: int, num_heads: int, head_dim: int, *, max_splits: int = 64, device="cpu"
+        cls, max_batch: int, num_heads: int, head_dim: int, *, max_splits: int = 128, device="cpu"
     ) -> DecodeWorkspace:
         """Uninitialised buffers for batches of up to `max_batch` sequences of `num_heads` query
         heads of width `head_dim`, and up to `max_splits` splits (`choose_num_splits`'s cap is
-        64)."""
+        128)."""
         for name, value in (
             ("max_batch", max_batch),
             ("num_heads", num_heads),

@@ -19,7 +19,7 @@ def choose_num_splits(
     num_sms: int,
     programs_per_sm: int = 4,
     min_tokens_per_split: int = 256,
-    max_splits: int = 64,
+    max_splits: int = 128,
 ) -> int:
     """How many split-K chunks per (sequence, KV head) keep a GPU's memory system busy in decode.
 
@@ -27,16 +27,17 @@ def choose_num_splits(
     one KV head. A memory-bound kernel needs several programs resident on every SM, each with
     loads in flight, to reach the bandwidth limit; one program per SM is not enough. Splitting
     multiplies the programs by `num_splits`, at the cost of a reduce. We double the split count
-    until there are `programs_per_sm` programs per SM, never giving a split fewer than
-    `min_tokens_per_split` tokens and never passing `max_splits`.
+    while the doubled count still launches at most `programs_per_sm` programs per SM, never giving
+    a split fewer than `min_tokens_per_split` tokens and never passing `max_splits`: the most
+    splits that stay within four programs per SM (between two and four, unless a cap stops it).
 
     The constants are measured, not guessed: on an H100 SXM (132 SMs), the sweep in
-    `results/decode_tuning.csv` (`python -m kvlib.experiments.decode_tuning`, best launch settings
-    at each split count) found about one program per SM (0.97) reaching 63-90% of the copy
-    bandwidth at 32k tokens and more, and about four (3.9) 68-101%, 5 to 9 points more on each
-    shape; the plateau starts near two per SM, and more splits than four per SM gain at most a
-    point. Because the count doubles, the rule launches 3.9 to 7.8 programs per SM unless
-    `max_splits` caps it. The split-K idea is Flash-Decoding's (Dao et al., 2023).
+    `results/decode_tuning.csv` (`python -m kvlib.experiments.decode_tuning`, the best launch
+    settings at each split count, 12 shapes) found one program per SM 5-10% slower than the best
+    wherever the sequences were long enough to split, from about two per SM within 2%, and more
+    than four per SM slower again, slowly (8% at 62 per SM for 8 sequences of 4k tokens, 26% at
+    500 for 64 of them): extra programs find less to do each and the reduce merges more partials.
+    The split-K idea is Flash-Decoding's (Dao et al., 2023).
 
     Args:
         batch_size, num_kv_heads, seq_len: the decode batch's shape (S = longest sequence).
@@ -58,7 +59,7 @@ def choose_num_splits(
     max_splits = check_positive_int("max_splits", max_splits)
     num_splits = 1
     while (
-        programs * num_splits < target
+        programs * 2 * num_splits <= target
         and 2 * num_splits <= max_splits
         and seq_len // (2 * num_splits) >= min_tokens
     ):
