@@ -43,23 +43,3 @@ def write_rows(path, rows: list[dict]) -> list[dict]:
         writer.writeheader()
         writer.writerows(rows)
     return rows
-
-
-def commit_label() -> str:
-    """The commit the code came from: $KVLIB_COMMIT (set where the checkout has no .git), else
-    `git rev-parse --short HEAD` (with "+dirty" for uncommitted changes), else "unknown"."""
-    import os
-    import subprocess
-
-    if os.environ.get("KVLIB_COMMIT"):
-        return os.environ["KVLIB_COMMIT"]
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "kvlib"], capture_output=True, text=True
-        )
-    except OSError:
-        return "unknown"
-    return (head.stdout.strip() or "unknown") + ("+dirty" if dirty.stdout.strip() else "")

@@ -106,6 +106,26 @@ def device_facts() -> dict:
     }
 
 
+def commit_label() -> str:
+    """The commit the code came from: $KVLIB_COMMIT (set where the checkout has no .git), else
+    `git rev-parse --short HEAD` (with "+dirty" for uncommitted changes), else "unknown"."""
+    import os
+    import subprocess
+
+    if os.environ.get("KVLIB_COMMIT"):
+        return os.environ["KVLIB_COMMIT"]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "kvlib"], capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    return (head.stdout.strip() or "unknown") + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def copy_bandwidth_gbps(num_bytes: int = 2 * 2**30) -> float:
     """Device-to-device copy bandwidth in GB/s (read + write bytes / time), by do_bench."""
     import torch

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from kvlib.experiments.cli import commit_label, write_rows
+from kvlib.experiments.cli import write_rows
 
 NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, SEED = 64, (64, 512), 128, 0
 POISSON_RATES = (16.0, 48.0, 128.0)  # requests per second, wall clock
@@ -243,7 +243,7 @@ def record(out_csv: str, timeout_s: int = 150) -> str:
     import transformers
     from tqdm import tqdm
 
-    from kvlib.experiments.decode_bench import device_facts
+    from kvlib.experiments.decode_bench import commit_label, device_facts
 
     facts = {
         **device_facts(),

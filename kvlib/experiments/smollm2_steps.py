@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvlib.experiments.cli import commit_label, write_rows
+from kvlib.experiments.cli import write_rows
 
 LENGTHS = (16, 64, 256, 1024, 4096, 8192)
 
@@ -61,7 +61,7 @@ def record(out_csv: str) -> str:
 
     import torch
 
-    from kvlib.experiments.decode_bench import device_facts
+    from kvlib.experiments.decode_bench import commit_label, device_facts
     from kvlib.loaders.smollm2 import load_smollm2
 
     if not torch.cuda.is_available():
