@@ -57,7 +57,7 @@ def tune_decode(out_csv: str) -> list[dict]:
         inputs = paged_decode_inputs(lengths, num_heads, num_kv_heads, 128, 16)
         cache_bytes = kv_bytes_read(lengths, num_kv_heads, 128, 2)
         out = torch.empty_like(inputs[0])
-        workspace = DecodeWorkspace.allocate(batch, num_heads, 128, device="cuda")  # 64 splits
+        workspace = DecodeWorkspace.allocate(batch, num_heads, 128, device="cuda")  # 128 splits
         for num_splits, block_n, num_warps, num_stages in grid:
             run = functools.partial(
                 paged_decode_attention,

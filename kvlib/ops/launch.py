@@ -35,8 +35,9 @@ def choose_num_splits(
     `results/decode_tuning.csv` (`python -m kvlib.experiments.decode_tuning`, the best launch
     settings at each split count, 12 shapes) found one program per SM 5-10% slower than the best
     wherever the sequences were long enough to split, from about two per SM within 2%, and more
-    than four per SM slower again, slowly (8% at 62 per SM for 8 sequences of 4k tokens, 26% at
-    500 for 64 of them): extra programs find less to do each and the reduce merges more partials.
+    than four per SM slower again, slowly (13% more time at 62 per SM for 8 sequences of 4k
+    tokens, 26% at 500 for 64 of them): extra programs find less to do each and the reduce merges
+    more partials.
     The split-K idea is Flash-Decoding's (Dao et al., 2023).
 
     Args:
