@@ -3,8 +3,9 @@
 The runner builds the step's flattened batch and its attention metadata (`kvlib.engine.batch`:
 `prepare_inputs`, `BatchKV`), runs the course's `LlamaModel`, unchanged, over it through the
 cache seam every cache of the course uses, and samples. On a GPU it sends decode rows through
-chapter 11's kernel (`KernelBatchKV`), prefill rows through a varlen paged attention
-(`kvlib.engine.varlen`) and decode-only steps through CUDA graphs (`kvlib.engine.cuda_graph`).
+chapter 11's kernel (`KernelBatchKV`) and replays decode-only steps as CUDA graphs
+(`kvlib.engine.cuda_graph`); prefill rows go through `BatchKV`'s padded batch, or on request
+through a varlen paged attention (`kvlib.engine.varlen`).
 
 Sampling is per request, with the request's own generator, so a request's tokens do not depend on
 which others share its steps: `sample` is the readable one-request sampler, and the runner samples
