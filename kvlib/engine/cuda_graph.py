@@ -142,6 +142,17 @@ class DecodeGraphRunner:
         self.pool = None  # the graphs' shared memory pool
         self.steps_by_bucket: dict[int, int] = {}  # bucket -> steps run at it (for tests)
 
+    @staticmethod
+    def captures(runner) -> bool:
+        """Whether a `ModelRunner`'s decode steps can be captured as CUDA graphs: the kernel on a
+        CUDA device over a plain `PagedCache` (a quantized cache quantizes on write with a
+        host-side finiteness check, which a capture cannot hold: its buckets run eagerly)."""
+        return (
+            runner.device.type == "cuda"
+            and runner._use_kernel()
+            and type(runner.storage) is PagedCache
+        )
+
     @classmethod
     def for_runner(cls, runner) -> DecodeGraphRunner:
         """The graph runner of a `ModelRunner` built with `cuda_graphs=True`: the kernel (and
@@ -169,9 +180,7 @@ class DecodeGraphRunner:
             max_batch=runner.max_graph_batch,
             max_blocks=num_blocks,
             attend=paged_decode_attention if kernel else paged_decode_attention_ref,
-            # a quantized cache quantizes on write with a host-side finiteness check, which a
-            # capture cannot hold: its buckets run eagerly
-            capture=kernel and runner.device.type == "cuda" and type(runner.storage) is PagedCache,
+            capture=cls.captures(runner),
             **launch,
         )
 

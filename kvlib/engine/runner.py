@@ -65,10 +65,10 @@ class ModelRunner:
         self.model, self.storage, self.manager = model, storage, manager
         self.device = model.lm_head.weight.device
         self.decode_kernel, self.prefill_varlen = decode_kernel, prefill_varlen
-        if cuda_graphs is None:  # captured only over a plain PagedCache (see DecodeGraphRunner)
-            cuda_graphs = (
-                self.device.type == "cuda" and self._use_kernel() and type(storage) is PagedCache
-            )
+        if cuda_graphs is None:
+            from kvlib.engine.cuda_graph import DecodeGraphRunner
+
+            cuda_graphs = DecodeGraphRunner.captures(self)
         self.cuda_graphs, self.max_graph_batch, self.graph_runner = (
             cuda_graphs,
             max_graph_batch,
