@@ -16,6 +16,7 @@ import numpy as np
 
 from kvlib.experiments.cli import write_rows
 from kvlib.experiments.decode_bench import (
+    commit_label,
     copy_bandwidth_gbps,
     device_facts,
     kv_bytes_read,
@@ -156,7 +157,6 @@ def ab_decode(out_csv: str, base: str = "e40ecea", *, rounds: int = 5) -> list[d
     first (bf16 tolerance).
     """
     import datetime
-    import subprocess
     import tempfile
 
     import torch
@@ -167,11 +167,7 @@ def ab_decode(out_csv: str, base: str = "e40ecea", *, rounds: int = 5) -> list[d
     from kvlib.testing import assert_close
 
     facts = {**device_facts(), "date": datetime.date.today().isoformat()}
-    head_rev = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True)
-    head_label = head_rev + ("+dirty" if dirty.stdout.strip() else "")
+    head_label = commit_label()
     copy_gbps = copy_bandwidth_gbps()
     rows = []
     with tempfile.TemporaryDirectory() as workdir:

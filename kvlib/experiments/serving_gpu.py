@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from kvlib.experiments.cli import write_rows
+from kvlib.serve.load import latency_percentiles, poisson_arrival_times
 
 NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, SEED = 64, (64, 512), 128, 0
 POISSON_RATES = (16.0, 48.0, 128.0)  # requests per second, wall clock
@@ -51,10 +52,6 @@ def workload_prompts(
     rng = np.random.default_rng(seed)
     lengths = rng.integers(prompt_len[0], prompt_len[1] + 1, num_requests)
     return [rng.integers(256, vocab_size, int(n)).tolist() for n in lengths]
-
-
-def percentile_ms(values: list[float], q: float) -> float:
-    return round(float(np.percentile(np.asarray(values) * 1e3, q)), 2) if values else float("nan")
 
 
 def kvlib_engine(model, variant: str, prompts: list[list[int]]):
@@ -102,9 +99,7 @@ def serve_poisson(engine, prompts, rate: float, seed: int = SEED) -> dict:
     engine steps whenever it has work. Returns seconds, output tokens and TTFT/TPOT lists."""
     from kvlib.engine import SamplingParams
 
-    rng = np.random.default_rng(seed + 1)
-    arrivals = np.cumsum(rng.exponential(1 / rate, len(prompts)))
-    arrivals -= arrivals[0]
+    arrivals = poisson_arrival_times(rate, len(prompts), seed + 1)
     params = SamplingParams(max_tokens=OUTPUT_LEN)
     first, done, arrived_at, tokens = {}, {}, {}, 0
     start, nxt = time.perf_counter(), 0
@@ -212,6 +207,7 @@ def rows_of(results: dict, facts: dict) -> list[dict]:
         for run in result["runs"]:
             outputs = run.get("outputs")
             tokens = run.get("tokens", sum(map(len, outputs or [])))
+            ttft, tpot = (latency_percentiles(run.get(k, [])) for k in ("ttft", "tpot"))
             match = ""
             if outputs is not None and reference is not None:
                 match = sum(o[:16] == r[:16] for o, r in zip(outputs, reference))
@@ -224,10 +220,10 @@ def rows_of(results: dict, facts: dict) -> list[dict]:
                     "output_tokens": tokens,
                     "seconds": round(run["seconds"], 3),
                     "output_tok_s": round(tokens / run["seconds"], 1),
-                    "ttft_p50_ms": percentile_ms(run.get("ttft", []), 50),
-                    "ttft_p99_ms": percentile_ms(run.get("ttft", []), 99),
-                    "tpot_p50_ms": percentile_ms(run.get("tpot", []), 50),
-                    "tpot_p99_ms": percentile_ms(run.get("tpot", []), 99),
+                    "ttft_p50_ms": round(1e3 * ttft[50], 2),
+                    "ttft_p99_ms": round(1e3 * ttft[99], 2),
+                    "tpot_p50_ms": round(1e3 * tpot[50], 2),
+                    "tpot_p99_ms": round(1e3 * tpot[99], 2),
                     "match16": match,
                 }
             )
