@@ -148,3 +148,27 @@ def test_the_three_layers_exist():
 def test_every_module_reads_in_one_sitting(path):
     lines = [line for line in (KVLIB.parent / path).read_text().splitlines() if line.strip()]
     assert len(lines) <= MAX_LINES, f"{path}: {len(lines)} non-blank lines > {MAX_LINES}"
+
+
+def test_an_experiments_command_line_writes_where_asked_and_says_what_it_wrote(tmp_path, capsys):
+    from kvlib.experiments.cli import run
+
+    out = str(tmp_path / "rows.csv")
+    for record, said in [
+        (lambda path: [{"a": 1}, {"a": 2}], f"wrote 2 rows to {out}"),
+        (lambda path: "3 trials, 2 correct", "3 trials, 2 correct"),
+        (lambda path: {"variants": []}, f"wrote {out}"),
+    ]:
+        written = []
+        assert (
+            run(
+                "x",
+                "help",
+                "results/x.csv",
+                lambda p: written.append(p) or record(p),
+                ["--out", out],
+            )
+            == 0
+        )
+        assert written == [out]
+        assert capsys.readouterr().out == said + "\n"

@@ -11,13 +11,15 @@ def run(
     name: str,
     description: str,
     default_out: str,
-    record: Callable[[str], str],
+    record: Callable[[str], object],
     argv: list[str] | None = None,
     *,
     threads: int | None = None,
 ) -> int:
     """Parse `argv`, set torch's thread count if `threads` is given (the recordings name theirs),
-    run `record(out)` and print the line it returns. Returns the exit status, 0."""
+    run `record(out)`, which writes the file, and print what it returns: a summary line as it is,
+    a list of rows as their count, anything else as the path written. `description` is the help's
+    text (an experiment passes its module docstring). Returns the exit status, 0."""
     parser = argparse.ArgumentParser(
         prog=f"python -m kvlib.experiments.{name}", description=description
     )
@@ -29,7 +31,12 @@ def run(
         import torch
 
         torch.set_num_threads(threads)
-    print(record(args.out))
+    result = record(args.out)
+    if isinstance(result, list):
+        result = f"wrote {len(result)} rows to {args.out}"
+    elif not isinstance(result, str):
+        result = f"wrote {args.out}"
+    print(result)
     return 0
 
 

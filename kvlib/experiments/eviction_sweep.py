@@ -73,13 +73,7 @@ def eviction_sweep(out_csv: str, *, seed: int = 0) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(
-        "eviction_sweep",
-        "Chapter 8's eviction policies against budgets (CPU).",
-        "results/eviction_sweep.csv",
-        lambda out: f"wrote {len(eviction_sweep(out))} measurements to {out}",
-        argv,
-    )
+    return run("eviction_sweep", __doc__, "results/eviction_sweep.csv", eviction_sweep, argv)
 
 
 if __name__ == "__main__":

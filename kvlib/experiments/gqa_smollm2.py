@@ -99,14 +99,7 @@ def smollm2_sweep(out_json: str, *, seed: int = 0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(
-        "gqa_smollm2",
-        "Chapter 5: SmolLM2 pooled to fewer KV heads, no uptraining (CPU, 2 threads).",
-        "results/gqa_smollm2.json",
-        lambda out: f"wrote {len(smollm2_sweep(out)['variants'])} variants to {out}",
-        argv,
-        threads=2,
-    )
+    return run("gqa_smollm2", __doc__, "results/gqa_smollm2.json", smollm2_sweep, argv, threads=2)
 
 
 if __name__ == "__main__":

@@ -83,12 +83,7 @@ def uptraining_sweep(out_csv: str, *, alphas=SWEEP_ALPHAS, kv_heads=SWEEP_KV_HEA
 
 def main(argv: list[str] | None = None) -> int:
     return run(
-        "gqa_uptraining",
-        "Chapter 5's sweep: GQA/MQA conversion and uptraining (CPU, 2 threads).",
-        "results/gqa_uptraining.csv",
-        lambda out: f"wrote {len(uptraining_sweep(out))} points to {out}",
-        argv,
-        threads=2,
+        "gqa_uptraining", __doc__, "results/gqa_uptraining.csv", uptraining_sweep, argv, threads=2
     )
 
 

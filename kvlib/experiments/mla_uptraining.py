@@ -103,13 +103,7 @@ def uptraining_sweep(out_csv: str) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     return run(
-        "mla_uptraining",
-        "Chapter 6's sweep: the course model converted to MLA at GQA-2's and MQA's cache bytes, "
-        "uptrained, against MHA, GQA-2 and MQA (CPU, 2 threads).",
-        "results/mla_uptraining.csv",
-        lambda out: f"wrote {len(uptraining_sweep(out))} points to {out}",
-        argv,
-        threads=2,
+        "mla_uptraining", __doc__, "results/mla_uptraining.csv", uptraining_sweep, argv, threads=2
     )
 
 

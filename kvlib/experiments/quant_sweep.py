@@ -61,13 +61,7 @@ def quant_sweep(out_csv: str, *, seed: int = 0) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(
-        "quant_sweep",
-        "Chapter 10's quantized caches against the full cache (CPU).",
-        "results/quant_sweep.csv",
-        lambda out: f"wrote {len(quant_sweep(out))} measurements to {out}",
-        argv,
-    )
+    return run("quant_sweep", __doc__, "results/quant_sweep.csv", quant_sweep, argv)
 
 
 if __name__ == "__main__":
