@@ -331,6 +331,41 @@ def test_with_triton_importing_kvlib_kernels_still_sets_the_interpreter_without_
     assert result.stdout.splitlines() == [f"True {expected}", kernel_type]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter runs only without CUDA")
+def test_triton_imported_before_the_interpreter_is_set_gives_a_clear_error_and_a_way_out():
+    """torch._dynamo imports Triton: its helpers (tl.cdiv, ...) are then decorated for a GPU.
+    The launch says so and how to start over; importing kvlib.ops.triton_decode first is fine."""
+    launch = (
+        "import torch, kvlib.kernels as K\n"
+        "q, k = torch.randn(1, 2, 16), torch.randn(2, 8, 1, 16)\n"
+        "bt = torch.tensor([[0, 1]], dtype=torch.int32)\n"
+        "lens = torch.tensor([12], dtype=torch.int32)\n"
+        "try:\n"
+        "    K.paged_decode_attention(q, k, k, bt, lens)\n"
+        "    print('launched')\n"
+        "except RuntimeError as error:\n"
+        "    print(error)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    outputs = []
+    for first in ("import torch._dynamo\n", "import kvlib.ops.triton_decode\n"):
+        result = subprocess.run(
+            [sys.executable, "-c", first + launch],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=ROOT,
+        )
+        assert result.returncode == 0, result.stderr
+        outputs.append(result.stdout.strip())
+    too_early, in_order = outputs
+    assert too_early.startswith("Triton was imported before TRITON_INTERPRET=1 was set")
+    for needed in ("torch._dynamo", "restart the kernel", "import kvlib.kernels before"):
+        assert needed in too_early, needed
+    assert in_order == "launched"
+
+
 # --- the host path (issue 36): syncs, allocations, caller-owned buffers -------------------------
 
 HOST_SYNCS = {"item", "tolist", "__int__", "__bool__", "__float__", "__index__", "cpu", "numpy"}

@@ -7,11 +7,17 @@ of the package (and the reference) works where Triton does not install (macOS, n
 
 from __future__ import annotations
 
+# Triton decorates its own helpers (tl.cdiv, tl.max, ...) when first imported, and reads
+# TRITON_INTERPRET then: kvlib.ops.interpreter sets it (without CUDA) before `import triton`.
+# isort: off
+from kvlib.ops.interpreter import require_interpretable_triton
+
 import triton
 import triton.language as tl
 
-# Triton reads TRITON_INTERPRET when a decorator runs: kvlib.ops.interpreter sets it without CUDA
-import kvlib.ops.interpreter  # noqa: F401
+# isort: on
+
+require_interpretable_triton()
 
 
 @triton.jit
