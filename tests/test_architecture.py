@@ -6,11 +6,13 @@ has no cycle, and every module reads in one sitting (at most 400 non-blank lines
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
 
-KVLIB = Path(__file__).resolve().parents[1] / "kvlib"
+ROOT = Path(__file__).resolve().parents[1]
+KVLIB = ROOT / "kvlib"
 MAX_LINES = 400
 LAYERS = {"library": 0, "experiments": 1, "course": 2}  # an arrow may not point to a higher number
 
@@ -172,3 +174,15 @@ def test_an_experiments_command_line_writes_where_asked_and_says_what_it_wrote(t
         )
         assert written == [out]
         assert capsys.readouterr().out == said + "\n"
+
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_notebooks_first_cell_is_its_imports_and_set_up_in_at_most_15_lines(notebook):
+    cells = json.loads(notebook.read_text())["cells"]
+    first = next(c for c in cells if c["cell_type"] == "code")
+    lines = [line for line in "".join(first["source"]).splitlines() if line.strip()]
+    assert len(lines) <= 15, f"{notebook.name}'s first code cell has {len(lines)} lines"
+    assert any("setup_notebook(" in line for line in lines), notebook.name

@@ -44,3 +44,19 @@ def test_run_code_cells_skips_magics_keeps_blocks_valid_and_names_the_failing_ce
     with pytest.raises(AssertionError, match="y is not 2") as error:
         run_code_cells(str(broken))
     assert any("cell 2" in note for note in error.value.__notes__)
+
+
+def test_require_triton_stops_a_triton_chapter_with_what_needs_it_and_what_runs_without(
+    monkeypatch,
+):
+    import kvlib.kernels as K
+    from kvlib.course.notebook import require_triton
+
+    if K.triton_available():
+        assert require_triton("chapter 11") is None  # where Triton imports, nothing happens
+    monkeypatch.setattr(K, "triton_available", lambda: False)
+    with pytest.raises(K.TritonUnavailableError) as raised:
+        require_triton("chapter 11 writes and launches Triton kernels")
+    assert str(raised.value).startswith("chapter 11 writes and launches Triton kernels: it needs")
+    for needed in ("Linux", "WSL2", "pip install triton", "every other chapter runs without"):
+        assert needed in str(raised.value), needed

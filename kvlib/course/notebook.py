@@ -36,6 +36,24 @@ def setup_notebook(seed: int = 0) -> str:
     return f"kvlib {kvlib.__version__} ready (seed {seed})"
 
 
+def require_triton(what: str) -> None:
+    """Stop a Triton chapter's first cell where Triton cannot be imported (macOS, native Windows),
+    saying what needs it and that the other chapters run without it. Import `kvlib.kernels`
+    before this and before `triton`: without CUDA it sets `TRITON_INTERPRET=1`, which Triton
+    reads when it is first imported.
+
+    Raises:
+        kvlib.kernels.TritonUnavailableError: Triton is not importable here.
+    """
+    from kvlib.kernels import TritonUnavailableError, triton_available
+
+    if not triton_available():
+        raise TritonUnavailableError(
+            f"{what}: it needs Linux (on Windows, WSL2) and `pip install triton`; every other "
+            "chapter runs without Triton"
+        )
+
+
 def execute_in_place(paths: list[str], *, timeout_s: int = 900) -> None:
     """Execute each notebook (or every notebook under each folder) from top to bottom and save it
     with fresh outputs, using nbclient in the notebook's own folder. Raises on the first failing
