@@ -77,8 +77,8 @@ def uptraining_sweep(out_csv: str, *, alphas=SWEEP_ALPHAS, kv_heads=SWEEP_KV_HEA
     points = [(4, "none", a) for a in alphas] + [
         (h, init, a) for h in kv_heads for init in INITS for a in alphas
     ]
-    rows = [uptraining_point(*p) for p in tqdm(points, desc="GQA uptraining sweep", unit="point")]
-    return write_rows(out_csv, rows)
+    sweep = tqdm(points, desc="GQA uptraining sweep", unit="point")
+    return write_rows(out_csv, [uptraining_point(*point) for point in sweep])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,15 +89,10 @@ def uptraining_sweep(out_csv: str) -> list[dict]:
 
     from tqdm import tqdm
 
-    rows = [
-        uptraining_point(
-            name,
-            alpha,
-            kv_lora_rank=rank,
-            save_to=MLA_MODEL_DIR if (name, alpha, rank) == SAVED_POINT else None,
-        )
-        for name, alpha, rank in tqdm(sweep_points(), desc="MLA sweep", unit="point")
-    ]
+    rows = []
+    for name, alpha, rank in tqdm(sweep_points(), desc="MLA sweep", unit="point"):
+        save_to = MLA_MODEL_DIR if (name, alpha, rank) == SAVED_POINT else None
+        rows.append(uptraining_point(name, alpha, kv_lora_rank=rank, save_to=save_to))
     return write_rows(out_csv, rows)
 
 
