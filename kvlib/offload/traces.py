@@ -39,52 +39,39 @@ class Trace:
         return len(self.system)
 
 
-def _tokens(n: int, generator: torch.Generator, vocab_size: int) -> list[int]:
-    return torch.randint(0, vocab_size, (n,), generator=generator).tolist()
+VOCAB_SIZE = 128  # token ids are drawn from [0, VOCAB_SIZE), the course model's vocabulary
+
+
+def _tokens(n: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(0, VOCAB_SIZE, (n,), generator=generator).tolist()
+
+
+def _rounds(name, system, num_rounds, added_len, answer_tokens, generator) -> Trace:
+    """A trace whose every round adds `added_len` fresh tokens to each conversation."""
+    turns = [[_tokens(added_len, generator) for _ in system] for _ in range(num_rounds)]
+    return Trace(name, system, turns, answer_tokens)
 
 
 def chat_trace(
-    num_conversations=6,
-    num_turns=4,
-    system_len=32,
-    user_len=16,
-    answer_tokens=8,
-    *,
-    seed=0,
-    vocab_size=128,
+    num_conversations=6, num_turns=4, system_len=32, user_len=16, answer_tokens=8, *, seed=0
 ) -> Trace:
     """Chats sharing one system prompt of `system_len` tokens; each turn adds a user message of
     `user_len` tokens and asks for `answer_tokens`."""
     g = torch.Generator().manual_seed(seed)
-    system = _tokens(system_len, g, vocab_size)
-    turns = [
-        [_tokens(user_len, g, vocab_size) for _ in range(num_conversations)]
-        for _ in range(num_turns)
-    ]
-    return Trace("multi-turn chat", [system] * num_conversations, turns, answer_tokens)
+    system = [_tokens(system_len, g)] * num_conversations
+    return _rounds("multi-turn chat", system, num_turns, user_len, answer_tokens, g)
 
 
 def agent_trace(
-    num_agents=4,
-    num_steps=5,
-    tools_len=64,
-    observation_len=16,
-    action_tokens=4,
-    *,
-    seed=1,
-    vocab_size=128,
+    num_agents=4, num_steps=5, tools_len=64, observation_len=16, action_tokens=4, *, seed=1
 ) -> Trace:
     """Agents sharing a long tool description (`tools_len` tokens), each with its own task (16
     tokens); each step adds a tool output of `observation_len` tokens and asks for a short action
     of `action_tokens` tokens."""
     g = torch.Generator().manual_seed(seed)
-    tools = _tokens(tools_len, g, vocab_size)
-    system = [tools + _tokens(16, g, vocab_size) for _ in range(num_agents)]
-    turns = [
-        [_tokens(observation_len, g, vocab_size) for _ in range(num_agents)]
-        for _ in range(num_steps)
-    ]
-    return Trace("agent", system, turns, action_tokens)
+    tools = _tokens(tools_len, g)
+    system = [tools + _tokens(16, g) for _ in range(num_agents)]
+    return _rounds("agent", system, num_steps, observation_len, action_tokens, g)
 
 
 def replay(engine, trace: Trace) -> dict:
