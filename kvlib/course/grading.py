@@ -228,6 +228,12 @@ class Remote:
         return call
 
 
+def expect_list(got, item_ok: Callable[[object], bool], should: str) -> None:
+    """Fail unless `got` is a list whose every item passes `item_ok`, with the message `should`
+    (what the learner's function should return) followed by what it returned."""
+    assert isinstance(got, list) and all(item_ok(item) for item in got), f"{should}, got {got!r}"
+
+
 def expect_tensor(got, expected, name: str) -> None:
     """Fail unless `got` is a torch.Tensor of `expected`'s shape and dtype (values are the
     caller's to compare)."""

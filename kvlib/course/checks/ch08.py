@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlib.cache.eviction_policies import H2O, LayerState, StreamingLLM
-from kvlib.course.grading import EVICTION_API, Submission, question
+from kvlib.course.grading import EVICTION_API, Submission, expect_list, question
 
 
 def _streaming_keep(positions, budget, num_sinks):
@@ -51,8 +51,10 @@ def test_streaming_keep(submission: Submission) -> None:
     ):
         expected = _streaming_keep(positions, budget, num_sinks)
         got = streaming_keep(list(positions), budget, num_sinks)
-        assert isinstance(got, list) and all(isinstance(x, bool) for x in got), (
-            f"streaming_keep should return a list of bools, one per position, got {got!r}"
+        expect_list(
+            got,
+            lambda x: isinstance(x, bool),
+            "streaming_keep should return a list of bools, one per position",
         )
         assert got == expected, (
             f"{what} (positions {positions}): expected keep mask {expected}, got {got} (keep "

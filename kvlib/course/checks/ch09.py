@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.cache.compaction_plans import freeable_blocks, plan_hole_filling, plan_repack
-from kvlib.course.grading import COMPACTION_API, Submission, question
+from kvlib.course.grading import COMPACTION_API, Submission, expect_list, question
 
 
 def _patterns(rng):
@@ -96,9 +96,11 @@ def test_positions_after_hole_filling(submission: Submission) -> None:
     for positions, what in cases:
         expected = _positions_after(positions)
         got = positions_after(list(positions))
-        assert isinstance(got, list) and all(
-            isinstance(p, int) and not isinstance(p, bool) for p in got
-        ), f"positions_after_hole_filling should return a list of ints, got {got!r}"
+        expect_list(
+            got,
+            lambda p: isinstance(p, int) and not isinstance(p, bool),
+            "positions_after_hole_filling should return a list of ints",
+        )
         assert got == expected, (
             f"{what}: the last survivor moves into the first hole, the one before it into the "
             "next hole, until no hole is in front of a survivor; then the map keeps one entry per "

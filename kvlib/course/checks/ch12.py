@@ -6,7 +6,7 @@ BlockManager, imported before the grader blocks it)."""
 from __future__ import annotations
 
 from kvlib.course.checks.ch07 import cached_prefix_tokens, chained_block_hashes
-from kvlib.course.grading import PAGING_API, SCHEDULER_API, Submission, question
+from kvlib.course.grading import PAGING_API, SCHEDULER_API, Submission, expect_list, question
 
 _BLOCKED = SCHEDULER_API
 
@@ -59,8 +59,10 @@ def test_schedule_step(submission: Submission) -> None:
     for running, waiting, budget, max_seqs, what in cases:
         expected = _schedule_step(running, waiting, budget, max_seqs)
         got = schedule_step(list(running), list(waiting), budget, max_seqs)
-        assert isinstance(got, list) and all(isinstance(p, tuple) and len(p) == 2 for p in got), (
-            f"schedule_step should return a list of (request_id, num_tokens) tuples, got {got!r}"
+        expect_list(
+            got,
+            lambda p: isinstance(p, tuple) and len(p) == 2,
+            "schedule_step should return a list of (request_id, num_tokens) tuples",
         )
         assert got == expected, (
             f"{what}: running {running}, waiting {waiting}, budget {budget}, max_num_seqs "

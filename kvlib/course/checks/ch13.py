@@ -9,7 +9,7 @@ import codecs
 
 import numpy as np
 
-from kvlib.course.grading import Submission, question
+from kvlib.course.grading import Submission, expect_list, question
 
 # --- question 1: incremental UTF-8 ---------------------------------------------------------------
 
@@ -49,9 +49,7 @@ def test_utf8_deltas(submission: Submission) -> None:
     for token_bytes, what in cases:
         expected = _utf8_deltas(token_bytes)
         got = utf8_deltas(list(token_bytes))
-        assert isinstance(got, list) and all(isinstance(d, str) for d in got), (
-            f"utf8_deltas should return a list of str, got {got!r}"
-        )
+        expect_list(got, lambda d: isinstance(d, str), "utf8_deltas should return a list of str")
         assert got == expected, (
             f"{what}: tokens {token_bytes!r}: expected {expected!r} (each token releases the "
             f"characters it completes, and nothing of a character still missing bytes), got "

@@ -11,9 +11,24 @@ import math
 import torch
 
 from kvlib.cache.block_pool import hash_block_tokens
-from kvlib.course.grading import MEMORY_API, Submission, question
+from kvlib.course.grading import MEMORY_API, Submission, expect_list, question
 from kvlib.offload.breakeven import break_even_bandwidth
 from kvlib.offload.store import MemoryTier, TieredStore
+
+# What each question asks the learner to write, blocked while it is graded.
+KEYS_API = ("kvlib.offload.keys.salted_block_keys", "kvlib.offload.keys.block_key")
+TIERS_API = (
+    "kvlib.offload.store.TieredStore",
+    "kvlib.offload.store.MemoryTier",
+    "kvlib.offload.disk.DiskTier",
+    "kvlib.offload.engine.OffloadEngine",
+)
+BREAK_EVEN_API = (
+    "kvlib.offload.breakeven.break_even_bandwidth",
+    "kvlib.offload.breakeven.prefill_flops",
+    "kvlib.offload.breakeven.kv_transfer_bytes",
+    *MEMORY_API,
+)
 
 
 def _keys(salt: bytes, token_ids, block_size):
@@ -24,20 +39,17 @@ def _keys(salt: bytes, token_ids, block_size):
     return keys
 
 
-@question(
-    function="salted_block_keys",
-    blocked=("kvlib.offload.keys.salted_block_keys", "kvlib.offload.keys.block_key"),
-)
+def _random_keys_case(rng) -> tuple:
+    """A random salt, up to five blocks of token ids, and the block size."""
+    block_size = int(rng.choice([2, 4, 16]))
+    tokens = rng.integers(0, 50_000, size=int(rng.integers(0, 5 * block_size))).tolist()
+    return bytes(rng.integers(0, 256, size=32).tolist()), tokens, block_size, "a random case"
+
+
+@question(function="salted_block_keys", blocked=KEYS_API)
 def test_salted_block_keys(submission: Submission) -> None:
     salted_block_keys = submission.function("salted_block_keys")
-    rng = submission.rng()
-    random_cases = []
-    for _ in range(3):  # drawn per run (seeded from the answer's source)
-        block_size = int(rng.choice([2, 4, 16]))
-        tokens = [
-            int(t) for t in rng.integers(0, 50_000, size=int(rng.integers(0, 5 * block_size)))
-        ]
-        random_cases.append((bytes(rng.integers(0, 256, size=32).tolist()), tokens, block_size))
+    rng = submission.rng()  # random cases are drawn per run (seeded from the answer's source)
     salt = hashlib.sha256(b"course model / float32").digest()
     for salt_, tokens, block_size, what in (
         (salt, list(range(8)), 4, "two full blocks"),
@@ -45,12 +57,12 @@ def test_salted_block_keys(submission: Submission) -> None:
         (salt, [5, 6, 7], 4, "fewer tokens than a block"),
         (b"another salt", list(range(8)), 4, "the same tokens under another salt"),
         (salt, [1, 2, 3, 4, 1, 2, 3, 4], 4, "the same block at two offsets"),
-        *((s, t, b, "a random case") for s, t, b in random_cases),
+        *(_random_keys_case(rng) for _ in range(3)),
     ):
         expected = _keys(salt_, tokens, block_size)
         got = salted_block_keys(salt_, list(tokens), block_size)
-        assert isinstance(got, list) and all(isinstance(k, bytes) for k in got), (
-            f"salted_block_keys should return a list of bytes, got {got!r}"
+        expect_list(
+            got, lambda k: isinstance(k, bytes), "salted_block_keys should return a list of bytes"
         )
         assert len(got) == len(expected), (
             f"{what} ({len(tokens)} tokens, block size {block_size}): expected "
@@ -85,25 +97,19 @@ def _lru(host_blocks, disk_blocks, operations):
     )
 
 
-@question(
-    function="two_tier_lru",
-    blocked=(
-        "kvlib.offload.store.TieredStore",
-        "kvlib.offload.store.MemoryTier",
-        "kvlib.offload.disk.DiskTier",
-        "kvlib.offload.engine.OffloadEngine",
-    ),
-)
+def _random_lru_case(rng) -> tuple:
+    """Random tier sizes and 10 to 29 random puts and gets of keys A to F."""
+    operations = [
+        (str(rng.choice(["put", "get"])), str(rng.choice(list("ABCDEF"))))
+        for _ in range(int(rng.integers(10, 30)))
+    ]
+    return int(rng.integers(1, 4)), int(rng.integers(1, 5)), operations, "a random case"
+
+
+@question(function="two_tier_lru", blocked=TIERS_API)
 def test_two_tier_lru(submission: Submission) -> None:
     two_tier_lru = submission.function("two_tier_lru")
-    rng = submission.rng()
-    random_cases = []
-    for _ in range(6):
-        ops = [
-            (str(rng.choice(["put", "get"])), str(rng.choice(list("ABCDEF"))))
-            for _ in range(int(rng.integers(10, 30)))
-        ]
-        random_cases.append((int(rng.integers(1, 4)), int(rng.integers(1, 5)), ops))
+    rng = submission.rng()  # random cases are drawn per run (seeded from the answer's source)
     puts = [("put", k) for k in "ABCDE"]
     for host, disk, operations, what in (
         (2, 2, puts, "five puts: the oldest fall to disk, then off it"),
@@ -113,7 +119,7 @@ def test_two_tier_lru(submission: Submission) -> None:
         (2, 2, puts[:2] + [("get", "A"), ("put", "C")], "a host hit makes the block the newest"),
         (2, 2, puts[:2] + [("put", "A"), ("put", "C")], "a put of a host key refreshes it"),
         (1, 2, puts[:3] + [("get", "B")], "a promotion into full tiers"),
-        *((h, d, ops, "a random case") for h, d, ops in random_cases),
+        *(_random_lru_case(rng) for _ in range(6)),
     ):
         expected = _lru(host, disk, operations)
         got = two_tier_lru(host, disk, list(operations))
@@ -130,68 +136,27 @@ def test_two_tier_lru(submission: Submission) -> None:
         )
 
 
-_CONFIGS = [
-    # (config, what)
-    (
-        dict(
-            num_hidden_layers=30,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            head_dim=64,
-        ),
-        "SmolLM2-135M",
-    ),
-    (
-        dict(
-            num_hidden_layers=32,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            head_dim=128,
-        ),
-        "Llama 3 8B",
-    ),
-    (
-        dict(
-            num_hidden_layers=4,
-            hidden_size=128,
-            intermediate_size=352,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            head_dim=32,
-        ),
-        "the course model (MHA)",
-    ),
-    (
-        dict(
-            num_hidden_layers=26,
-            hidden_size=2304,
-            intermediate_size=9216,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=256,
-        ),
-        "a config whose head_dim (256) is not hidden_size / heads (288)",
-    ),
+_FIELDS = (  # the config.json keys of L, d, I, H, H_kv, D (book/notation.md)
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+_CONFIGS = [  # (L, d, I, H, H_kv, D), what
+    ((30, 576, 1536, 9, 3, 64), "SmolLM2-135M"),
+    ((32, 4096, 14336, 32, 8, 128), "Llama 3 8B"),
+    ((4, 128, 352, 4, 4, 32), "the course model (MHA)"),
+    ((26, 2304, 9216, 8, 4, 256), "a config whose head_dim (256) is not hidden_size / heads (288)"),
 ]
 
 
-@question(
-    function="break_even_gbps",
-    blocked=(
-        "kvlib.offload.breakeven.break_even_bandwidth",
-        "kvlib.offload.breakeven.prefill_flops",
-        "kvlib.offload.breakeven.kv_transfer_bytes",
-        *MEMORY_API,
-    ),
-)
+@question(function="break_even_gbps", blocked=BREAK_EVEN_API)
 def test_break_even_gbps(submission: Submission) -> None:
     break_even_gbps = submission.function("break_even_gbps")
     rng = submission.rng()
-    cases = [(c, n, 400e12, what) for c, what in _CONFIGS for n in (1, 4096)]
+    cases = [(dict(zip(_FIELDS, c)), n, 400e12, what) for c, what in _CONFIGS for n in (1, 4096)]
     for _ in range(3):
         heads = int(rng.choice([4, 8, 16]))
         config = dict(
