@@ -240,3 +240,32 @@ def test_check_shape():
     check_shape(np.zeros((2, 3)), (2, None))
     with pytest.raises(ValueError, match=r"k: expected shape \(2, 4\), got \(2, 3\)"):
         check_shape(np.zeros((2, 3)), (2, 4), "k")
+
+
+def test_stable_times_ms_returns_agreeing_minima_or_says_the_machine_was_busy(monkeypatch):
+    import time
+
+    import kvlib.course.bench as bench
+
+    script, calls = [], []
+
+    def fake(fns, *, repeats, warmup=1):
+        calls.append((repeats, warmup))
+        return script.pop(0)
+
+    monkeypatch.setattr(bench, "interleaved_times_ms", fake)
+    script[:] = [{"a": [10.0, 9.0], "b": [2.0]}, {"a": [9.5], "b": [2.1]}]  # within 20%: agree
+    assert bench.stable_times_ms({"a": None, "b": None}, repeats=2) == ({"a": 9.0, "b": 2.0}, True)
+    assert calls == [(2, 2), (2, 0)]  # warm-up before the first measurement only
+    clock = iter(range(100))  # a clock at which each reading is one second later
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: float(next(clock)))
+    script[:] = [{"a": [10.0]}, {"a": [20.0]}, {"a": [5.0]}, {"a": [40.0]}]  # never agree
+    assert bench.stable_times_ms({"a": None}, cap_s=2.5) == ({"a": 5.0}, False)  # 3 s > 2.5 s
+    monkeypatch.undo()
+    monkeypatch.setattr(bench, "interleaved_times_ms", fake)
+    script[:], calls[:] = [{"a": [7.0]}], []
+    past = time.perf_counter() - 1  # the cell's deadline has passed: one round, not stable
+    assert bench.stable_times_ms({"a": None}, deadline=past) == ({"a": 7.0}, False)
+    assert calls == [(1, 1)]
+    with pytest.raises(ValueError, match="agree, cap_s"):
+        bench.stable_times_ms({"a": None}, agree=0)

@@ -1,9 +1,10 @@
 """Timing helpers for the notebooks' Measure sections.
 
 Wall-clock timing on a CPU is noisy, and a learner's laptop is rarely idle. The notebooks time
-contenders interleaved (`interleaved_times_ms`), compare minima, plot the numbers and assert only
-ratios with margins that hold with one core busy; they never print raw timings (COURSE.md,
-Determinism). `decode_host_time_us` measures the decode wrapper's host path
+contenders interleaved (`interleaved_times_ms`; `stable_times_ms` repeats that until two
+measurements agree), compare minima, plot the numbers and assert only ratios with margins that
+hold with one core busy, and only when the measurements agreed; they never print raw timings
+(COURSE.md, Determinism). `decode_host_time_us` measures the decode wrapper's host path
 (`python -m kvlib.course.bench host`). GPU benchmarks, which write recorded results, are
 experiments (`kvlib.experiments.decode_bench`, `decode_tuning`) and use `triton.testing.do_bench`.
 """
@@ -58,6 +59,45 @@ def interleaved_times_ms(
             fn()
             times_ms[name].append((time.perf_counter() - start) * 1e3)
     return times_ms
+
+
+def stable_times_ms(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    repeats: int = 5,
+    warmup: int = 2,
+    agree: float = 0.2,
+    cap_s: float = 4.0,
+    deadline: float | None = None,
+) -> tuple[dict[str, float], bool]:
+    """Each callable's fastest of `repeats` interleaved runs (`interleaved_times_ms`, after
+    `warmup` rounds), measured again until two successive measurements agree within `agree`
+    (relative) for every contender, or `cap_s` seconds pass, or `deadline` (a
+    `time.perf_counter()` value, for a cell's whole budget) does.
+
+    The notebooks assert a timing only when it is stable: on a busy machine they say so in the
+    plot's title instead of failing.
+
+    Returns:
+        (name -> ms, stable): the faster of the two agreeing measurements and True; else the last
+        measurement and False (past `deadline` already: one round without warm-up, and False).
+    Raises:
+        ValueError: `agree` or `cap_s` not positive, or what `interleaved_times_ms` raises.
+    """
+    if not agree > 0 or not cap_s > 0:
+        raise ValueError(f"agree, cap_s: expected positive numbers, got {agree} and {cap_s}")
+    start, best = time.perf_counter(), None
+    if deadline is not None and start > deadline:  # bound the cell's time, not the measurement's
+        return {n: t[0] for n, t in interleaved_times_ms(fns, repeats=1).items()}, False
+    while True:
+        times = interleaved_times_ms(fns, repeats=repeats, warmup=warmup if best is None else 0)
+        now = {name: min(t) for name, t in times.items()}
+        if best is not None and all(abs(now[n] / best[n] - 1) < agree for n in now):
+            return {n: min(now[n], best[n]) for n in now}, True
+        elapsed = time.perf_counter()
+        if elapsed - start > cap_s or (deadline is not None and elapsed > deadline):
+            return now, False
+        best = now
 
 
 def loglog_slope(sizes, values) -> float:
