@@ -175,19 +175,43 @@ def test_each_notebook_shows_the_current_label_of_the_recorded_files_it_reads():
 
 
 def test_relabel_refreshes_a_label_in_place_and_reports_a_new_one(tmp_path, monkeypatch):
+    import nbformat
+
+    current = R._current_sha256
+    fresh = {  # every result as if just recorded, whatever the repository's state
+        name: dict(entry, sources={s: current(s) for s in entry["sources"]})
+        for name, entry in R._provenance().items()
+    }
+    monkeypatch.setattr(R, "_provenance", lambda folder=None: fresh)
+
+    def edit(*sources):  # as if these source files had changed since the recordings
+        monkeypatch.setattr(
+            R, "_current_sha256", lambda s: "edited" if s in sources else current(s)
+        )
+
     chapter = tmp_path / "10_quantized_cache.ipynb"
     chapter.write_text((ROOT / "notebooks" / chapter.name).read_text())
-    original, current = chapter.read_text(), R._current_sha256
-    monkeypatch.setattr(
-        R, "_current_sha256", lambda s: "edited" if s == "kvlib/quant.py" else current(s)
-    )
+    assert R.relabel(chapter) == []  # all fresh: no label lines
+    original = chapter.read_text()
+    edit("kvlib/quant.py")  # no label line to refresh yet: re-execute, relabel says
+    assert [t.split(": ", 1)[1] for t in R.relabel(chapter)] == [
+        "quant_sweep.csv is newly stale; re-execute it"
+    ]
+    assert chapter.read_text() == original
+    notebook = nbformat.read(chapter, as_version=4)  # executed now, the cell prints the label
+    cell = next(c for c in notebook.cells if 'recorded_file("quant_sweep.csv")' in c.source)
+    stream = next(o for o in cell.outputs if o.output_type == "stream")
+    stream.text = R.staleness("quant_sweep.csv").label() + "\n" + stream.text
+    nbformat.write(notebook, chapter)
+    edit("kvlib/quant.py", "kvlib/model.py")  # another source changes: refreshed in place
     assert R.relabel(chapter) == []
     assert "kvlib/model.py, kvlib/quant.py changed since" in chapter.read_text()
-    monkeypatch.setattr(R, "_current_sha256", current)
+    monkeypatch.setattr(R, "_current_sha256", current)  # re-recorded: the label goes
     assert R.relabel(chapter) == [] and chapter.read_text() == original  # back as stored
     gqa = tmp_path / "05_gqa_mqa.ipynb"
-    gqa.write_text((ROOT / "notebooks" / gqa.name).read_text().replace("recorded with an", "x"))
+    gqa.write_text((ROOT / "notebooks" / gqa.name).read_text())
+    assert R.relabel(gqa) == []
+    edit("kvlib/conversions/gqa.py")  # a source of both files chapter 5 reads
     newly = [t.split(": ", 1)[1] for t in R.relabel(gqa)]
-    # chapter 5 reads these two; the labels just erased come back for those stale now
-    names = [n for n in ("gqa_uptraining.csv", "gqa_smollm2.json") if R.staleness(n).stale]
-    assert names and newly == [f"{name} is newly stale; re-execute it" for name in names]
+    names = ("gqa_uptraining.csv", "gqa_smollm2.json")
+    assert newly == [f"{name} is newly stale; re-execute it" for name in names]
