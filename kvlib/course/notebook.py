@@ -38,9 +38,9 @@ def setup_notebook(seed: int = 0) -> str:
 
 def require_triton(what: str) -> None:
     """Stop a Triton chapter's first cell where Triton cannot be imported (macOS, native Windows),
-    saying what needs it and that the other chapters run without it. Import `kvlib.kernels`
-    before this and before `triton`: without CUDA it sets `TRITON_INTERPRET=1`, which Triton
-    reads when it is first imported.
+    saying what needs it and that the other chapters run without it. Call it before `import
+    triton`: it imports `kvlib.kernels`, which without CUDA sets `TRITON_INTERPRET=1`, and Triton
+    reads that when it is first imported.
 
     Raises:
         kvlib.kernels.TritonUnavailableError: Triton is not importable here.
