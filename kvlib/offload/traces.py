@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from kvlib.data import VOCAB_SIZE
 from kvlib.engine import SamplingParams
 
 __all__ = ["Trace", "agent_trace", "chat_trace", "replay"]
@@ -39,10 +40,8 @@ class Trace:
         return len(self.system)
 
 
-VOCAB_SIZE = 128  # token ids are drawn from [0, VOCAB_SIZE), the course model's vocabulary
-
-
 def _tokens(n: int, generator: torch.Generator) -> list[int]:
+    """`n` random token ids of the course model's vocabulary."""
     return torch.randint(0, VOCAB_SIZE, (n,), generator=generator).tolist()
 
 
