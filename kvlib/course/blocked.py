@@ -88,3 +88,19 @@ SCHEDULER_API = (
     "kvlib.engine.llm_engine.LLMEngine",
     "kvlib.engine.workload.run_workload",
 )
+# Everything in kvlib that names a block across processes and tiers (chapter 14)
+OFFLOAD_KEYS_API = ("kvlib.offload.keys.salted_block_keys", "kvlib.offload.keys.block_key")
+# Everything in kvlib that moves blocks between memory tiers
+OFFLOAD_TIERS_API = (
+    "kvlib.offload.store.TieredStore",
+    "kvlib.offload.store.MemoryTier",
+    "kvlib.offload.disk.DiskTier",
+    "kvlib.offload.engine.OffloadEngine",
+)
+# Everything in kvlib that weighs shipping K/V against recomputing it (and the bytes it needs)
+BREAK_EVEN_API = (
+    "kvlib.offload.breakeven.break_even_bandwidth",
+    "kvlib.offload.breakeven.prefill_flops",
+    "kvlib.offload.breakeven.kv_transfer_bytes",
+    *MEMORY_API,
+)

@@ -37,9 +37,12 @@ from pathlib import Path
 
 from kvlib.course.blocked import (  # noqa: F401 (the checks import them from here)
     ATTENTION_API,
+    BREAK_EVEN_API,
     COMPACTION_API,
     EVICTION_API,
     MEMORY_API,
+    OFFLOAD_KEYS_API,
+    OFFLOAD_TIERS_API,
     PAGING_API,
     QUANT_API,
     ROPE_API,

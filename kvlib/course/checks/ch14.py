@@ -11,24 +11,16 @@ import math
 import torch
 
 from kvlib.cache.block_pool import hash_block_tokens
-from kvlib.course.grading import MEMORY_API, Submission, expect_list, question
+from kvlib.course.grading import (
+    BREAK_EVEN_API,
+    OFFLOAD_KEYS_API,
+    OFFLOAD_TIERS_API,
+    Submission,
+    expect_list,
+    question,
+)
 from kvlib.offload.breakeven import break_even_bandwidth
 from kvlib.offload.store import MemoryTier, TieredStore
-
-# What each question asks the learner to write, blocked while it is graded.
-KEYS_API = ("kvlib.offload.keys.salted_block_keys", "kvlib.offload.keys.block_key")
-TIERS_API = (
-    "kvlib.offload.store.TieredStore",
-    "kvlib.offload.store.MemoryTier",
-    "kvlib.offload.disk.DiskTier",
-    "kvlib.offload.engine.OffloadEngine",
-)
-BREAK_EVEN_API = (
-    "kvlib.offload.breakeven.break_even_bandwidth",
-    "kvlib.offload.breakeven.prefill_flops",
-    "kvlib.offload.breakeven.kv_transfer_bytes",
-    *MEMORY_API,
-)
 
 
 def _keys(salt: bytes, token_ids, block_size):
@@ -46,7 +38,7 @@ def _random_keys_case(rng) -> tuple:
     return bytes(rng.integers(0, 256, size=32).tolist()), tokens, block_size, "a random case"
 
 
-@question(function="salted_block_keys", blocked=KEYS_API)
+@question(function="salted_block_keys", blocked=OFFLOAD_KEYS_API)
 def test_salted_block_keys(submission: Submission) -> None:
     salted_block_keys = submission.function("salted_block_keys")
     rng = submission.rng()  # random cases are drawn per run (seeded from the answer's source)
@@ -106,7 +98,7 @@ def _random_lru_case(rng) -> tuple:
     return int(rng.integers(1, 4)), int(rng.integers(1, 5)), operations, "a random case"
 
 
-@question(function="two_tier_lru", blocked=TIERS_API)
+@question(function="two_tier_lru", blocked=OFFLOAD_TIERS_API)
 def test_two_tier_lru(submission: Submission) -> None:
     two_tier_lru = submission.function("two_tier_lru")
     rng = submission.rng()  # random cases are drawn per run (seeded from the answer's source)
