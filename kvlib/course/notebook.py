@@ -13,12 +13,22 @@ import numpy as np
 
 import kvlib
 
+# Threads for torch's CPU work: the course's models are small (836k and 135M parameters), so more
+# threads mostly add synchronisation, and on a many-core GPU machine several notebooks at once with
+# one thread per core each oversubscribe the CPU (OpenMP threads spin while they wait).
+MAX_TORCH_THREADS = 4
 
-def setup_notebook(seed: int = 0) -> str:
-    """Seed python/numpy (and torch if it is installed), fix print and plot defaults.
 
-    Returns (and the notebooks display) a one-line summary, so the cell has a checked output.
+def setup_notebook(seed: int = 0, *, show_devices: bool = False) -> str:
+    """Seed python/numpy (and torch if it is installed), fix print and plot defaults, and cap
+    torch's CPU threads at `MAX_TORCH_THREADS` (unless `OMP_NUM_THREADS` chooses a count).
+
+    Returns (and the notebooks display) a one-line summary, so the cell has a checked output;
+    with `show_devices`, a second line says where the kernel and the models run
+    (`kvlib.course.devices.describe`).
     """
+    import os
+
     random.seed(seed)
     np.random.seed(seed)
     np.set_printoptions(precision=4, suppress=True, linewidth=100)
@@ -28,12 +38,19 @@ def setup_notebook(seed: int = 0) -> str:
         pass
     else:
         torch.manual_seed(seed)
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(min(torch.get_num_threads(), MAX_TORCH_THREADS))
     import matplotlib as mpl
 
     mpl.rcParams.update(
         {"figure.figsize": (7.0, 4.0), "figure.dpi": 90, "axes.grid": True, "grid.alpha": 0.3}
     )
-    return f"kvlib {kvlib.__version__} ready (seed {seed})"
+    summary = f"kvlib {kvlib.__version__} ready (seed {seed})"
+    if show_devices:
+        from kvlib.course.devices import describe
+
+        summary += "\n" + describe()
+    return summary
 
 
 def require_triton(what: str) -> None:

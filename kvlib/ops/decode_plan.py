@@ -151,6 +151,13 @@ def _make_plan(
     batch, num_heads, num_kv_heads, head_dim = check_inputs(
         q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale
     )
+    if not INTERPRETED and q.device.type != "cuda":
+        raise ValueError(
+            f"q, k_cache, v_cache, block_tables, seq_lens: the kernel is compiled for CUDA here "
+            f"(TRITON_INTERPRET is not 1), so they must be on a CUDA device, got {q.device}. "
+            "Move them with .to('cuda') (kvlib.course.devices.kernel_device() names the device), "
+            "or use kvlib.kernels.paged_decode_attention_ref on the CPU"
+        )
     num_blocks, block_size = k_cache.shape[:2]
     block_n, num_warps, num_stages = launch
     on_gpu = q.device.type == "cuda" and not INTERPRETED

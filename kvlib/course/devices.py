@@ -1,0 +1,111 @@
+"""Where a notebook runs what: one answer for every chapter, so a GPU learner and a CPU learner run
+the same cells.
+
+- `kernel_device()`: where chapter 11's Triton kernel runs, so where its inputs must live: the
+  CUDA device where Triton compiles it, the CPU where it runs under Triton's interpreter.
+- `gpu_branches()`: whether a notebook takes its GPU-only branches (a live benchmark instead of the
+  recorded one). On a CUDA machine, and on the CPU when `KVLIB_GPU_BRANCHES=cpu` is set: CI's extra
+  pass runs those branches there, the kernel under the interpreter and the shapes tiny
+  (`tiny_shapes()`), so that no branch of a notebook goes unexercised without a GPU.
+- `kernel_dtype()`: the 16-bit dtype the kernel and the engine use on a device: bfloat16 where the
+  GPU's tensor cores take it (compute capability 8.0 and later: A100, H100, RTX 30xx), float16 on
+  older GPUs (Colab's free T4 is 7.5: Triton's `tl.dot` rejects bfloat16 there), float32 on the CPU
+  (the interpreter computes in fp32 anyway).
+- `describe()`: the line a notebook's first cell prints: what runs on the GPU, what stays on the
+  CPU, and why.
+
+The models of chapters 1-10 stay on the CPU on every machine: their stored outputs (checked by
+nbval) are CPU numbers, and a 836k- or 135M-parameter model gains nothing a learner would notice
+from a GPU. What a GPU changes is chapter 11's kernel (compiled), its benchmark (live) and the
+kernel cells of chapter 10.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+GPU_BRANCHES_ENV = "KVLIB_GPU_BRANCHES"  # "cpu": take the GPU-only branches on the CPU (CI)
+
+BF16_MIN_CAPABILITY = (8, 0)  # Ampere: bf16 tensor-core instructions, which Triton's tl.dot needs
+
+
+def kernel_device() -> torch.device:
+    """The device chapter 11's kernel runs on here, so the device its inputs must be on.
+
+    CUDA where the kernel is compiled (CUDA present and `TRITON_INTERPRET` not set to 1); the CPU
+    where it runs under Triton's interpreter (no CUDA: importing `kvlib.kernels` sets
+    `TRITON_INTERPRET=1`). Imports `kvlib.kernels` (not Triton), so call it before `import
+    triton`.
+    """
+    from kvlib.ops.interpreter import INTERPRETED
+
+    return torch.device("cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda")
+
+
+def gpu_branches() -> bool:
+    """Whether a notebook's GPU-only branches run: on a CUDA machine, or on the CPU when the
+    environment sets `KVLIB_GPU_BRANCHES=cpu` (CI's pass over those branches, with the kernel
+    under the interpreter and `tiny_shapes()`).
+
+    Raises:
+        ValueError: `KVLIB_GPU_BRANCHES` is set to something other than "cpu" or "".
+    """
+    value = os.environ.get(GPU_BRANCHES_ENV, "")
+    if value not in ("", "cpu"):
+        raise ValueError(f'{GPU_BRANCHES_ENV}: expected "cpu" or unset, got {value!r}')
+    return torch.cuda.is_available() or value == "cpu"
+
+
+def tiny_shapes() -> bool:
+    """Whether the GPU-only branches run on the CPU (`KVLIB_GPU_BRANCHES=cpu` without CUDA), so a
+    live benchmark must shrink to a few small cases the interpreter finishes in seconds."""
+    return gpu_branches() and not torch.cuda.is_available()
+
+
+def kernel_dtype(device=None, *, capability: tuple[int, int] | None = None) -> torch.dtype:
+    """The dtype the kernel and the engine run in on `device` (default `kernel_device()`).
+
+    bfloat16 on a CUDA device of compute capability >= 8.0; float16 below it (a T4 is 7.5, a
+    V100 7.0: no bfloat16 `tl.dot`); float32 on the CPU. `capability` overrides the device's
+    (for tests, and to see what a T4 learner gets). `kernel_dtype_reason` says why, in words.
+    """
+    device = kernel_device() if device is None else torch.device(device)
+    if device.type != "cuda" and capability is None:
+        return torch.float32
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if tuple(capability) >= BF16_MIN_CAPABILITY else torch.float16
+
+
+def kernel_dtype_reason(device=None, *, capability: tuple[int, int] | None = None) -> str:
+    """Why `kernel_dtype` chose what it chose, in one clause."""
+    dtype = kernel_dtype(device, capability=capability)
+    if dtype == torch.float32:
+        return "float32: the CPU interpreter computes in fp32"
+    if capability is None:
+        device = kernel_device() if device is None else torch.device(device)
+        capability = torch.cuda.get_device_capability(device)
+    major, minor = capability
+    if dtype == torch.bfloat16:
+        return f"bfloat16: compute capability {major}.{minor} >= 8.0 has bf16 tensor cores"
+    return (
+        f"float16: compute capability {major}.{minor} < 8.0 has no bf16 tensor-core dot "
+        "(a T4 is 7.5), so Triton's tl.dot needs fp16"
+    )
+
+
+def describe() -> str:
+    """One line for a notebook's first cell: where the kernel runs and where the models stay."""
+    device = kernel_device()
+    if device.type == "cuda":
+        kernel = (
+            f"the Triton kernel is compiled for {torch.cuda.get_device_name(device)} "
+            f"({kernel_dtype_reason(device)})"
+        )
+    else:
+        kernel = "no CUDA GPU: the Triton kernel runs under its CPU interpreter"
+        if tiny_shapes():
+            kernel += f" ({GPU_BRANCHES_ENV}=cpu: GPU-only cells run here with tiny shapes)"
+    return f"{kernel}; the models run on the CPU (the stored outputs are CPU numbers)"
