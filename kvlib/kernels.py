@@ -150,7 +150,7 @@ def paged_decode_attention(
     Raises:
         TypeError, ValueError: inputs that disagree in shape, dtype or device, H not a multiple
         of H_kv, lengths beyond the block table, block ids outside the cache (with `validate`),
-        inputs off the GPU where the kernel is compiled (`kvlib.course.devices.kernel_device`).
+        inputs off the GPU where the kernel is compiled (`kvlib.ops.devices.kernel_device`).
         TritonUnavailableError: Triton cannot be imported here (use `paged_decode_attention_ref`).
 
     The hot path, `validate=False` with `num_splits` (or `max_seq_len`) given, makes no host

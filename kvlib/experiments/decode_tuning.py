@@ -15,13 +15,8 @@ import time
 import numpy as np
 
 from kvlib.experiments.cli import write_rows
-from kvlib.experiments.decode_bench import (
-    commit_label,
-    copy_bandwidth_gbps,
-    device_facts,
-    kv_bytes_read,
-    paged_decode_inputs,
-)
+from kvlib.experiments.decode_bench import kv_bytes_read, paged_decode_inputs
+from kvlib.experiments.timing import commit_label, copy_bandwidth_gbps, device_facts
 
 TUNE_SHAPES = [  # (batch, H, H_kv, context): few, many and very many (sequence, KV head) pairs
     (batch, num_heads, num_kv_heads, context)

@@ -239,7 +239,7 @@ def record(out_csv: str, timeout_s: int = 150) -> str:
     import transformers
     from tqdm import tqdm
 
-    from kvlib.experiments.decode_bench import commit_label, device_facts
+    from kvlib.experiments.timing import commit_label, device_facts
 
     facts = {
         **device_facts(),

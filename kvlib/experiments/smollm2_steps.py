@@ -61,7 +61,7 @@ def record(out_csv: str) -> str:
 
     import torch
 
-    from kvlib.experiments.decode_bench import commit_label, device_facts
+    from kvlib.experiments.timing import commit_label, device_facts
     from kvlib.loaders.smollm2 import load_smollm2
 
     if not torch.cuda.is_available():

@@ -155,7 +155,7 @@ def _make_plan(
         raise ValueError(
             f"q, k_cache, v_cache, block_tables, seq_lens: the kernel is compiled for CUDA here "
             f"(TRITON_INTERPRET is not 1), so they must be on a CUDA device, got {q.device}. "
-            "Move them with .to('cuda') (kvlib.course.devices.kernel_device() names the device), "
+            "Move them with .to('cuda') (kvlib.ops.devices.kernel_device() names the device), "
             "or use kvlib.kernels.paged_decode_attention_ref on the CPU"
         )
     num_blocks, block_size = k_cache.shape[:2]
