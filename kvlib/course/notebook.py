@@ -116,11 +116,13 @@ def _coalesce_streams(outputs: list) -> list:
     return merged
 
 
-def run_code_cells(path: str) -> int:
+def run_code_cells(path: str, *, tags: set[str] | None = None) -> int:
     """Run a notebook's code cells in order in this Python process, without Jupyter, and return
     how many ran. IPython magics and shell lines (`%...`, `!...`) are skipped; figures go to the
     non-interactive Agg backend. For machines with Python but no Jupyter (a rented GPU box): it
     checks that the code runs there, not that its outputs match the stored ones (nbval does that).
+    With `tags`, only the first code cell (the set-up) and the cells tagged with one of them run
+    (e.g. "gpu-recording": the cells that read a GPU recording, run against another one).
 
     Raises: FileNotFoundError (no such notebook); the first failing cell's exception, with the
         cell's number added to its message notes.
@@ -140,6 +142,8 @@ def run_code_cells(path: str) -> int:
     try:
         for number, cell in enumerate(cells):
             if cell["cell_type"] != "code":
+                continue
+            if tags is not None and ran and not tags & set(cell["metadata"].get("tags", ())):
                 continue
             lines = "".join(cell["source"]).splitlines()
             source = "\n".join(  # a magic becomes `pass`, keeping an enclosing block valid
@@ -166,13 +170,17 @@ if __name__ == "__main__":
     import sys
 
     args = sys.argv[1:]
+    tags = None
+    if args[:1] == ["--plain"] and len(args) > 2 and args[1].startswith("--tags="):
+        tags = set(args.pop(1).removeprefix("--tags=").split(","))
     if not args or args == ["--plain"]:
         sys.exit(
             "usage: python -m kvlib.course.notebook NOTEBOOK_OR_FOLDER [...]  (store outputs)\n"
-            "       python -m kvlib.course.notebook --plain NOTEBOOK [...]    (no Jupyter)"
+            "       python -m kvlib.course.notebook --plain [--tags=T,...] NOTEBOOK [...]  "
+            "(no Jupyter; with --tags, the first code cell and the cells tagged T)"
         )
     if args[0] == "--plain":
         for notebook in args[1:]:
-            print(f"{notebook}: {run_code_cells(notebook)} code cells ran")
+            print(f"{notebook}: {run_code_cells(notebook, tags=tags)} code cells ran")
     else:
         execute_in_place(args)

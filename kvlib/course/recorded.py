@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -107,10 +108,23 @@ def staleness(name: str, *, folder: Path | None = None) -> Staleness:
     return Staleness(name, entry["recorded_at"], entry["command"], changed)
 
 
+RECORDINGS_ENV = "KVLIB_RECORDINGS"  # a folder whose files stand in for the committed ones
+
+
 def recorded_file(name: str) -> Path:
     """The path of recorded results file `name` (e.g. "serving.csv"), found in the repository's
     `results/` or in kvlib's installed copy. Prints the label "recorded with an earlier version
-    ..." when a source that produced it has changed since it was recorded."""
+    ..." when a source that produced it has changed since it was recorded.
+
+    Where the environment variable `KVLIB_RECORDINGS` names a folder holding `name`, that file
+    is used instead, and a line says so: a recording made on another GPU (your own, after
+    running the experiment with `--out` into that folder) drives the notebook's GPU sections
+    in place of the committed one. Its provenance is not checked.
+    """
+    other = os.environ.get(RECORDINGS_ENV)
+    if other and (Path(other) / name).is_file():
+        print(f"{name}: the recording in {RECORDINGS_ENV}={other}, not the committed one")
+        return Path(other) / name
     folder = recorded_dir()
     path = folder / name
     if not path.is_file():
