@@ -23,8 +23,8 @@ PORTABLE_ENV := ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 OPENBLAS_NUM_THREA
                 MKL_NUM_THREADS=1 OPENBLAS_CORETYPE=Haswell \
                 NPY_DISABLE_CPU_FEATURES="AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL"
 
-.PHONY: install notebooks test test-gpu lint unit nbval nbval-portable grading book outputs \
-        install-cells recorded clean
+.PHONY: install notebooks test test-gpu gpu-check gpu-branches lint unit nbval nbval-portable \
+        grading book outputs install-cells recorded clean
 
 install: $(STAMP)
 
@@ -72,6 +72,24 @@ test-gpu: $(STAMP)
 	$(BIN)/python -m pytest tests -m gpu
 	$(BIN)/python -m kvlib.experiments.decode_bench --out results/decode_bench.csv
 	$(BIN)/python -m kvlib.course.recorded stamp results/decode_bench.csv
+
+# On a CUDA machine, the whole GPU path in one command (.ci/gpu_check.py): the GPU tests, every
+# chapter, exercise and solution's code, every solution graded, the decode and serving benchmarks;
+# writes results/gpu_check.csv. It runs with the machine's own Python (GPU_PYTHON: its torch and
+# Triton), installing what the course needs that it lacks, from PyPI or, offline, from WHEELS=DIR
+# (README, "On a GPU machine").
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) .ci/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS))
+
+# The notebooks' GPU-only branches, run on the CPU (issue 46): KVLIB_GPU_BRANCHES=cpu makes
+# kvlib.course.devices.gpu_branches() true without CUDA, so those cells run with the kernel under
+# Triton's interpreter and tiny shapes (no stored outputs compared: --plain). tests/
+# test_gpu_recordings.py lists every notebook with such a branch; CI (.ci/run) runs this target.
+GPU_BRANCH_NOTEBOOKS := notebooks/11_triton_decode.ipynb
+gpu-branches: $(STAMP)
+	KVLIB_GPU_BRANCHES=cpu MPLBACKEND=Agg $(BIN)/python -m kvlib.course.notebook --plain \
+		$(GPU_BRANCH_NOTEBOOKS)
 
 # Which recorded results (results/) were recorded with an earlier version of their sources.
 recorded: $(STAMP)
