@@ -60,3 +60,26 @@ def test_require_triton_stops_a_triton_chapter_with_what_needs_it_and_what_runs_
     assert str(raised.value).startswith("chapter 11 writes and launches Triton kernels: it needs")
     for needed in ("Linux", "WSL2", "pip install triton", "every other chapter runs without"):
         assert needed in str(raised.value), needed
+
+
+def test_require_triton_with_interpret_sets_the_interpreter_first_or_says_to_restart():
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys\n"
+        "os.environ.pop('TRITON_INTERPRET', None)\n"
+        "from kvlib.course.notebook import require_triton\n"
+        "if sys.argv[1] == 'late':\n"
+        "    sys.modules['triton'] = object()  # as if Triton were imported, compiled\n"
+        "try:\n"
+        "    require_triton('chapter 11', interpret=True)\n"
+        "except RuntimeError as error:\n"
+        "    print('refused:', error)\n"
+        "print('TRITON_INTERPRET =', os.environ.get('TRITON_INTERPRET'))\n"
+    )
+    first = subprocess.run([sys.executable, "-c", script, "first"], capture_output=True, text=True)
+    assert first.stdout.strip().splitlines() == ["TRITON_INTERPRET = 1"], first.stderr
+    late = subprocess.run([sys.executable, "-c", script, "late"], capture_output=True, text=True)
+    assert "refused: chapter 11: it runs its kernels under Triton's interpreter" in late.stdout
+    assert "restart the kernel" in late.stdout and "TRITON_INTERPRET = None" in late.stdout

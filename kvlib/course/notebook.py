@@ -53,15 +53,31 @@ def setup_notebook(seed: int = 0, *, show_devices: bool = False) -> str:
     return summary
 
 
-def require_triton(what: str) -> None:
+def require_triton(what: str, *, interpret: bool = False) -> None:
     """Stop a Triton chapter's first cell where Triton cannot be imported (macOS, native Windows),
     saying what needs it and that the other chapters run without it. Call it before `import
     triton`: it imports `kvlib.kernels`, which without CUDA sets `TRITON_INTERPRET=1`, and Triton
     reads that when it is first imported.
 
+    With `interpret`, the notebook's kernels run under Triton's interpreter on every machine, a
+    GPU machine too (chapter 11's exercises: they are graded under the interpreter, whose
+    arithmetic is exact and the same everywhere, on CPU tensors).
+
     Raises:
         kvlib.kernels.TritonUnavailableError: Triton is not importable here.
+        RuntimeError: `interpret`, but Triton was already imported without the interpreter.
     """
+    import os
+    import sys
+
+    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules or "kvlib.ops.interpreter" in sys.modules:
+            raise RuntimeError(
+                f"{what}: it runs its kernels under Triton's interpreter, and Triton (or "
+                "kvlib.kernels) was imported before this call: restart the kernel and run this "
+                "cell first"
+            )
+        os.environ["TRITON_INTERPRET"] = "1"
     from kvlib.kernels import TritonUnavailableError, triton_available
 
     if not triton_available():
