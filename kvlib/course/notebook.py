@@ -85,6 +85,10 @@ def require_triton(what: str, *, interpret: bool = False) -> None:
             f"{what}: it needs Linux (on Windows, WSL2) and `pip install triton`; every other "
             "chapter runs without Triton"
         )
+    from kvlib.ops.interpreter import INTERPRETED, require_interpretable_triton
+
+    if INTERPRETED:
+        require_interpretable_triton()  # and an old Triton's interpreter made to run on NumPy 2.4
 
 
 def execute_in_place(paths: list[str], *, timeout_s: int = 900) -> None:

@@ -27,6 +27,7 @@ def require_interpretable_triton() -> None:
     """
     if not INTERPRETED:
         return
+    patch_scalar_index()
     import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -38,3 +39,41 @@ def require_interpretable_triton() -> None:
             "kernel) and import kvlib.kernels before anything that imports Triton, or start "
             "Python with TRITON_INTERPRET=1 in the environment."
         )
+
+
+FIXED_TRITON = (3, 7)  # the first Triton whose interpreter converts scalars NumPy 2.4's way
+
+
+def patch_scalar_index() -> None:
+    """Let Triton's interpreter turn a scalar into an int under NumPy >= 2.4.
+
+    The interpreter holds a kernel's scalars (a runtime `seq_len`, a loop bound) as 1-element
+    arrays, and before Triton 3.7 its `tensor.__index__` is `int(array)`, which NumPy 2.4 and later
+    refuse ("only 0-dimensional arrays can be converted to Python scalars", triton-lang/triton
+    #9171): every `for start in range(0, seq_len, BLOCK_N)` in an interpreted kernel raises. Where
+    Triton's own conversion is the unfixed one, its tensor patch is wrapped so the conversion takes
+    the array's one element. Idempotent, and nothing changes under a fixed Triton.
+    """
+    import re
+
+    import numpy as np
+    import triton
+    from triton.runtime import interpreter
+
+    major, minor = (int(part) for part in re.findall(r"\d+", triton.__version__)[:2])
+    original = interpreter._patch_lang_tensor
+    if (major, minor) >= FIXED_TRITON or getattr(original, "kvlib_scalar_index", False):
+        return
+
+    def scalar(tensor) -> int:
+        return int(np.asarray(tensor.handle.data).reshape(-1)[0])
+
+    def patched(tensor, *rest):
+        original(tensor, *rest)
+        if rest and hasattr(rest[0], "set_attr"):  # a scope, which restores it after the launch
+            rest[0].set_attr(tensor, "__index__", scalar)
+        else:
+            tensor.__index__ = scalar
+
+    patched.kvlib_scalar_index = True
+    interpreter._patch_lang_tensor = patched
