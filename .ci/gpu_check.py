@@ -280,6 +280,34 @@ def test_rows(junit_xml: str) -> list[dict]:
     return rows
 
 
+def times_table(path: str) -> str:
+    """A recording's seconds per chapter (its notebook, exercise, solution and grading) as a
+    markdown table, with the device and commit it ran on: what book/setup.md shows."""
+    rows = list(csv.DictReader(open(path)))
+    first = rows[0]
+    kinds = ("chapter", "exercise", "solution", "grade")
+    seconds = {(r["kind"], Path(r["name"]).stem): float(r["seconds"]) for r in rows}
+    failed = {(r["kind"], Path(r["name"]).stem) for r in rows if r["passed"] != "True"}
+    chapters = sorted({stem for kind, stem in seconds if kind == "chapter"})
+    lines = [
+        f"Seconds on {first['device']} (torch {first['torch']}, Triton {first['triton']}; "
+        f"{first['jobs']} notebooks at a time, {first['threads']} CPU threads each; commit "
+        f"{first['commit']}, {first['date']}):",
+        "",
+        "| chapter | notebook | exercise | solution | grading |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for stem in chapters:
+        cells = [
+            "-"
+            if (kind, stem) not in seconds
+            else f"{seconds[kind, stem]:.0f}" + (" (failed)" if (kind, stem) in failed else "")
+            for kind in kinds
+        ]
+        lines.append(f"| {stem} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def device_columns(commit: str | None) -> dict:
     """What every row names: the device, the versions, the commit and the date."""
     sys.path.insert(0, str(ROOT))
@@ -311,6 +339,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", help="the commit to record (default: git, or $KVLIB_COMMIT)")
     parser.add_argument("--dry-run", action="store_true", help="list the steps; run nothing")
     parser.add_argument(
+        "--requirements",
+        action="store_true",
+        help="print the pinned packages it installs where missing (for `pip download`), and exit",
+    )
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="print --out's per-notebook times as book/setup.md's markdown table, and exit",
+    )
+    parser.add_argument(
         "--deadline-s",
         type=float,
         default=float("inf"),
@@ -323,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the GPU steps and run without CUDA (to test this script on a CPU)",
     )
     args = parser.parse_args(argv)
+    if args.requirements:
+        print(" ".join(pinned(d) for d in MODULES.values()))
+        return 0
+    if args.table:
+        print(times_table(args.out))
+        return 0
     scratch = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     plan = [
         s
