@@ -75,21 +75,26 @@ def raw(server, method, path, body=None, headers=None):
 
 
 @pytest.mark.timeout(60)
-def test_a_non_streamed_request_whose_client_left_is_aborted(fresh):
-    """An httpx client gives up after 0.3 s on max_tokens=490 (n=2): the server notices the
-    closed connection while the response is pending, aborts both engine requests and frees
-    their blocks long before 490 steps; /metrics counts two aborts and nothing finished."""
-    max_tokens = 490  # PROMPT's 12 tokens + 490 <= max_model_len 512
-    body = dict(model="course", prompt=PROMPT, max_tokens=max_tokens, temperature=0, n=2)
-    with httpx.Client(timeout=0.3) as http, pytest.raises(httpx.ReadTimeout):
-        http.post(fresh.base_url + "/completions", json=body)
-    free, total = wait_idle(fresh)
-    steps = fresh.app.state.loop.call(lambda engine: len(engine.stats))
-    assert free == total
-    assert steps < max_tokens // 2, f"{steps} engine steps ran for a client that left"
-    assert fresh.app.state.loop.num_aborted == 2
-    assert scrape(fresh, "vllm:request_success_total", finished_reason="abort") == 2
-    assert scrape(fresh, "vllm:request_success_total") == 2  # nothing counted as finished
+def test_a_non_streamed_request_whose_client_left_is_aborted(served):
+    """An httpx client gives up after 0.1 s on max_tokens=1000 (at least half a second of steps
+    on any CPU): the server notices the closed connection while the response is pending, aborts
+    the engine request and frees its blocks long before 1000 steps; /metrics counts one abort and
+    nothing finished. (Before the fix: every step ran, for nobody.)"""
+    server = start_server(served, max_model_len=1024)  # PROMPT's 12 + 1000 tokens: 64 blocks
+    try:
+        max_tokens = 1000
+        body = dict(model="course", prompt=PROMPT, max_tokens=max_tokens, temperature=0)
+        with httpx.Client(timeout=0.1) as http, pytest.raises(httpx.ReadTimeout):
+            http.post(server.base_url + "/completions", json=body)
+        free, total = wait_idle(server, timeout_s=30)
+        steps = server.app.state.loop.call(lambda engine: len(engine.stats))
+        assert free == total
+        assert steps < max_tokens // 2, f"{steps} engine steps ran for a client that left"
+        assert server.app.state.loop.num_aborted == 1
+        assert scrape(server, "vllm:request_success_total", finished_reason="abort") == 1
+        assert scrape(server, "vllm:request_success_total") == 1  # nothing counted as finished
+    finally:
+        server.stop()
 
 
 # --- /health -----------------------------------------------------------------------------------
@@ -346,6 +351,7 @@ def server(served):
     "method, path, body, status, words",
     [
         ("POST", "/v1/completions", b"{not json", 400, "not valid JSON"),
+        ("POST", "/v1/completions", b"[]", 400, "the request body: Input should be a valid"),
         ("POST", "/v1/nothing", {"model": "course"}, 404, "POST /v1/nothing: no such route"),
         ("GET", "/nothing", None, 404, "GET /nothing: no such route"),
         ("GET", "/v1/completions", None, 405, "this route takes POST"),
@@ -406,3 +412,20 @@ def test_a_failing_step_is_a_500_or_an_error_event_once_streaming(fresh):
     assert set(last["error"]) == ERROR_KEYS and "injected, raw" in last["error"]["message"]
     wait_idle(fresh)
     assert scrape(fresh, "vllm:request_success_total", finished_reason="error") == 3
+
+
+def test_the_metrics_scraper_records_a_run(fresh):
+    from kvlib.serve.load import MetricsScraper
+
+    client = openai.OpenAI(base_url=fresh.base_url, api_key="unused", max_retries=0)
+    with MetricsScraper(fresh.root_url + "/metrics", interval_s=0.01) as scraper:
+        stream = client.completions.create(
+            model="course", prompt=PROMPT, max_tokens=60, temperature=0, stream=True
+        )
+        assert len(list(stream)) == 60
+    times, running = scraper.series("vllm:num_requests_running")
+    assert len(times) == len(scraper.scrapes) >= 2 and times == sorted(times)
+    assert set(running) <= {0.0, 1.0} and max(running) == 1.0  # seen running, by a scrape
+    assert metric_value(scraper.last, "vllm:generation_tokens_total") == 60
+    with pytest.raises(ValueError, match="interval_s"):
+        MetricsScraper(fresh.root_url + "/metrics", interval_s=0)
