@@ -18,25 +18,16 @@ import openai
 import pytest
 
 from kvlib.engine import LLMEngine
-from kvlib.loaders.course_model import load_course_model
 from kvlib.serve.__main__ import parse_options
 from kvlib.serve.auth import check_bind, is_loopback
 from kvlib.serve.metrics import metric_value, parse_metrics, scrape_metrics
-from kvlib.serve.models import CourseTokenizer, ServedModel
+from kvlib.serve.models import CourseTokenizer
 from kvlib.serve.server import ServerThread, create_app, free_port
+from tests import test_server
 from tests.test_server import ENGINE, PROMPT, start_server, wait_idle
 
 ERROR_KEYS = {"message", "type", "param", "code"}
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_course_model()
-
-
-@pytest.fixture(scope="module")
-def served(model):
-    return ServedModel("course", model, CourseTokenizer(), (), 1024)
+model, served = test_server.model, test_server.served  # the course model and its server fixtures
 
 
 @pytest.fixture

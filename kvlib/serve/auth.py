@@ -27,7 +27,15 @@ from starlette.responses import JSONResponse
 
 from kvlib.serve.api import error_body
 
-__all__ = ["BearerAuth", "check_bind", "is_loopback"]
+__all__ = ["BearerAuth", "check_api_key", "check_bind", "is_loopback"]
+
+
+def check_api_key(api_key) -> None:
+    """Raises TypeError for a key that is not a str, ValueError for an empty one."""
+    if not isinstance(api_key, str):
+        raise TypeError(f"api_key: expected a str, got {type(api_key).__name__}")
+    if not api_key:
+        raise ValueError("api_key: expected a non-empty string, got ''")
 
 
 class BearerAuth:
@@ -38,10 +46,7 @@ class BearerAuth:
     """
 
     def __init__(self, app, api_key: str):
-        if not isinstance(api_key, str):
-            raise TypeError(f"api_key: expected a str, got {type(api_key).__name__}")
-        if not api_key:
-            raise ValueError("api_key: expected a non-empty string, got ''")
+        check_api_key(api_key)
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 

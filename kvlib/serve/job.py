@@ -236,9 +236,13 @@ class Job:
 async def _client_gone(request: Request) -> None:
     """Return once the client has closed its connection. The request's body has been read, so
     the next message on its receive channel is the ASGI server's `http.disconnect`, sent when the
-    connection drops (or after the response was sent)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    connection drops (or after the response was sent). A receive channel that fails tells
+    nothing: then wait (until cancelled) and let the response decide."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:
+        await asyncio.Future()
 
 
 def _sse(payload: dict) -> str:

@@ -40,7 +40,7 @@ from kvlib.serve.api import (
     CompletionRequest,
     validation_error,
 )
-from kvlib.serve.auth import BearerAuth, check_bind
+from kvlib.serve.auth import BearerAuth, check_api_key, check_bind
 from kvlib.serve.engine_loop import EngineLoop
 from kvlib.serve.job import Job
 from kvlib.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -69,7 +69,7 @@ def create_app(
     app.state.loop, app.state.served, app.state.metrics = loop, served, metrics
     app.state.api_key = api_key
     if api_key is not None:
-        BearerAuth(app, api_key)  # checks the key now, not at the first request
+        check_api_key(api_key)  # now, not when the middleware is built at the first request
         app.add_middleware(BearerAuth, api_key=api_key)
     _add_error_handlers(app)
 
