@@ -317,37 +317,122 @@ def test_logprobs_match_a_full_forward(client, model, served):
     assert sum((x.top_logprobs for x in streamed), []) == lp.top_logprobs
 
 
-def test_top_logprob_keys_follow_byte_level_tokens():
-    """SmolLM2's byte-level tokens (tokenizer only, made-up logprobs): a top logprob's key is the
-    text its token adds after the previous one; the chosen token's key is its text in `tokens`,
-    also when that text is "" (an unfinished character) or completes one."""
-    from kvlib.engine import FinishReason, RequestOutput
-    from kvlib.engine.request import TokenLogprobs
+def name_bytes(name: str) -> bytes:
+    """The bytes an OpenAI logprobs token name stands for: its text, or `bytes:` + escapes."""
+    if not name.startswith("bytes:"):
+        return name.encode()
+    out, rest = bytearray(), name[len("bytes:") :]
+    while rest:
+        if rest.startswith("\\x"):
+            out.append(int(rest[2:4], 16))
+            rest = rest[4:]
+        else:
+            out += rest[0].encode()
+            rest = rest[1:]
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
     from kvlib.loaders.gguf import load_gguf_tokenizer
     from kvlib.loaders.smollm2 import smollm2_gguf_path
-    from kvlib.serve.choices import Choice
 
-    tokenizer = load_gguf_tokenizer(smollm2_gguf_path())
+    return load_gguf_tokenizer(smollm2_gguf_path())
+
+
+def test_sampled_token_is_in_top_logprobs_and_logprobs_0_gives_it_alone(client, model, served):
+    """OpenAI: top_logprobs holds the `logprobs` most likely tokens and the sampled one ("up to
+    logprobs+1 elements"); logprobs=0 returns the sampled token's logprob, not null. Checked
+    against a full forward (the issue's case: logprobs=1, temperature=2, seed=3)."""
+    ids = served.tokenizer.encode(PROMPT)
+    for num_top in (1, 0):
+        r = client.completions.create(
+            model="course", prompt=PROMPT, max_tokens=16, temperature=2, seed=3, logprobs=num_top
+        )
+        lp = r.choices[0].logprobs
+        out = served.tokenizer.encode(r.choices[0].text)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + out]))[0, len(ids) - 1 : -1]  # (16, V)
+        oracle = logits.float().log_softmax(-1)
+        argmax = oracle.argmax(-1).tolist()
+        for k, (token, p, top) in enumerate(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)):
+            assert top[token] == p and abs(p - oracle[k, out[k]].item()) < 1e-4, (k, top, p)
+            expected = {token} | ({" " + served.tokenizer.names[argmax[k]]} if num_top else set())
+            assert set(top) == expected, (k, top, expected)
+        sampled_outside = sum(len(top) == 2 for top in lp.top_logprobs)
+        if num_top:  # temperature 2 samples outside the top 1: those tokens add an entry
+            assert sampled_outside > 0 and all(len(t) <= 2 for t in lp.top_logprobs)
+        else:
+            assert sampled_outside == 0
+
+
+def test_token_names_follow_openai_for_byte_level_tokens(smol_tokenizer):
+    """SmolLM2's byte-level tokens (tokenizer only, made-up logprobs): a token that ends inside a
+    character is named `bytes:\\xNN...` in `tokens` and in `top_logprobs` alike, so two such
+    tokens never collide as keys (decoded, both would be U+FFFD); the names' bytes concatenate to
+    the text's; the offsets count released characters."""
+    from kvlib.engine import FinishReason, RequestOutput
+    from kvlib.engine.request import TokenLogprobs
+    from kvlib.serve.choices import Choice
+    from kvlib.serve.logprobs import token_bytes
+
+    tokenizer = smol_tokenizer
     served = ServedModel("smollm2", None, tokenizer, (tokenizer.eos_token_id,), 2048)
-    prompt, out = tokenizer.encode("Say:"), tokenizer.encode(" naïve 日本 ok")
-    choice = Choice("r", 0, served, prompt, stop=[], logprobs=2)
+    prompt, text = tokenizer.encode("Say:"), " naïve 日本 ok"
+    out = tokenizer.encode(text)
+    partial = [i for i in range(300) if _invalid_utf8(token_bytes(tokenizer, i)) and i not in out]
+    partial = partial[:2]  # two tokens that decode alike: U+FFFD
+    assert len(partial) == 2 and tokenizer.decode(partial[:1]) == tokenizer.decode(partial[1:])
+    choice = Choice("r", 0, served, prompt, stop=[], logprobs=3)
     for k, token_id in enumerate(out):
-        other = (token_id + 1) % 1000
-        entry = TokenLogprobs(token_id, -0.5, ((token_id, -0.5), (other, -1.5)))
+        top = ((partial[0], -0.25), (partial[1], -0.5), (token_id, -0.75))
+        entry = TokenLogprobs(token_id, -0.75, top)
         done = k == len(out) - 1
         reason = FinishReason.LENGTH if done else None
-        output = RequestOutput("r", prompt, out[: k + 1], [token_id], done, reason, [entry])
-        choice.accept(output)
+        choice.accept(RequestOutput("r", prompt, out[: k + 1], [token_id], done, reason, [entry]))
     lp = choice.completion_logprobs()
-    assert "".join(lp["tokens"]) == choice.text == " naïve 日本 ok"
-    assert "" in lp["tokens"]  # some token ends inside a character
-    assert [top[t] for t, top in zip(lp["tokens"], lp["top_logprobs"])] == [-0.5] * len(out)
-    for prev, token_id, text, top in zip(
-        [prompt[-1], *out[:-1]], out, lp["tokens"], lp["top_logprobs"]
-    ):
-        other = (token_id + 1) % 1000
-        key = tokenizer.decode([prev, other])[len(tokenizer.decode([prev])) :]
-        assert key == text or top[key] == -1.5, (key, top)
+    assert choice.text == text
+    assert any(t.startswith("bytes:") for t in lp["tokens"])  # some token ends in a character
+    assert b"".join(name_bytes(t) for t in lp["tokens"]) == text.encode()
+    for token_id, name, top in zip(out, lp["tokens"], lp["top_logprobs"]):
+        assert name_bytes(name) == token_bytes(tokenizer, token_id)
+        assert len(top) == 3 and top[name] == -0.75  # no key lost to a collision
+        expected = [token_bytes(tokenizer, i) for i in (*partial, token_id)]
+        assert [name_bytes(key) for key in top] == expected
+    released = [len(t) for t in choice.token_texts]
+    assert lp["text_offset"] == [sum(released[:k]) for k in range(len(out))]
+
+
+def _invalid_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def test_every_smollm2_token_has_one_name_and_its_bytes(smol_tokenizer):
+    """Over the whole vocabulary: the byte alphabet is the tokenizers library's; a token whose
+    bytes are valid UTF-8 is named by the text the tokenizer decodes for it alone; every name is
+    unique (49,152 distinct keys)."""
+    from tokenizers import pre_tokenizers
+
+    from kvlib.serve.logprobs import _byte_alphabet, token_bytes, token_name
+
+    assert set(_byte_alphabet()) == set(pre_tokenizers.ByteLevel.alphabet())
+    size = smol_tokenizer.backend.get_vocab_size()
+    names, num_partial = set(), 0
+    for token_id in range(size):
+        data = token_bytes(smol_tokenizer, token_id)
+        name = token_name(data)
+        names.add(name)
+        if name.startswith("bytes:"):
+            num_partial += 1
+            assert name_bytes(name) == data
+        else:
+            assert name == smol_tokenizer.decode([token_id]), token_id
+    assert len(names) == size and num_partial > 0
+    print(f"{size} tokens, {num_partial} named by their bytes, all names distinct")
 
 
 @pytest.mark.parametrize(

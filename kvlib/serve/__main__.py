@@ -1,9 +1,15 @@
-"""`python -m kvlib.serve --model {course,smollm2} [--host 127.0.0.1] [--port 8000]` and the
-engine's options: serve a model with an OpenAI-compatible API (chapter 13)."""
+"""`python -m kvlib.serve --model {course,smollm2} [--host 127.0.0.1] [--port 8000]
+[--api-key KEY] [--allow-no-auth]` and the engine's options: serve a model with an
+OpenAI-compatible API (chapter 13).
+
+`--api-key` (or the environment variable `KVLIB_API_KEY`, as vLLM reads `VLLM_API_KEY`) makes every
+`/v1/*` request need `Authorization: Bearer KEY`; `/health` and `/metrics` stay open. Without a
+key the server refuses a host beyond loopback (e.g. `--host 0.0.0.0`) unless `--allow-no-auth`."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from kvlib.serve.models import MODEL_NAMES
 
@@ -44,7 +50,37 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--kv-scheme", choices=("none", "int8"), default="none")
     p.add_argument("--max-queued-requests", type=int, default=256, help="429 beyond this")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVLIB_API_KEY, if set)",
+    )
+    p.add_argument(
+        "--allow-no-auth",
+        action="store_true",
+        help="serve without an API key on a host beyond loopback (anyone reaching it may use it)",
+    )
     return p
+
+
+def parse_options(argv=None, environ=None) -> argparse.Namespace:
+    """The command line's options, `api_key` taken from `KVLIB_API_KEY` when `--api-key` is not
+    given; exits with status 2 and the reason (argparse's error) for an empty key or a host
+    beyond loopback without a key or `--allow-no-auth`."""
+    from kvlib.serve.auth import check_bind
+
+    p = parser()
+    args = p.parse_args(argv)
+    environ = os.environ if environ is None else environ
+    if args.api_key is None:
+        args.api_key = environ.get("KVLIB_API_KEY") or None
+    if args.api_key is not None and not args.api_key.strip():
+        p.error("--api-key: expected a non-empty key")
+    try:
+        check_bind(args.host, args.api_key, args.allow_no_auth)
+    except PermissionError as error:
+        p.error(str(error))
+    return args
 
 
 def main(argv=None) -> None:
@@ -53,10 +89,13 @@ def main(argv=None) -> None:
     from kvlib.serve.models import load_served_model
     from kvlib.serve.server import create_app
 
-    args = parser().parse_args(argv)
+    args = parse_options(argv)
     served = load_served_model(args.model)
     app = create_app(
-        served, build_engine(served, args), max_queued_requests=args.max_queued_requests
+        served,
+        build_engine(served, args),
+        max_queued_requests=args.max_queued_requests,
+        api_key=args.api_key,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 

@@ -69,6 +69,8 @@ def validation_error(exc: ValidationError | Exception) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {detail}")
     if kind == "missing":
         detail = "this field is required"
+    if param is None:  # the body as a whole: not an object, or absent
+        return APIError(400, f"the request body: {detail}")
     return APIError(400, f"{param}: {detail}", param=param)
 
 

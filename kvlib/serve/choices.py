@@ -5,13 +5,15 @@ matcher, the text sent so far, the token ids it counts and their logprobs. `acce
 the engine's `RequestOutput` for the request and returns the text to send now; `finish_reason`
 becomes "stop" (EOS or a stop string) or "length" (max_tokens). When a stop string ends a choice
 before the engine finished it, `needs_abort` tells the server to abort the engine request, so
-its blocks are freed now rather than after max_tokens.
+its blocks are freed now rather than after max_tokens. The server stamps the times of its first
+and latest tokens (`first_token_s`, `last_token_s`: `time.perf_counter()`) for its metrics.
 """
 
 from __future__ import annotations
 
 from kvlib.engine import FinishReason, RequestOutput
 from kvlib.serve.detokenize import IncrementalDetokenizer, StopStringMatcher
+from kvlib.serve.logprobs import completion_logprobs
 
 __all__ = ["Choice"]
 
@@ -23,7 +25,7 @@ class Choice:
     def __init__(self, request_id, index, model, prompt_token_ids, stop, logprobs=None):
         self.request_id, self.index, self.model = request_id, index, model
         self.detokenizer = IncrementalDetokenizer(model.decode, prompt_token_ids)
-        self.prompt_tail = [int(i) for i in prompt_token_ids][-1:]  # context for top logprobs
+        self.prompt_token_ids = list(prompt_token_ids)
         self.matcher = StopStringMatcher(stop)
         self.text = ""
         self.token_ids: list[int] = []
@@ -32,6 +34,9 @@ class Choice:
         self.token_texts: list[str] = []  # the detokenizer's text for each token ("" if EOS)
         self.finish_reason: str | None = None
         self.needs_abort = False
+        self.first_token_s: float | None = None  # stamped by the server (metrics)
+        self.last_token_s: float | None = None
+        self.num_observed = 0  # tokens the server's metrics have counted
 
     @property
     def finished(self) -> bool:
@@ -75,38 +80,11 @@ class Choice:
         return safe
 
     def completion_logprobs(self, start: int = 0) -> dict | None:
-        """OpenAI's completions `logprobs` object for the counted tokens from `start` on: each
-        token's text is what the detokenizer released for it ("" while a character was
-        unfinished), offsets count characters of the completion's text before stop strings.
-        A top logprob's key is the text its token adds after the previous token (the course
-        tokenizer's leading space included), so the chosen token's entry is keyed by its text
-        in `tokens`, as a client looking it up expects."""
+        """OpenAI's completions `logprobs` object for the counted tokens from `start` on
+        (`kvlib.serve.logprobs`), or None when the request did not ask for logprobs."""
         if self.logprobs is None:
             return None
-        decode = self.model.tokenizer.decode
         texts = self.token_texts[: len(self.token_logprobs)]
-        offset = sum(len(t) for t in texts[:start])
-        context = self.prompt_tail + self.token_ids  # context[k]: the token before token k
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for k, (text, entry) in enumerate(zip(texts, self.token_logprobs)):
-            if k < start:
-                continue
-            tokens.append(text)
-            token_logprobs.append(entry.logprob)
-            if self.logprobs:
-                previous = context[k : k + 1]
-                before = decode(previous)
-                keyed = {decode(previous + [i])[len(before) :]: lp for i, lp in entry.top}
-                if self.token_ids[k] in dict(entry.top):  # the chosen token: its text in tokens
-                    keyed[text] = dict(entry.top)[self.token_ids[k]]
-                top.append(keyed)
-            else:
-                top.append(None)
-            offsets.append(offset)
-            offset += len(text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": token_logprobs,
-            "top_logprobs": top,
-            "text_offset": offsets,
-        }
+        return completion_logprobs(
+            self.model.tokenizer, self.logprobs, self.token_logprobs, texts, start
+        )

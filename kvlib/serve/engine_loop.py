@@ -10,20 +10,31 @@ back onto its event loop (`loop.call_soon_threadsafe`).
 The loop: take every waiting command (blocking briefly when the engine is idle), run one
 `engine.step()`, hand each output to its request's sink, repeat. A bad request is refused by its
 own `add` (its sink gets the `ValueError`); an exception inside `step()` (a bug) fails the
-requests in flight, never the loop. What it deliberately does not do: text (detokenization and
-stop strings are the server's, per choice).
+requests in flight, never the loop. An exception anywhere else in the loop (a bug in the loop
+itself) ends it: every request in flight and every command still queued gets `EngineDeadError`,
+`submit` refuses new requests with it, and `is_alive` turns False (the server's `/health` answers
+503, as vLLM's does once its engine core died).
+
+After every step and every batch of commands, the loop's thread publishes an `EngineSnapshot`
+(requests running and waiting, KV blocks in use, preemptions so far): what `/metrics` reports,
+read by other threads without touching the engine. What it deliberately does not do: text
+(detokenization and stop strings are the server's, per choice).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
 
 from kvlib.engine import LLMEngine, SamplingParams
 
-__all__ = ["EngineLoop", "EngineStepError", "QueueFullError"]
+__all__ = ["EngineDeadError", "EngineLoop", "EngineSnapshot", "EngineStepError", "QueueFullError"]
+
+_log = logging.getLogger("kvlib.serve")
 
 
 class QueueFullError(RuntimeError):
@@ -33,6 +44,30 @@ class QueueFullError(RuntimeError):
 class EngineStepError(RuntimeError):
     """A step raised (a bug, whatever its exception type): the server answers 500, never the
     400 it sends when `add` refused the request itself."""
+
+
+class EngineDeadError(RuntimeError):
+    """The loop's thread ended on an exception (or was stopped): nothing more will be served; the
+    server answers 503."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state after the loop's latest step or commands (published by its thread):
+    requests running and waiting in the scheduler, KV blocks in use of `num_blocks` (blocks no
+    request holds count as free, cached for prefix hits or not: vLLM's `kv_cache_usage_perc`),
+    and preemptions since the start."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks_in_use: int = 0
+    num_blocks: int = 1
+    num_preemptions: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the pool's blocks in use, in [0, 1]."""
+        return self.num_blocks_in_use / self.num_blocks
 
 
 class EngineLoop:
@@ -54,6 +89,8 @@ class EngineLoop:
         self._lock = threading.Lock()
         self.num_in_flight = 0  # accepted, not finished or aborted (guarded by _lock)
         self.num_finished = self.num_aborted = self.num_step_errors = 0
+        self.snapshot = EngineSnapshot(num_blocks=engine.config.num_blocks)
+        self.error: BaseException | None = None  # what ended the loop's thread, if anything
         self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kvlib-engine-loop", daemon=True)
 
@@ -62,6 +99,11 @@ class EngineLoop:
     def start(self) -> EngineLoop:
         self.thread.start()
         return self
+
+    @property
+    def is_alive(self) -> bool:
+        """True while the loop's thread runs and has not been asked to stop."""
+        return self.thread.is_alive() and not self._stopping.is_set() and self.error is None
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
@@ -79,7 +121,9 @@ class EngineLoop:
 
         Raises:
             QueueFullError: the loop already holds `max_queued_requests` requests.
+            EngineDeadError: the loop's thread has ended (see `error`).
         """
+        self._check_alive()
         with self._lock:
             if self.num_in_flight + len(request_ids) > self.max_queued_requests:
                 raise QueueFullError(
@@ -87,7 +131,7 @@ class EngineLoop:
                     f"{self.max_queued_requests}"
                 )
             self.num_in_flight += len(request_ids)
-        self.inbox.put(("add", list(request_ids), list(prompt_token_ids), sampling_params, sink))
+        self._put(("add", list(request_ids), list(prompt_token_ids), sampling_params, sink))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (a client went away, or a stop string ended them): their blocks are
@@ -97,31 +141,78 @@ class EngineLoop:
     def call(self, function: Callable[[LLMEngine], object], timeout_s: float = 30.0):
         """Run `function(engine)` in the loop's thread between two steps; return its result
         (tests read the allocator this way, never while a step runs)."""
+        self._check_alive()
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.inbox.put(("call", function, future))
+        self._put(("call", function, future))
         return future.result(timeout_s)
+
+    def _check_alive(self) -> None:
+        if self.error is not None or self._stopping.is_set():
+            raise EngineDeadError(f"the engine loop is not running (it ended on {self.error!r})")
+
+    def _put(self, command: tuple) -> None:
+        self.inbox.put(command)
+        if self.error is not None:  # it died while this was queued: nobody will drain the inbox
+            self._fail_everything(EngineDeadError(f"the engine loop died: {self.error!r}"))
 
     # --- the loop's thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._drain(block=not self.engine.has_unfinished_requests())
-            if not self.engine.has_unfinished_requests():
-                continue
+        try:
+            while not self._stopping.is_set():
+                self._drain(block=not self.engine.has_unfinished_requests())
+                self._publish(preempted=0)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as error:  # a bug in the loop itself: nothing more is served
+            self.error = error
+            _log.exception("the engine loop died")
+            self._fail_everything(EngineDeadError(f"the engine loop died: {error!r}"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # a bug in a step: fail what is in flight, keep serving
+            self.num_step_errors += 1
+            failure = EngineStepError(f"an engine step failed: {error!r}")
+            for request_id in list(self.sinks):
+                self._finish(request_id, aborted=True, notify=failure)
+            return
+        self._publish(preempted=self.engine.stats[-1].num_preemptions)
+        for output in outputs:
+            sink = self.sinks.get(output.request_id)
+            if sink is not None:
+                _deliver(sink, output)
+            if output.finished:
+                self._finish(output.request_id, aborted=False)
+
+    def _publish(self, preempted: int) -> None:
+        """Replace `snapshot` (one reference assignment: readers see the old or the new one)."""
+        scheduler = self.engine.scheduler
+        self.snapshot = EngineSnapshot(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_blocks_in_use=self.engine.storage.num_blocks_in_use,
+            num_blocks=self.engine.config.num_blocks,
+            num_preemptions=self.snapshot.num_preemptions + preempted,
+        )
+
+    def _fail_everything(self, error: EngineDeadError) -> None:
+        """The loop is dead: tell every request in flight and every queued command."""
+        for sink in set(self.sinks.values()):
+            _deliver(sink, error)
+        self.sinks.clear()
+        while True:
             try:
-                outputs = self.engine.step()
-            except Exception as error:  # a bug in a step: fail what is in flight, keep serving
-                self.num_step_errors += 1
-                failure = EngineStepError(f"an engine step failed: {error!r}")
-                for request_id in list(self.sinks):
-                    self._finish(request_id, aborted=True, notify=failure)
-                continue
-            for output in outputs:
-                sink = self.sinks.get(output.request_id)
-                if sink is not None:
-                    _deliver(sink, output)
-                if output.finished:
-                    self._finish(output.request_id, aborted=False)
+                command = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                _deliver(command[4], error)
+            elif command[0] == "call":
+                command[2].set_exception(error)
+        with self._lock:
+            self.num_in_flight = 0
 
     def _drain(self, block: bool) -> None:
         try:

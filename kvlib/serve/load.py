@@ -13,6 +13,10 @@ that client sees:
   service-level objective, here TTFT <= `ttft_slo_s` and TPOT <= `tpot_slo_s`. Throughput counts
   every request; goodput counts only those a user would call served.
 
+`MetricsScraper` polls the server's `/metrics` (`kvlib.serve.metrics`) in a background thread
+while a run lasts, as a monitoring system would: the server's own view (requests running and
+waiting, KV blocks in use, its counters) beside the clients'.
+
 What it deliberately does not do: open-loop overload control, or retries (a failed request is
 reported as failed, never retried).
 """
@@ -28,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = [
+    "MetricsScraper",
     "goodput",
     "latency_percentiles",
     "measure_load",
@@ -144,3 +149,52 @@ def goodput(rows: Sequence[dict], *, ttft_slo_s: float, tpot_slo_s: float) -> in
     """How many requests met the SLO: TTFT <= ttft_slo_s and TPOT <= tpot_slo_s (divide by the
     run's duration for requests per second)."""
     return sum(1 for r in rows if r["ttft_s"] <= ttft_slo_s and r["tpot_s"] <= tpot_slo_s)
+
+
+class MetricsScraper:
+    """Scrape `url` (a server's `/metrics`) every `interval_s` seconds in a background thread,
+    from entering the `with` block to leaving it, and once more on leaving: `scrapes` is a list
+    of (seconds since entering, samples), samples as `kvlib.serve.metrics.parse_metrics` returns
+    them; `series(name, **labels)` is (times_s, values) of one metric.
+
+    Raises:
+        ValueError: `interval_s` not > 0.
+    """
+
+    def __init__(self, url: str, interval_s: float = 0.02):
+        if not interval_s > 0:
+            raise ValueError(f"interval_s: expected a number > 0, got {interval_s!r}")
+        self.url, self.interval_s = url, interval_s
+        self.scrapes: list[tuple[float, list]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="kvlib-scraper", daemon=True)
+
+    def _scrape(self) -> None:
+        from kvlib.serve.metrics import scrape_metrics
+
+        self.scrapes.append((time.perf_counter() - self._start, scrape_metrics(self.url)))
+
+    def _poll(self) -> None:
+        while not self._done.wait(self.interval_s):
+            self._scrape()
+
+    def __enter__(self) -> MetricsScraper:
+        self._start = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self._scrape()
+
+    @property
+    def last(self) -> list:
+        """The samples of the final scrape (taken on leaving the `with` block)."""
+        return self.scrapes[-1][1]
+
+    def series(self, name: str, **labels: str) -> tuple[list[float], list[float]]:
+        from kvlib.serve.metrics import metric_value
+
+        times = [t for t, _ in self.scrapes]
+        return times, [metric_value(samples, name, **labels) for _, samples in self.scrapes]

@@ -46,6 +46,11 @@ class CourseTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(self.names[int(i)] for i in ids)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The text a generated token adds (after a prompt, every token follows another one, so
+        its leading space is its own), UTF-8 encoded: b" v2"."""
+        return (" " + self.names[int(token_id)]).encode()
+
 
 @dataclasses.dataclass
 class ServedModel:

@@ -1,0 +1,203 @@
+"""The server's Prometheus metrics (chapter 13): what `GET /metrics` reports, and how to read it.
+
+Every production server exposes its state for a monitoring system to scrape (vLLM, SGLang and
+TGI all serve `/metrics` in Prometheus' text format). This one uses vLLM's metric names, so a
+dashboard written for vLLM reads it:
+
+- gauges: `vllm:num_requests_running` (requests in the scheduler's running batch),
+  `vllm:num_requests_waiting` (queued, not yet admitted), `vllm:kv_cache_usage_perc` (the
+  fraction, 0 to 1 despite the name, of KV blocks in use);
+- counters: `vllm:num_preemptions_total`; `vllm:request_success_total` by `finished_reason`:
+  `stop`, `length`, `abort` (the client left), `error` (a failed step);
+  `vllm:prompt_tokens_total` (prefilled), `vllm:generation_tokens_total` (generated);
+- histograms (seconds): `vllm:time_to_first_token_seconds` (the request's arrival at the server
+  to its first token), `vllm:inter_token_latency_seconds` (each gap between two tokens of a
+  request), `vllm:request_time_per_output_token_seconds` (per request: (last - first token) /
+  (tokens - 1)), `vllm:e2e_request_latency_seconds` (arrival to the request's end).
+
+Every series carries the label `model_name`. A request with `n` choices counts as `n` requests
+(each choice is one engine request, as in vLLM). The server measures its latencies from the moment
+its handler accepted the request to the moment a token reached the handler, so they are at most
+what a client sees (the client's time adds the network, HTTP parsing and its own event loop).
+
+Each app has its own `CollectorRegistry` (never prometheus_client's global one), so several apps
+in one process (tests, a notebook comparing servers) never share or collide on a metric. The
+gauges are read from the engine loop's latest `EngineSnapshot` at scrape time, never from the
+engine (which only the loop's thread may touch).
+
+Reading: `parse_metrics(text)` and `scrape_metrics(url)` return the samples; `metric_value(samples,
+name, **labels)` sums those of one name whose labels match (as PromQL's `sum(name{...})`).
+What it deliberately does not do: multiprocess collection, or vLLM's metrics of features this
+server lacks (speculative decoding, LoRA, prefix-cache hit counters per tier).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+__all__ = [
+    "CONTENT_TYPE",
+    "FINISHED_REASONS",
+    "ServerMetrics",
+    "metric_value",
+    "parse_metrics",
+    "scrape_metrics",
+]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # Prometheus' text format, version 0.0.4
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+# bucket bounds (s): the course model's steps take milliseconds, a large model's tens of them
+TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+E2E_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ServerMetrics:
+    """One app's metrics (see the module docstring).
+
+    Args:
+        model_name: the served model's name (the `model_name` label).
+        snapshot: a callable returning the engine loop's latest `EngineSnapshot` (read at scrape
+            time).
+
+    The server calls `first_token`, `next_token` and `finished` from its event loop;
+    `exposition()` is the `/metrics` body (bytes, `CONTENT_TYPE`).
+    """
+
+    def __init__(self, model_name: str, snapshot):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(model_name, snapshot))
+        labels = ["model_name"]
+
+        def counter(name, documentation, extra=()):
+            return Counter(name, documentation, labels + list(extra), registry=self.registry)
+
+        def histogram(name, documentation, buckets):
+            metric = Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+            return metric.labels(model_name)
+
+        success = counter(
+            "vllm:request_success",
+            "Requests (choices) ended, by finish reason (abort: the client left).",
+            ["finished_reason"],
+        )
+        self.request_success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens prefilled.").labels(
+            model_name
+        )
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.").labels(
+            model_name
+        )
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Arrival at the server to the first token, per request.",
+            TTFT_BUCKETS_S,
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between two consecutive tokens of a request.",
+            TOKEN_BUCKETS_S,
+        )
+        self.time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Per request: (last token - first token) / (tokens - 1).",
+            TOKEN_BUCKETS_S,
+        )
+        self.e2e_latency = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Arrival at the server to the request's end.",
+            E2E_BUCKETS_S,
+        )
+
+    def first_token(self, ttft_s: float, prompt_tokens: int, new_tokens: int = 1) -> None:
+        self.time_to_first_token.observe(ttft_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(new_tokens)
+
+    def next_token(self, gap_s: float, new_tokens: int = 1) -> None:
+        self.inter_token_latency.observe(gap_s)
+        self.generation_tokens.inc(new_tokens)
+
+    def finished(
+        self, reason: str, e2e_s: float, num_tokens: int, first_to_last_s: float | None
+    ) -> None:
+        """One request ended with `reason` (one of `FINISHED_REASONS`) after `e2e_s` seconds,
+        having produced `num_tokens`, its first and last `first_to_last_s` apart."""
+        if reason not in self.request_success:
+            raise ValueError(f"reason: expected one of {FINISHED_REASONS}, got {reason!r}")
+        self.request_success[reason].inc()
+        self.e2e_latency.observe(e2e_s)
+        if num_tokens > 1 and first_to_last_s is not None:
+            self.time_per_output_token.observe(first_to_last_s / (num_tokens - 1))
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """The gauges and the preemption counter, read from the loop's snapshot at scrape time."""
+
+    def __init__(self, model_name: str, snapshot):
+        self.model_name, self.snapshot = model_name, snapshot
+
+    def describe(self):
+        return []  # the families are built at collect time; nothing to check at registration
+
+    def collect(self):
+        s, label = self.snapshot(), [self.model_name]
+        gauges = (
+            ("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be admitted.", s.num_waiting),
+            (
+                "vllm:kv_cache_usage_perc",
+                "KV-cache usage: 1 means every block is in use.",
+                s.kv_cache_usage,
+            ),
+        )
+        for name, documentation, value in gauges:
+            family = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric(label, value)
+            yield family
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions",
+            "Requests preempted (their blocks freed).",
+            labels=["model_name"],
+        )
+        preemptions.add_metric(label, s.num_preemptions)
+        yield preemptions
+
+
+def parse_metrics(text: str) -> list[Sample]:
+    """Every sample of a Prometheus text exposition (prometheus_client's parser): each has
+    `.name` (counters end in `_total`, histograms in `_bucket`, `_sum`, `_count`), `.labels`
+    (a dict) and `.value`."""
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def scrape_metrics(url: str, timeout_s: float = 10.0) -> list[Sample]:
+    """GET `url` (a server's `/metrics`) and parse it."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return parse_metrics(response.read().decode())
+
+
+def metric_value(samples: Iterable[Sample], name: str, **labels: str) -> float:
+    """The sum of the samples named `name` whose labels include `labels`.
+
+    Raises:
+        KeyError: no sample has that name (a typo, or a metric this server does not export).
+    """
+    matching = [s for s in samples if s.name == name]
+    if not matching:
+        raise KeyError(f"name: no sample named {name!r}")
+    return float(sum(s.value for s in matching if labels.items() <= s.labels.items()))
