@@ -2,6 +2,7 @@
 hostile learner code lose exactly the question they touch."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -10,7 +11,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from kvlib.course.grader import grade_bindings
 from kvlib.course.grading import chapter_of, chapter_questions, grade_notebook
+from kvlib.course.sandbox import _cell_code
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -1772,15 +1775,34 @@ def grade_answer(notebook, question, source, tmp_path):
     return result, report
 
 
-@pytest.mark.parametrize(
-    "notebook,question,source,phrase",
-    WRONG_ANSWERS,
-    ids=lambda v: v if isinstance(v, str) and "\n" not in v else "",
-)
-def test_plausible_wrong_answers_are_rejected(notebook, question, source, phrase, tmp_path):
-    result, report = grade_answer(notebook, question, source, tmp_path)
-    assert not result.passed and result.points == 0, report.table()
-    assert phrase in result.message, f"feedback should mention {phrase!r}: {result.message}"
+def with_answers(notebook: str, function: str, sources: list[str], folder: Path):
+    """A copy of the solution `notebook` with one more cell per answer in `sources`, each run in a
+    namespace of its own (a copy of the notebook's) and its `function` bound to a name of its own;
+    the path and those names (so that one child process grades them all)."""
+    notebook_ = nbformat.read(ROOT / "solutions" / notebook, as_version=4)
+    names = []
+    for index, source in enumerate(sources):
+        source = _cell_code(source)  # a cell magic, as the grader runs it
+        name, filename = f"{function}__answer_{index}", f"<answer {index}>"
+        names.append(name)
+        notebook_.cells.append(
+            nbformat.v4.new_code_cell(
+                f"import linecache as __lc\n"
+                f"__lc.cache[{filename!r}] = (0, None, {source!r}.splitlines(True), {filename!r})\n"
+                f"__ns = dict(globals())\n"
+                f"exec(compile({source!r}, {filename!r}, 'exec'), __ns)\n"
+                f"{name} = __ns.get({function!r})\n"
+            )
+        )
+    path = folder / notebook
+    nbformat.write(notebook_, path)
+    return path, names
+
+
+def grade_answers(notebook, question, sources, tmp_path, *, seed=None):
+    """Grade each of `sources` as the answer to `question`, all against one child process."""
+    path, names = with_answers(notebook, question, sources, tmp_path)
+    return grade_bindings(path, question, names, timeout_s=TIMEOUT_S, seed=seed)
 
 
 SOLUTION_01 = ROOT / "solutions" / "01_naive_vs_cached.ipynb"
@@ -1859,7 +1881,15 @@ def test_cli_json_is_one_object_and_exit_zero():
     )
     assert completed.returncode == 0, completed.stderr
     result = json.loads(completed.stdout)  # exactly one JSON document, nothing else on stdout
-    assert set(result) == {"notebook", "score", "max_score", "questions"}
+    assert set(result) == {
+        "notebook",
+        "score",
+        "max_score",
+        "questions",
+        "seed",
+        "nonce",
+        "sandbox",
+    }
     assert result["score"] == 0 and result["max_score"] == 1
     assert set(result["questions"][0]) == {"id", "passed", "points", "message"}
 
@@ -2205,7 +2235,7 @@ TWIN_ANSWERS = [
         "    window = StreamingEviction(max(num_sinks, 1), budget - max(num_sinks, 1) - 1)\n"
         "    drop = set(window.blocks_to_drop(n))\n"
         "    return [i not in drop for i in range(n)]\n",
-        "StreamingEviction is unavailable",
+        "kvlib.engine.scheduler.StreamingEviction.__post_init__ is unavailable",
     ),
     (
         "08_eviction.ipynb",
@@ -2215,7 +2245,7 @@ TWIN_ANSWERS = [
         "def h2o_update(scores, weights):  # a policy object made without its guarded __init__\n"
         "    policy = object.__new__(H2O)\n"
         "    return policy.observe(None, weights, None)\n",
-        "kvlib.cache.eviction_policies.H2O is unavailable",
+        "kvlib.cache.eviction_policies.H2O.observe is unavailable",
     ),
     (
         "09_compaction.ipynb",
@@ -2230,7 +2260,7 @@ TWIN_ANSWERS = [
         "    m = SlotMap(torch.tensor(positions), torch.zeros(n), torch.zeros(n, dtype=torch.long))"
         "\n"
         "    return m.move(moves, sum(live)).positions.tolist()\n",
-        "kvlib.cache.compaction.SlotMap is unavailable",
+        "kvlib.cache.compaction_plans.SlotMap.move is unavailable",
     ),
     (
         "10_quantized_cache.ipynb",
@@ -2242,7 +2272,7 @@ TWIN_ANSWERS = [
         "    per_vector = head_dim * bits / 8 + scheme.scales_per_vector(head_dim) * 2 * "
         "scale_bytes\n"
         "    return num_layers * num_kv_heads * 2 * per_vector\n",
-        "scales_per_vector is unavailable",
+        "kvlib.quant.QuantScheme.__post_init__ is unavailable",
     ),
     (
         "10_quantized_cache.ipynb",
@@ -2253,7 +2283,7 @@ TWIN_ANSWERS = [
         "    cache = QuantizedCache(1, scheme)\n"
         "    stored = cache.update(0, keys[None, None], keys[None, None])\n"
         "    return stored.keys.scale[0, 0], stored.keys.zero[0, 0]\n",
-        "QuantizedCache is unavailable",
+        "kvlib.quant.QuantScheme.__post_init__ is unavailable",
     ),
     (
         "12_serving_engine.ipynb",
@@ -2263,19 +2293,9 @@ TWIN_ANSWERS = [
         "    engine = LLMEngine(None, max_num_batched_tokens=token_budget, "
         "max_num_seqs=max_num_seqs)\n"
         "    return [(r.request_id, n) for r, n in engine.scheduler.schedule().scheduled]\n",
-        "LLMEngine is unavailable",
+        "kvlib.engine.llm_engine.LLMEngine.__init__ is unavailable",
     ),
 ]
-
-
-@pytest.mark.parametrize(
-    "notebook,question,source,phrase",
-    TWIN_ANSWERS,
-    ids=[f"{q}-{i}" for i, (_, q, _, _) in enumerate(TWIN_ANSWERS)],
-)
-def test_twins_of_the_asked_for_result_are_blocked(notebook, question, source, phrase, tmp_path):
-    result, report = grade_answer(notebook, question, source, tmp_path)
-    assert not result.passed and phrase in result.message, report.table()
 
 
 # Class 3, kvlib's source executed again: compiled under another file name, or loaded from a copy
@@ -2326,26 +2346,17 @@ def test_check_blocks_copies_of_kvlib_source_made_before_it(capsys):
     assert "kvlib.ref.attention.softmax is unavailable" in capsys.readouterr().out
 
 
-def test_every_blocked_name_resolves():
-    """A blocked name that no longer resolves (its module moved or renamed) would block nothing."""
+def test_every_allowed_name_resolves():
+    """An allowed name that no longer resolves (its module moved or renamed) would leave a
+    question's own helper unavailable."""
     import importlib
 
     missing = []
     for path in EXERCISES:
         for q in chapter_questions(chapter_of(path)):
-            for dotted in q.blocked:
-                parts, value = dotted.split("."), None
-                for split in range(len(parts) - 1, 0, -1):
-                    try:
-                        value = importlib.import_module(".".join(parts[:split]))
-                    except ModuleNotFoundError:
-                        continue
-                    for name in parts[split:]:  # a class's attribute raw: a property stays one
-                        value = (vars(value) if isinstance(value, type) else {}).get(
-                            name, getattr(value, name, None)
-                        )
-                    break
-                if not (callable(value) or isinstance(value, (property, staticmethod))):
+            for dotted in q.allowed:
+                module, _, name = dotted.rpartition(".")
+                if not callable(getattr(importlib.import_module(module), name, None)):
                     missing.append(f"{q.id}: {dotted}")
     assert not missing, missing
 
@@ -2382,7 +2393,7 @@ ALLOCATION_ANSWERS = [
         "float('-inf'))\n"
         "    return torch.softmax(scores, dim=-1) @ v\n",
         False,
-        "numpy/Python",
+        "peak resident memory",
     ),
     (
         "06_mla.ipynb",
@@ -2397,18 +2408,6 @@ ALLOCATION_ANSWERS = [
         "",
     ),
 ]
-
-
-@pytest.mark.parametrize(
-    "notebook,question,source,passes,phrase",
-    ALLOCATION_ANSWERS,
-    ids=[f"{q}-{i}" for i, (_, q, _, _, _) in enumerate(ALLOCATION_ANSWERS)],
-)
-def test_allocation_limits_count_peak_bytes_numpy_included(
-    notebook, question, source, passes, phrase, tmp_path
-):
-    result, report = grade_answer(notebook, question, source, tmp_path)
-    assert result.passed is passes and phrase in result.message, report.table()
 
 
 # Class 8: robustness.
@@ -2426,7 +2425,7 @@ def test_uncatchable_timeout_and_stray_threads_and_exit(tmp_path):
     thread = "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()\n"
     path = with_cells(path, [thread, "import os\nos._exit(0)\n"], tmp_path, at=2)
     started = time.monotonic()
-    report = grade_notebook(path, timeout_s=15)
+    report = grade_notebook(path, timeout_s=8)
     results = {q.id: q for q in report.questions}
     assert "timed out" in results["stable_softmax"].message, report.table()
     # (cached_attention_step calls the notebook's stable_softmax: it hangs too)
@@ -2481,9 +2480,9 @@ AGREEMENT_TABLE = [
         "def stable_softmax(x):\n    e = np.exp(x)\n"
         "    return e / np.sum(e, axis=-1, keepdims=True)\n",
     ),
-    BLOCKED_ANSWERS[0][:3],  # a default argument
-    BLOCKED_ANSWERS[6][:3],  # a check module's oracle
-    BLOCKED_ANSWERS[8][:3],  # SDPA with torch functions disabled
+    BLOCKED_ANSWERS[1][:3],  # a default argument
+    BLOCKED_ANSWERS[7][:3],  # a check module's oracle
+    BLOCKED_ANSWERS[9][:3],  # SDPA with torch functions disabled
     ("05_gqa_mqa.ipynb", "mean_pool_kv", None),
     ("01_naive_vs_cached.ipynb", "stable_softmax", SOURCE_COPIES[0]),  # kvlib's source, exec'd
     TWIN_ANSWERS[0][:3],  # a twin: the paged cache's slot lookup
@@ -2508,8 +2507,15 @@ print("VERDICTS", json.dumps(verdicts))
 """
 
 
+def solution_source(notebook: str, function: str) -> str:
+    """The solution's cell that defines `function`."""
+    cells = nbformat.read(ROOT / "solutions" / notebook, as_version=4).cells
+    (cell,) = [c for c in cells if c.cell_type == "code" and f"def {function}(" in c.source]
+    return cell.source
+
+
 def test_check_and_the_grader_agree_on_a_table_of_answers(tmp_path):
-    jobs, graded = [], []
+    jobs, groups = [], {}
     for index, (notebook, question, source) in enumerate(AGREEMENT_TABLE):
         folder = tmp_path / str(index)
         folder.mkdir()
@@ -2517,9 +2523,16 @@ def test_check_and_the_grader_agree_on_a_table_of_answers(tmp_path):
         path = (
             solution if source is None else with_cell_replaced(solution, question, source, folder)
         )
-        report = grade_notebook(path, timeout_s=TIMEOUT_S, only=[question])
-        graded.append(report.questions[0].passed)
         jobs.append((str(path), question, question))
+        source = solution_source(notebook, question) if source is None else source
+        groups.setdefault((notebook, question), []).append((index, source))
+    graded = [None] * len(AGREEMENT_TABLE)
+    for number, ((notebook, question), rows) in enumerate(groups.items()):  # a child per group
+        folder = tmp_path / f"group{number}"
+        folder.mkdir()
+        results = grade_answers(notebook, question, [source for _, source in rows], folder)
+        for (index, _), result in zip(rows, results):
+            graded[index] = result.passed
     completed = subprocess.run(
         [sys.executable, "-c", _CHECK_SCRIPT, json.dumps(jobs)],
         capture_output=True,
@@ -2595,20 +2608,6 @@ COVERAGE_ANSWERS = [
         "            keep[i], room = True, room - 1\n"
         "    return keep\n",
         "slot order",
-    ),
-    (  # window 0 keeps everything through votes[:, -0:]
-        "08_eviction.ipynb",
-        "snapkv_select",
-        "def snapkv_select(votes, budget, window, kernel_size):\n"
-        "    h_kv, s = votes.shape\n"
-        "    if s <= budget:\n"
-        "        return torch.arange(s).expand(h_kv, s).clone()\n"
-        "    pooled = torch.nn.functional.max_pool1d(votes[:, None], kernel_size, 1, "
-        "kernel_size // 2)[:, 0]\n"
-        "    pooled[:, -window:] = float('inf')\n"
-        "    return pooled.sort(dim=1, descending=True, stable=True).indices[:, :budget]"
-        ".sort(dim=1).values\n",
-        "window 0",
     ),
     (  # float indices
         "08_eviction.ipynb",
@@ -2718,32 +2717,17 @@ COVERAGE_ANSWERS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "notebook,question,source,phrase",
-    COVERAGE_ANSWERS,
-    ids=[f"{q}-{i}" for i, (_, q, _, _) in enumerate(COVERAGE_ANSWERS)],
-)
-def test_the_checks_cover_their_claims(notebook, question, source, phrase, tmp_path):
-    result, report = grade_answer(notebook, question, source, tmp_path)
-    assert not result.passed and phrase in result.message, report.table()
-
-
-def test_random_cases_are_reproducible_and_follow_the_answer(tmp_path):
-    """The seed comes from the answer's source: the same answer draws the same cases (and
-    message), another answer other cases."""
-    source = COVERAGE_ANSWERS[-1][2]
-    first = with_cell_replaced(SOLUTION_01, "kv_cache_bytes", source, tmp_path)
-    messages = [
-        grade_notebook(first, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"]).questions[0].message
-        for _ in range(2)
-    ]
-    assert messages[0] == messages[1] and "seed" in messages[0]
-    (tmp_path / "b").mkdir()
-    other = with_cell_replaced(
-        SOLUTION_01, "kv_cache_bytes", source.replace("known", "table"), tmp_path / "b"
-    )
-    message = grade_notebook(other, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"]).questions[0]
-    assert message.message.split("seed ")[1] != messages[0].split("seed ")[1]
+def test_random_cases_are_fresh_on_every_run_and_replayed_by_seed(tmp_path):
+    """Each grading run draws its own random cases, and says its seed; the same seed draws the
+    same cases again (the same message), whatever the answer's source."""
+    source = COVERAGE_ANSWERS[-1][2]  # right on the fixed cases only: a random case catches it
+    path = with_cell_replaced(SOLUTION_01, "kv_cache_bytes", source, tmp_path)
+    runs = [grade_notebook(path, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"]) for _ in range(2)]
+    assert runs[0].seed != runs[1].seed, "two runs drew the same seed"
+    for report in runs:
+        assert f"seed {report.seed}" in report.questions[0].message, report.table()
+    again = grade_notebook(path, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"], seed=runs[0].seed)
+    assert again.questions[0].message == runs[0].questions[0].message
 
 
 _TIMEOUT_SCRIPT = """
@@ -2803,3 +2787,677 @@ def test_check_leaves_the_notebook_process_usable(capsys):
     assert _slots([3], [1], 4) == [13]  # outside a graded call, the oracle is usable
     report = grade_notebook(ROOT / "solutions" / "07_paged_cache.ipynb", only=["slot_mapping"])
     assert report.score == 1, report.table()
+
+
+# --- issue 50: the grader's second hardening ------------------------------------------------------
+# Each class has answers that cheat or nearly work (they must score 0, the feedback naming the rule)
+# and valid variants (full marks). Every example issue 50 names is here; each got the wrong verdict
+# from the grader before it (shown when these tests were written). (notebook, question, answer,
+# None for a valid variant or a phrase the feedback must contain)
+
+N01, N02, N03, N04 = ("01_naive_vs_cached.ipynb", "02_cache_in_a_transformer.ipynb",
+                      "03_counting_bytes.ipynb", "04_online_softmax.ipynb")  # fmt: skip
+N05, N06, N08, N09 = "05_gqa_mqa.ipynb", "06_mla.ipynb", "08_eviction.ipynb", "09_compaction.ipynb"
+N13, N14 = "13_server.ipynb", "14_offload.ipynb"
+
+# Class 1: while a question is graded only the kvlib names it allows are available (default-deny),
+# and copies of kvlib's code are matched by content.
+DEFAULT_DENY = [
+    (N01, "cached_attention_step",
+     "from kvlib.ref.attention import attention\n\n"
+     "def cached_attention_step(q, k_new, v_new, k_cache, v_cache):  # the chapter's oracle\n"
+     "    k_cache = np.concatenate([k_cache, k_new[None]])\n"
+     "    v_cache = np.concatenate([v_cache, v_new[None]])\n"
+     "    return attention(q[None], k_cache, v_cache)[0], k_cache, v_cache\n",
+     "kvlib.ref.attention.attention is unavailable"),
+    (N01, "cached_attention_step",
+     "from kvlib.ref.attention import attention_weights\n\n"
+     "def cached_attention_step(q, k_new, v_new, k_cache, v_cache):  # calls softmax from kvlib\n"
+     "    k_cache = np.concatenate([k_cache, k_new[None]])\n"
+     "    v_cache = np.concatenate([v_cache, v_new[None]])\n"
+     "    return attention_weights(q[None], k_cache)[0] @ v_cache, k_cache, v_cache\n",
+     "kvlib.ref.attention.attention_weights is unavailable"),
+    (N13, "stop_stream",
+     "from types import SimpleNamespace\nfrom kvlib.serve.choices import Choice\n\n"
+     "def stop_stream(pieces, stops):  # the server's choice bookkeeping matches for us\n"
+     "    table = list(pieces)\n"
+     "    model = SimpleNamespace(decode=lambda ids: ''.join(table[i] for i in ids),\n"
+     "                            eos_token_ids=())\n"
+     "    choice, sent = Choice('r', 0, model, [], list(stops)), []\n"
+     "    for i in range(len(table)):\n"
+     "        out = SimpleNamespace(new_token_ids=[i], logprobs=None, finished=False,\n"
+     "                              finish_reason=None)\n"
+     "        sent.append(choice.accept(out))\n"
+     "        if choice.finished:\n"
+     "            return sent, True\n"
+     "    return sent + [choice._end('length')], False\n",
+     "kvlib.serve.choices.Choice.__init__ is unavailable"),
+    (N03, "gqa_bytes_per_token",
+     "from kvlib.config import attention_geometry\n\n"
+     "def gqa_bytes_per_token(config):  # the config reader finds H_kv and D\n"
+     "    kv_heads, head_dim, _ = attention_geometry(config, 'llama')\n"
+     "    size = {'float32': 4, 'bfloat16': 2, 'float16': 2}[config['torch_dtype']]\n"
+     "    return 2 * config['num_hidden_layers'] * kv_heads * head_dim * size\n",
+     "kvlib.config.attention_geometry is unavailable"),
+    (N01, "stable_softmax",
+     "import inspect\nimport kvlib.ref.attention as A\n\n"
+     "namespace = dict(vars(A))\n"
+     "exec(inspect.getsource(A.softmax).replace('def softmax(', 'def my_softmax('), namespace)\n\n"
+     "def stable_softmax(x):  # kvlib's softmax, exec'd again under another name\n"
+     "    return namespace['my_softmax'](x)\n",
+     "kvlib.ref.attention.softmax is unavailable"),
+    (N01, "kv_cache_bytes",
+     "import pathlib\nimport kvlib\n\n"
+     "path = pathlib.Path(kvlib.__file__).parent / 'memory' / 'formula.py'  # never imported here\n"
+     "namespace = {}\nexec(compile(path.read_text(), 'mine.py', 'exec'), namespace)\n\n"
+     "def kv_cache_bytes(*args):  # a copy of a module this process never imported\n"
+     "    return namespace['dense_kv_cache_bytes'](*args)\n",
+     "kvlib.memory.formula.dense_kv_cache_bytes is unavailable"),
+    (N01, "cached_attention_step",  # valid: a helper of the learner's own named like kvlib's
+     "def softmax(x):\n"
+     "    e = np.exp(x - x.max())\n"
+     "    return e / e.sum()\n\n"
+     "def cached_attention_step(q, k_new, v_new, k_cache, v_cache):\n"
+     "    k_cache = np.vstack([k_cache, k_new])\n"
+     "    v_cache = np.vstack([v_cache, v_new])\n"
+     "    return softmax(k_cache @ q / np.sqrt(len(q))) @ v_cache, k_cache, v_cache\n",
+     None),
+    (N14, "salted_block_keys",  # valid: the helper the question allows, imported in the function
+     "def salted_block_keys(salt, token_ids, block_size):\n"
+     "    from kvlib.cache.block_pool import hash_block_tokens\n\n"
+     "    keys, parent = [], None\n"
+     "    for start in range(0, len(token_ids) - block_size + 1, block_size):\n"
+     "        parent = hash_block_tokens(parent, token_ids[start : start + block_size])\n"
+     "        keys.append(hashlib.sha256(salt + parent).digest())\n"
+     "    return keys\n",
+     None),
+]  # fmt: skip
+
+# Class 2: no processes while the notebook loads or a question is graded; threads are fine.
+NO_PROCESSES = [
+    (N01, "stable_softmax",
+     "import json, subprocess, sys\n\n"
+     "def stable_softmax(x):  # kvlib's softmax in a python -c child\n"
+     "    code = ('import json, sys, numpy as np; from kvlib.ref.attention import softmax; '\n"
+     "            'print(json.dumps(softmax(np.array(json.load(sys.stdin))).tolist()))')\n"
+     "    out = subprocess.run([sys.executable, '-c', code], input=json.dumps(x.tolist()),\n"
+     "                         capture_output=True, text=True).stdout\n"
+     "    return np.array(json.loads(out), dtype=x.dtype)\n",
+     "subprocess.Popen is not allowed"),
+    (N01, "kv_cache_bytes",
+     "import os, sys, tempfile\n\n"
+     "def kv_cache_bytes(*args):  # the check module's own oracle, in a shell child\n"
+     "    path = tempfile.mktemp()\n"
+     "    code = ('from kvlib.course.checks.ch01 import dense_kv_cache_bytes as f; '\n"
+     "            f'open({path!r}, \"w\").write(str(f(*{args!r})))')\n"
+     "    os.system(f'{sys.executable} -c \"{code}\"')\n"
+     "    return int(open(path).read())\n",
+     "os.system is not allowed"),
+    (N01, "stable_softmax",
+     "import _posixsubprocess, os, sys\n\n"
+     "def stable_softmax(x):  # subprocess's own primitive, called directly\n"
+     "    r, w = os.pipe()\n"
+     "    _posixsubprocess.fork_exec([b'/bin/true'], [b'/bin/true'], True, (w,), None, None,\n"
+     "        -1, -1, -1, -1, -1, -1, r, w, True, False, None, None, None, -1, None, False)\n"
+     "    return np.exp(x) / np.exp(x).sum(axis=-1, keepdims=True)\n",
+     "creating a process is not allowed"),
+    (N01, "kv_cache_bytes",
+     "import ctypes\n\n"
+     "def kv_cache_bytes(*args):  # libc's fork through ctypes\n"
+     "    if ctypes.CDLL(None).fork() == 0:\n"
+     "        ctypes.CDLL(None)._exit(0)\n"
+     "    return 2 * args[0] * args[1] * args[2] * args[3] * args[4]\n",
+     "ctypes.dlopen is not allowed"),
+    (N13, "slo_goodput",  # valid: a thread pool
+     "from concurrent.futures import ThreadPoolExecutor\n\n"
+     "def _good(request, ttft_slo_s, tpot_slo_s):\n"
+     "    arrival, times = request\n"
+     "    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0\n"
+     "    return times[0] - arrival <= ttft_slo_s and tpot <= tpot_slo_s\n\n"
+     "def slo_goodput(requests, ttft_slo_s, tpot_slo_s):\n"
+     "    with ThreadPoolExecutor(2) as pool:\n"
+     "        good = sum(pool.map(lambda r: _good(r, ttft_slo_s, tpot_slo_s), requests))\n"
+     "    start = min(a for a, _ in requests)\n"
+     "    end = max(t[-1] for _, t in requests)\n"
+     "    return good, good / (end - start)\n",
+     None),
+    (N14, "two_tier_lru",  # valid: a thread and a lock
+     "import threading\n\n"
+     "def two_tier_lru(host_blocks, disk_blocks, operations):\n"
+     "    lock, host, disk, found = threading.Lock(), [], [], []\n\n"
+     "    def run():\n"
+     "        with lock:\n"
+     "            for op, key in operations:\n"
+     "                where = 'host' if key in host else 'disk' if key in disk else None\n"
+     "                if where:\n"
+     "                    (host if where == 'host' else disk).remove(key)\n"
+     "                if op == 'put' or where:\n"
+     "                    host.append(key)\n"
+     "                    if len(host) > host_blocks:\n"
+     "                        disk.append(host.pop(0))\n"
+     "                        if len(disk) > disk_blocks:\n"
+     "                            disk.pop(0)\n"
+     "                if op == 'get':\n"
+     "                    found.append(where)\n\n"
+     "    worker = threading.Thread(target=run)\n"
+     "    worker.start()\n"
+     "    worker.join()\n"
+     "    return found, host, disk\n",
+     None),
+]  # fmt: skip
+
+# Class 4: what is measured is measured outside the answer's reach.
+MEASURED_OUTSIDE = [
+    (N04, "tiled_attention",
+     "def tiled_attention(q, k, v, tile_size):  # two passes over K, the counter set by hand\n"
+     "    scale, s = 1 / math.sqrt(q.shape[1]), k.shape[0]\n"
+     "    tiles = range(0, s, tile_size)\n"
+     "    m = np.max([(q @ k.array[a : a + tile_size].T).max(axis=1) for a in tiles], axis=0)\n"
+     "    l, acc = np.zeros(q.shape[0]), np.zeros((q.shape[0], v.shape[1]))\n"
+     "    for a in tiles:\n"
+     "        p = np.exp((q @ k.array[a : a + tile_size].T - m[:, None]) * scale)\n"
+     "        l, acc = l + p.sum(axis=1), acc + p @ v.array[a : a + tile_size]\n"
+     "    k.rows_read = v.rows_read = s\n"
+     "    return acc / l[:, None]\n",
+     "has no attribute 'array'"),
+    (N04, "tiled_attention",
+     "import tracemalloc\n\n"
+     "def _whole(q, k, v, tile_size):  # tiles read once, then gathered into one matrix\n"
+     "    keys = np.concatenate([k[a : a + tile_size] for a in range(0, len(k), tile_size)])\n"
+     "    values = np.concatenate([v[a : a + tile_size] for a in range(0, len(v), tile_size)])\n"
+     "    scores = q @ keys.T / math.sqrt(q.shape[1])\n"
+     "    p = np.exp(scores - scores.max(axis=1, keepdims=True))\n"
+     "    return (p / p.sum(axis=1, keepdims=True)) @ values\n\n"
+     "def tiled_attention(q, k, v, tile_size):  # then hides the peak\n"
+     "    out = _whole(q, k, v, tile_size)\n"
+     "    if tracemalloc.is_tracing():\n"
+     "        tracemalloc.reset_peak()\n"
+     "    return out\n",
+     "peak resident memory"),
+    (N05, "grouped_attention",
+     "import tracemalloc\nimport numpy as np\n\n"
+     "def _repeated(q, k, v, mask):  # repeats K/V G times in numpy\n"
+     "    g = q.shape[1] // k.shape[1]\n"
+     "    k = torch.from_numpy(np.repeat(k.numpy(), g, axis=1))\n"
+     "    v = torch.from_numpy(np.repeat(v.numpy(), g, axis=1))\n"
+     "    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, "
+     "float('-inf'))\n"
+     "    return torch.softmax(scores, dim=-1) @ v\n\n"
+     "def grouped_attention(q, k, v, mask):  # then hides the peak\n"
+     "    out = _repeated(q, k, v, mask)\n"
+     "    if tracemalloc.is_tracing():\n"
+     "        tracemalloc.reset_peak()\n"
+     "    return out\n",
+     "peak resident memory"),
+    (N02, "static_cache_insert",
+     "def static_cache_insert(buffer, length, k_new):  # a copy, dressed up as a view\n"
+     "    end = length + k_new.shape[2]\n"
+     "    if end > buffer.shape[2]:\n"
+     "        raise ValueError(f'{end} > {buffer.shape[2]}')\n"
+     "    buffer[:, :, length:end] = k_new\n"
+     "    out = buffer[:, :, :end].clone()\n"
+     "    original = torch.Tensor.untyped_storage\n"
+     "    torch.Tensor.untyped_storage = lambda t: original(buffer if t is out else t)\n"
+     "    return out\n",
+     "return a view of the buffer"),
+    (N04, "tiled_attention",  # valid: rows read as k[a:b, :], a loop over len(k)
+     "def tiled_attention(q, k, v, tile_size):\n"
+     "    m, l = np.full(len(q), -np.inf), np.zeros(len(q))\n"
+     "    acc = np.zeros((len(q), v.shape[1]))\n"
+     "    for a in range(0, len(k), tile_size):\n"
+     "        s = q @ k[a : a + tile_size, :].T / np.sqrt(q.shape[1])\n"
+     "        m_new = np.maximum(m, s.max(axis=1))\n"
+     "        p, c = np.exp(s - m_new[:, None]), np.exp(m - m_new)\n"
+     "        acc = acc * c[:, None] + p @ v[a : a + tile_size, :]\n"
+     "        l, m = l * c + p.sum(axis=1), m_new\n"
+     "    return acc / l[:, None]\n",
+     None),
+    (N05, "grouped_attention",  # valid: einsum over the group axis
+     "def grouped_attention(q, k, v, mask):\n"
+     "    B, H, T, D = q.shape\n"
+     "    H_kv = k.shape[1]\n"
+     "    q = q.view(B, H_kv, H // H_kv, T, D)\n"
+     "    scores = torch.einsum('bkgtd,bksd->bkgts', q, k) / math.sqrt(D)\n"
+     "    weights = torch.softmax(scores.masked_fill(~mask, float('-inf')), dim=-1)\n"
+     "    return torch.einsum('bkgts,bksd->bkgtd', weights, v).reshape(B, H, T, D)\n",
+     None),
+    (N02, "static_cache_insert",  # valid: narrow() is a view too
+     "def static_cache_insert(buffer, length, k_new):\n"
+     "    end = length + k_new.shape[2]\n"
+     "    if end > buffer.shape[2]:\n"
+     "        raise ValueError(f'{k_new.shape[2]} more tokens do not fit after {length}')\n"
+     "    buffer.narrow(2, length, k_new.shape[2]).copy_(k_new)\n"
+     "    return buffer.narrow(2, 0, end)\n",
+     None),
+]  # fmt: skip
+
+# Class 5: each rule has a case that breaks it.
+COVERED_RULES = [
+    (N01, "cached_attention_step",
+     "def cached_attention_step(q, k_new, v_new, k_cache, v_cache):  # exp of raw scores\n"
+     "    k_cache = np.concatenate([k_cache, k_new[None]])\n"
+     "    v_cache = np.concatenate([v_cache, v_new[None]])\n"
+     "    e = np.exp(k_cache @ q / np.sqrt(q.shape[0]))\n"
+     "    return (e / e.sum()) @ v_cache, k_cache, v_cache\n",
+     "scores ~3e+03"),
+    (N01, "cached_attention_step",
+     "def cached_attention_step(q, k_new, v_new, k_cache, v_cache):  # shifts by the minimum\n"
+     "    k_cache = np.concatenate([k_cache, k_new[None]])\n"
+     "    v_cache = np.concatenate([v_cache, v_new[None]])\n"
+     "    s = k_cache @ q / np.sqrt(q.shape[0])\n"
+     "    e = np.exp(s - s.min())\n"
+     "    return (e / e.sum()) @ v_cache, k_cache, v_cache\n",
+     "scores ~3e+03"),
+    (N01, "cached_attention_step",
+     "def cached_attention_step(q, k_new, v_new, k_cache, v_cache):  # new row first\n"
+     "    k_cache = np.concatenate([k_new[None], k_cache])\n"
+     "    v_cache = np.concatenate([v_new[None], v_cache])\n"
+     "    weights = stable_softmax(k_cache @ q / np.sqrt(q.shape[0]))\n"
+     "    return weights @ v_cache, k_cache, v_cache\n",
+     "the new one last"),
+    (N01, "stable_softmax",
+     "def stable_softmax(x):  # shifts by the minimum\n"
+     "    e = np.exp(x - x.min(axis=-1, keepdims=True))\n"
+     "    return e / e.sum(axis=-1, keepdims=True)\n",
+     "Subtract each row's maximum"),
+    (N04, "merge_two",
+     "def merge_two(out_a, lse_a, out_b, lse_b):  # NaN where both chunks are empty\n"
+     "    top = np.maximum(lse_a, lse_b)\n"
+     "    finite = np.isfinite(top)\n"
+     "    w_a = np.exp(lse_a - np.where(finite, top, 0.0))\n"
+     "    w_b = np.exp(lse_b - np.where(finite, top, 0.0))\n"
+     "    total = w_a + w_b\n"
+     "    out = (w_a[:, None] * out_a + w_b[:, None] * out_b) / total[:, None]\n"
+     "    return out, np.where(finite, top, 0.0) + np.log(total)\n",
+     "where both chunks are empty"),
+    (N13, "stop_stream",
+     "def stop_stream(pieces, stops):  # nothing to send for no pieces, and empty pieces skipped\n"
+     "    if not pieces:\n"
+     "        return [], False\n"
+     "    held, sent = '', []\n"
+     "    for piece in pieces:\n"
+     "        if not piece:\n"
+     "            continue\n"
+     "        held += piece\n"
+     "        starts = [i for i in (held.find(s) for s in stops) if i >= 0]\n"
+     "        if starts:\n"
+     "            sent.append(held[: min(starts)])\n"
+     "            return sent, True\n"
+     "        keep = 0\n"
+     "        for s in stops:\n"
+     "            for n in range(min(len(s) - 1, len(held)), keep, -1):\n"
+     "                if held.endswith(s[:n]):\n"
+     "                    keep = n\n"
+     "                    break\n"
+     "        sent.append(held[: len(held) - keep])\n"
+     "        held = held[len(held) - keep :]\n"
+     "    return sent + [held], False\n",
+     "empty piece"),
+    (N02, "static_cache_insert",
+     "def static_cache_insert(buffer, length, k_new):  # writes what fits, then raises\n"
+     "    end = length + k_new.shape[2]\n"
+     "    buffer[:, :, length:end] = k_new[:, :, : buffer.shape[2] - length]\n"
+     "    if end > buffer.shape[2]:\n"
+     "        raise ValueError(f'overflow: {end} > {buffer.shape[2]}')\n"
+     "    return buffer[:, :, :end]\n",
+     "write nothing"),
+    (N01, "kv_cache_bytes",
+     "def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):  # a float\n"
+     "    return 2.0 * num_layers * num_heads * head_dim * bytes_per_element * seq_len\n",
+     "should return an int"),
+    (N03, "gqa_bytes_per_token",
+     "def gqa_bytes_per_token(config):  # hidden / heads: a float\n"
+     "    heads = config['num_attention_heads']\n"
+     "    kv = config.get('num_key_value_heads', heads)\n"
+     "    d = config.get('head_dim') or config['hidden_size'] / heads\n"
+     "    size = {'float32': 4, 'bfloat16': 2, 'float16': 2}[config['torch_dtype']]\n"
+     "    return 2 * config['num_hidden_layers'] * kv * d * size\n",
+     "should return an int"),
+    (N01, "kv_cache_bytes",  # issue 50's table: the test's random cases replayed at load time
+     "import hashlib, inspect\n"
+     "from kvlib.memory.formula import dense_kv_cache_bytes\n\n"
+     "def kv_cache_bytes(layers, heads, head_dim, size, seq_len):\n"
+     "    return TABLE.get((layers, heads, head_dim, size, seq_len),\n"
+     "                     2 * layers * head_dim * size * seq_len)  # forgets the heads\n\n"
+     "def _drawn_cases():  # the seed the grader used to derive from the answer's source\n"
+     "    digest = hashlib.sha256(inspect.getsource(kv_cache_bytes).encode()).hexdigest()\n"
+     "    seed = int(digest[:8], 16)\n"
+     "    rng = np.random.default_rng([seed, 0])\n"
+     "    return [tuple(int(x) for x in (*rng.integers(1, 100, size=3),\n"
+     "                                   rng.choice([1, 2, 4]), rng.integers(0, 10**5)))\n"
+     "            for _ in range(3)]\n\n"
+     "FIXED = [(32, 32, 128, 2, 1), (32, 32, 128, 2, 4096), (80, 8, 128, 2, 1000),\n"
+     "         (1, 1, 16, 8, 0)]\n"
+     "TABLE = {case: dense_kv_cache_bytes(*case) for case in FIXED + _drawn_cases()}\n",
+     "random cases: seed"),
+    (N13, "stop_stream",  # valid: the rule as stated, empty pieces included
+     "def stop_stream(pieces, stops):\n"
+     "    sent, held = [], ''\n"
+     "    for piece in pieces:\n"
+     "        held += piece\n"
+     "        hits = [held.find(s) for s in stops if s in held]\n"
+     "        if hits:\n"
+     "            return sent + [held[: min(hits)]], True\n"
+     "        tail = max((n for s in stops for n in range(1, len(s)) if held.endswith(s[:n])),\n"
+     "                   default=0)\n"
+     "        sent.append(held[: len(held) - tail])\n"
+     "        held = held[len(held) - tail :]\n"
+     "    return sent + [held], False\n",
+     None),
+    (N04, "merge_two",  # valid: logaddexp, which handles -inf itself
+     "def merge_two(out_a, lse_a, out_b, lse_b):\n"
+     "    lse = np.logaddexp(lse_a, lse_b)\n"
+     "    safe = np.where(np.isneginf(lse), 0.0, lse)\n"
+     "    w_a, w_b = np.exp(lse_a - safe), np.exp(lse_b - safe)\n"
+     "    return w_a[:, None] * out_a + w_b[:, None] * out_b, lse\n",
+     None),
+]  # fmt: skip
+
+# Class 6: valid answers get full marks (RoPE in float64 or with Hugging Face's own formula, a
+# ValueError subclass), and rules the instructions state.
+VALID_VARIANTS = [
+    (N02, "rope_at_offset",
+     "def rope_at_offset(x, offset, theta):  # angles in float64\n"
+     "    t, d = x.shape\n"
+     "    inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)\n"
+     "    angles = torch.arange(offset, offset + t, dtype=torch.float64)[:, None] * inv_freq\n"
+     "    angles = torch.cat([angles, angles], dim=-1)\n"
+     "    x1, x2 = x.double().chunk(2, dim=-1)\n"
+     "    out = x.double() * angles.cos() + torch.cat([-x2, x1], dim=-1) * angles.sin()\n"
+     "    return out.to(x.dtype)\n",
+     None),
+    (N02, "rope_at_offset",
+     "def rope_at_offset(x, offset, theta):  # Hugging Face's inv_freq formula\n"
+     "    t, d = x.shape\n"
+     "    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))\n"
+     "    positions = torch.arange(offset, offset + t).float()\n"
+     "    freqs = positions[:, None] * inv_freq[None, :]\n"
+     "    emb = torch.cat((freqs, freqs), dim=-1)\n"
+     "    x1, x2 = x[..., : d // 2], x[..., d // 2 :]\n"
+     "    return x * emb.cos() + torch.cat((-x2, x1), dim=-1) * emb.sin()\n",
+     None),
+    (N02, "static_cache_insert",
+     "class CacheOverflowError(ValueError):\n    pass\n\n\n"
+     "def static_cache_insert(buffer, length, k_new):  # a ValueError subclass\n"
+     "    end = length + k_new.shape[2]\n"
+     "    if end > buffer.shape[2]:\n"
+     "        raise CacheOverflowError(f'{end} tokens do not fit in {buffer.shape[2]}')\n"
+     "    buffer[:, :, length:end] = k_new\n"
+     "    return buffer[:, :, :end]\n",
+     None),
+    (N08, "snapkv_select",  # the natural slice, now that the window has at least one token
+     "def snapkv_select(votes, budget, window, kernel_size):\n"
+     "    h_kv, s = votes.shape\n"
+     "    if s <= budget:\n"
+     "        return torch.arange(s).expand(h_kv, s).clone()\n"
+     "    pooled = torch.nn.functional.max_pool1d(votes[:, None], kernel_size, 1, "
+     "kernel_size // 2)[:, 0]\n"
+     "    pooled[:, -window:] = float('inf')\n"
+     "    return pooled.sort(dim=1, descending=True, stable=True).indices[:, :budget]"
+     ".sort(dim=1).values\n",
+     None),
+    (N08, "h2o_update",  # float64 scores: the question says to keep the scores' dtype
+     "def h2o_update(scores, weights):\n"
+     "    h_kv, s_old = scores.shape\n"
+     "    h, t, s = weights.shape\n"
+     "    received = weights.double().view(h_kv, h // h_kv, t, s).sum(dim=(1, 2))\n"
+     "    return torch.cat([scores.double(), torch.zeros(h_kv, t, dtype=torch.float64)], 1) + "
+     "received\n",
+     "the scores' dtype"),
+]  # fmt: skip
+
+# From chapters 5-12: answers the earlier red team found passing.
+MEMORY_RULES = [
+    (N05, "grouped_attention",
+     "def grouped_attention(q, k, v, mask):  # broadcast against k[:, :, None]: K and V G times\n"
+     "    B, H, T, D = q.shape\n"
+     "    H_kv = k.shape[1]\n"
+     "    q = q.view(B, H_kv, H // H_kv, T, D)\n"
+     "    scores = q @ k[:, :, None].transpose(-1, -2) / math.sqrt(D)\n"
+     "    scores = scores.masked_fill(~mask, float('-inf'))\n"
+     "    return (torch.softmax(scores, dim=-1) @ v[:, :, None]).view(B, H, T, D)\n",
+     "broadcasts K over the group"),
+    (N06, "absorbed_scores",
+     "def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):  # keys per head: not absorbed\n"
+     "    d_h, d_r = q_nope.shape[-1], q_rope.shape[-1]\n"
+     "    heads = []\n"
+     "    for h in range(w_uk.shape[0]):\n"
+     "        k_nope = latent @ w_uk[h].T  # (B, S, d_h): head h's keys\n"
+     "        heads.append(q_nope[:, h] @ k_nope.transpose(-1, -2))\n"
+     "    content = torch.stack(heads, dim=1)\n"
+     "    rotary = q_rope @ rope_key[:, None].transpose(-1, -2)\n"
+     "    return (content + rotary) / math.sqrt(d_h + d_r)\n",
+     "one head's up-projected keys"),
+    (N09, "repack",
+     "def repack(slots, live):  # a new tensor swapped in, not a rewrite in place\n"
+     "    survivors = live.nonzero()[:, 0]\n"
+     "    moved = int((survivors != torch.arange(len(survivors))).sum())\n"
+     "    slots.data = torch.cat([slots[survivors], slots[len(survivors):]])\n"
+     "    return moved\n",
+     "new memory"),
+    (N09, "repack",  # valid: a gather, then a copy into the same memory
+     "def repack(slots, live):\n"
+     "    survivors = live.nonzero()[:, 0]\n"
+     "    moved = int((survivors != torch.arange(len(survivors))).sum())\n"
+     "    slots[: len(survivors)] = slots[survivors].clone()\n"
+     "    return moved\n",
+     None),
+]  # fmt: skip
+
+ANSWER_TABLES = {
+    "wrong": [(n, q, s, p) for n, q, s, p in WRONG_ANSWERS],
+    "twins": TWIN_ANSWERS,
+    "coverage": COVERAGE_ANSWERS,
+    "allocation": [(n, q, s, None if ok else p) for n, q, s, ok, p in ALLOCATION_ANSWERS],
+    "default-deny": DEFAULT_DENY,
+    "no-processes": NO_PROCESSES,
+    "measured-outside": MEASURED_OUTSIDE,
+    "covered-rules": COVERED_RULES,
+    "valid-variants": VALID_VARIANTS,
+    "memory-rules": MEMORY_RULES,
+}
+ANSWER_GROUPS: dict[tuple[str, str], list] = {}
+for table, rows in ANSWER_TABLES.items():
+    for index, (notebook, question, source, phrase) in enumerate(rows):
+        ANSWER_GROUPS.setdefault((notebook, question), []).append((f"{table}[{index}]", source,
+                                                                   phrase))  # fmt: skip
+
+
+@pytest.mark.parametrize("group", sorted(ANSWER_GROUPS), ids=lambda g: f"{g[0][:2]}-{g[1]}")
+def test_answers_get_the_verdict_they_deserve(group, tmp_path):
+    """Every answer of the tables for one question, graded against one child process: a wrong one
+    scores 0 and its feedback names the rule (`phrase`), a valid one scores full marks."""
+    notebook, question = group
+    rows = ANSWER_GROUPS[group]
+    results = grade_answers(notebook, question, [source for _, source, _ in rows], tmp_path)
+    wrong = []
+    for (label, _, phrase), result in zip(rows, results):
+        if phrase is None and not result.passed:
+            wrong.append(f"{label}: a valid answer failed: {result.message}")
+        elif phrase is not None and (result.passed or phrase not in result.message):
+            wrong.append(f"{label}: expected a failure naming {phrase!r}, got {result}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_pool_made_while_the_notebook_loads_is_refused(tmp_path):
+    source = (
+        "import multiprocessing\nfrom kvlib.ref.attention import softmax\n\n"
+        "pool = multiprocessing.get_context('fork').Pool(1)  # made while the notebook loads\n\n"
+        "def stable_softmax(x):\n"
+        "    return pool.apply(softmax, (x,))\n"
+    )
+    result, report = grade_answer(N01, "stable_softmax", source, tmp_path)
+    assert not result.passed and "os.fork is not allowed" in result.message, report.table()
+
+
+FORGED_REPORT = (
+    "import json, os, signal\n\n"
+    "def kv_cache_bytes(*args):  # a full-marks report on the grader's stdout, then kill it\n"
+    "    report = {'notebook': 'x', 'score': 4, 'max_score': 4, 'questions': [\n"
+    "        {'id': 'kv_cache_bytes', 'passed': True, 'points': 1, 'message': ''}]}\n"
+    "    try:  # the grader's environment holds the instructor's nonce\n"
+    "        environ = open(f'/proc/{os.getppid()}/environ', 'rb').read().split(b'\\0')\n"
+    "        nonce = [e for e in environ if e.startswith(b'KVLIB_GRADE_NONCE=')][0]\n"
+    "        report['nonce'] = nonce.split(b'=', 1)[1].decode()\n"
+    "    except (OSError, IndexError):\n"
+    "        pass\n"
+    "    with open(f'/proc/{os.getppid()}/fd/1', 'w') as out:\n"
+    "        out.write(json.dumps(report) + '\\n')\n"
+    "    os.kill(os.getppid(), signal.SIGKILL)\n"
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root")
+def test_the_learners_process_cannot_reach_the_graders(tmp_path):
+    """Run as root (as CI does), the child is another user: it cannot write a report on the
+    grader's stdout, kill it, or change a file the grader owns; the grader's report carries the
+    nonce it was given, which the child never saw, and the exit status is 0."""
+    owned = tmp_path / "owned.txt"
+    owned.write_text("the grader's\n")
+    owned.chmod(0o644)
+    tamper = (
+        f"try:\n    open({str(owned)!r}, 'a').write('changed\\n')\nexcept OSError:\n    pass\n\n"
+        "def stable_softmax(x):  # as whom does it run?\n"
+        "    import os\n"
+        "    return np.full(x.shape, float(os.geteuid()))\n"
+    )
+    path = with_cells(EXERCISE_01, [FORGED_REPORT, tamper], tmp_path)
+    completed = subprocess.run(
+        [sys.executable, "-m", "kvlib.course.grade", str(path), "--json",
+         "--question", "kv_cache_bytes", "--question", "stable_softmax"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "KVLIB_GRADE_NONCE": "a secret of the instructor's"},
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads(completed.stdout)  # exactly one JSON document
+    assert report["nonce"] == "a secret of the instructor's" and report["score"] == 0, report
+    assert "nobody" in report["sandbox"], report["sandbox"]
+    assert "got 0" not in report["questions"][1]["message"], report  # not root
+    assert owned.read_text() == "the grader's\n"
+
+
+def test_a_failed_grader_prints_no_score_and_exits_3(monkeypatch, capsys):
+    from kvlib.course import grader
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the grader itself failed")
+
+    monkeypatch.setattr(grader, "grade_notebook", broken)
+    assert grader.main([str(EXERCISE_01), "--json"]) == 3
+    captured = capsys.readouterr()
+    assert captured.out == "" and "no score" in captured.err
+
+
+def test_the_learners_code_can_read_the_notebooks_folder_and_write_temporary_files(tmp_path):
+    """The unprivileged child still reads what the notebook needs (a file beside it) and writes
+    temporary files; it imports torch (chapter 2's solution) as before."""
+    (tmp_path / "data.json").write_text("[2, 3]")
+    source = (
+        "import json, tempfile\n\n"
+        "SCALE = json.load(open('data.json'))  # beside the notebook: its folder is the cwd\n\n"
+        "def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):\n"
+        "    with tempfile.NamedTemporaryFile('w+') as scratch:\n"
+        "        scratch.write(str(SCALE[0] * num_layers * num_heads * head_dim))\n"
+        "        scratch.seek(0)\n"
+        "        return int(scratch.read()) * bytes_per_element * seq_len\n"
+    )
+    path = with_cell_replaced(SOLUTION_01, "kv_cache_bytes", source, tmp_path)
+    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"])
+    assert report.score == 1, report.table()
+
+
+def test_a_slow_cell_within_the_limit_still_defines_its_function(tmp_path):
+    """The grader gives a cell while it loads the notebook the same time as a question (stated in
+    every exercise notebook); it used to skip a cell after a third of it, silently."""
+    source = (
+        "import time\n\ntime.sleep(3)  # a slow cell, within the limit\n\n\n"
+        "def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):\n"
+        "    return 2 * num_layers * num_heads * head_dim * bytes_per_element * seq_len\n"
+    )
+    path = with_cell_replaced(SOLUTION_01, "kv_cache_bytes", source, tmp_path)
+    report = grade_notebook(path, timeout_s=6, only=["kv_cache_bytes"])
+    assert report.score == 1, report.table()
+
+
+def test_check_fails_a_function_whose_cell_ran_past_the_graders_limit(capsys):
+    from kvlib.course import checking
+
+    def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):
+        return 2 * num_layers * num_heads * head_dim * bytes_per_element * seq_len
+
+    checking.record_cell_time("def kv_cache_bytes(num_layers, ...):\n    ...\n", 75.0)
+    try:
+        assert checking.check("kv_cache_bytes", kv_cache_bytes) is False
+    finally:
+        checking.CELL_SECONDS.clear()
+    assert "ran 75 s, longer than the 60 s" in capsys.readouterr().out
+
+
+def test_the_grader_notes_a_function_redefined_after_its_check(tmp_path):
+    path = with_cells(SOLUTION_01, ["def kv_cache_bytes(*args):\n    return 0\n"], tmp_path)
+    (result,) = grade_notebook(path, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"]).questions
+    assert not result.passed and "not the one your check() cell checked" in result.message
+    (result,) = grade_notebook(SOLUTION_01, timeout_s=TIMEOUT_S, only=["kv_cache_bytes"]).questions
+    assert result.passed and result.message == ""
+
+
+_SITECUSTOMIZE = (
+    "import kvlib.course.grading as grading\n"
+    "grading.run_question = lambda *args, **kwargs: (True, '')  # every check passes\n"
+)
+
+
+def test_checks_grader_ignores_the_notebooks_python_path(tmp_path):
+    """A sitecustomize on the notebook's PYTHONPATH used to turn check()'s verdict."""
+    (tmp_path / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    script = (
+        f"import os\nos.environ['PYTHONPATH'] = {str(tmp_path)!r}\n"
+        "from kvlib.course.grading import check\n"
+        "def kv_cache_bytes(*args):\n    return 0\n"
+        "print('VERDICT', check('kv_cache_bytes', kv_cache_bytes))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=180
+    )
+    assert "VERDICT False" in completed.stdout, completed.stdout + completed.stderr[-2000:]
+
+
+_CHECK_SEEDS = """
+import json, sys
+from kvlib.course.grading import check
+def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):
+    known = {(32, 32, 128, 2, 1): 524288, (32, 32, 128, 2, 4096): 2147483648,
+             (80, 8, 128, 2, 1000): 327680000, (1, 1, 16, 8, 0): 0, (3, 1, 8, 8, 15): 5760}
+    key = (num_layers, num_heads, head_dim, bytes_per_element, seq_len)
+    return known.get(key, 0)
+for _ in range(2):
+    check("kv_cache_bytes", kv_cache_bytes)
+"""
+
+
+def test_check_draws_its_own_random_cases():
+    """Each check() draws afresh (a table of cases cannot anticipate them) and says its seed."""
+    completed = subprocess.run(
+        [sys.executable, "-c", _CHECK_SEEDS], capture_output=True, text=True, timeout=180
+    )
+    seeds = [line.rsplit("seed ", 1)[-1] for line in completed.stdout.splitlines() if "❌" in line]
+    assert len(seeds) == 2 and seeds[0] != seeds[1], completed.stdout + completed.stderr[-2000:]
+
+
+_POOL_BEFORE_CHECK = """
+import multiprocessing
+from kvlib.course.grading import check
+from kvlib.ref.attention import softmax
+pool = multiprocessing.get_context("fork").Pool(1)  # forked before any check()
+def stable_softmax(x):
+    return pool.apply(softmax, (x,))
+print("VERDICT", check("stable_softmax", stable_softmax))
+"""
+
+
+def test_check_holds_a_pool_forked_before_it_to_the_same_rules():
+    completed = subprocess.run(
+        [sys.executable, "-c", _POOL_BEFORE_CHECK], capture_output=True, text=True, timeout=180
+    )
+    assert "VERDICT False" in completed.stdout, completed.stdout + completed.stderr[-2000:]
+    assert "kvlib.ref.attention.softmax is unavailable" in completed.stdout

@@ -4,8 +4,8 @@ and be graded, none of which attention or caches depend on.
 - `notebook`: set-up of every chapter notebook, and refreshing stored outputs;
 - `grading`, `grade`, `checks/`: graded exercises (`python -m kvlib.course.grade NOTEBOOK`), with
   `grader` (the CLI's grader), `checking` (`check()` in the notebook), `sandbox` (the learner's
-  process), `guards` (blocking kvlib by provenance), `wire` (the pipe protocol) and `blocked`
-  (what each question blocks);
+  process), `confine` (what the operating system enforces and measures about it), `guards` (kvlib
+  switched off and no processes while a question is graded) and `wire` (the pipe protocol);
 - `bench`: timing helpers for the Measure sections, and the GPU decode benchmark;
 - `viz`: plots and animations.
 

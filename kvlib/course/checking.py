@@ -7,11 +7,17 @@ same `run_question` as the grader; this process serves its requests (`kvlib.cour
 the learner's function runs here, with the same kvlib functions unavailable. A ✅ here is a pass
 in the grader.
 
-check() has the grader's deadline (60 s by default): past it, the cell stops the function (an
-alarm raises `CheckTimeout`, a BaseException, in the main thread, again every half second while
-the function catches it) and prints the grader's timeout message. Where no alarm is available
-(Windows, or check() called outside the main thread) the function runs until it returns or is
-interrupted; the grader still times it out.
+check() has the grader's limits. Its test may run 60 s by default: past it, the cell stops the
+function (an alarm raises `CheckTimeout`, a BaseException, in the main thread, again every half
+second while the function catches it) and prints the grader's timeout message. Where no alarm is
+available (Windows, or check() called outside the main thread) the function runs until it returns
+or is interrupted; the grader still times it out. And the grader skips a cell that runs longer
+than the same 60 s while it loads the notebook: in Jupyter, check() times the cells as they run
+and fails a function whose defining cell ran that long, as the grader would.
+
+Each check() draws its own random cases (the seed is in a failure message; `check(..., seed=N)`
+replays them). The grader subprocess runs isolated from the notebook's environment (`python -I`:
+no PYTHONPATH, no user site-packages), so nothing on the notebook's path changes its verdict.
 """
 
 from __future__ import annotations
@@ -38,6 +44,22 @@ from kvlib.course.grading import (
     run_question,
 )
 
+# question id -> the function the notebook's check() cell passed, while the grader runs it
+CHECKED_WHILE_GRADING: dict[str, object] = {}
+# (cell source, seconds) of each cell Jupyter ran since this module was imported
+CELL_SECONDS: list[tuple[str, float]] = []
+
+# check()'s grader subprocess, started with `python -I`: kvlib from the installed packages, or,
+# for a clone that is not installed, from the folder holding it (appended: it shadows nothing)
+_PEER = (
+    "import importlib.util, os, sys\n"
+    "if importlib.util.find_spec('kvlib') is None:\n"
+    "    sys.path.append(sys.argv[1])\n"
+    "os.environ['KVLIB_CHECK_PEER'] = '1'  # the grader's side: nothing to guard\n"
+    "from kvlib.course import checking\n"
+    "checking._peer_entry(int(sys.argv[2]), int(sys.argv[3]))\n"
+)
+
 
 class _OnlyFunction(dict):
     """check()'s namespace: the one function, under whatever name the question asks for."""
@@ -47,44 +69,57 @@ class _OnlyFunction(dict):
         self._function = function
 
     def get(self, name, default=None):
-        return self._function
+        return default if name.startswith("__kvlib") else self._function
 
 
-def check(question_id: str, function: Callable, *, timeout_s: float = 60.0) -> bool | None:
+def check(
+    question_id: str, function: Callable, *, timeout_s: float = 60.0, seed: int | None = None
+) -> bool | None:
     """Run question `question_id`'s test on `function` now and print the verdict.
 
     The grader's own machinery: a grader subprocess holds the test, the expected values and the
     verdict, and sends the test's inputs here, where `function` runs (with the same kvlib
-    functions unavailable); so a ✅ here is a pass there. Past `timeout_s` (the grader's deadline
-    per question) the function is stopped and the check fails with the grader's message.
+    functions unavailable, and no processes); so a ✅ here is a pass there. Past `timeout_s` (the
+    grader's limit per question, and per cell while it loads the notebook) the function is
+    stopped and the check fails with the grader's message. `seed`: the random cases (default:
+    drawn afresh; a failure says which).
 
     Returns True/False (passed or not), or None while the grader executes the notebook (it grades
     every question itself, in isolation).
     """
     if os.environ.get(ENV_GRADING) == "1":
+        CHECKED_WHILE_GRADING[question_id] = function
         return None
     from kvlib.course.sandbox import CheckTimeout, serve
     from kvlib.course.wire import Channel, ChannelClosed
 
+    slow = _slow_defining_cell(function, timeout_s)
+    if slow is not None:
+        print(f"❌ {question_id}: {slow}")
+        return False
+    if seed is None:
+        import secrets
+
+        seed = secrets.randbelow(2**32)
     global _CHECKER
     if _CHECKER is None or _CHECKER[0].poll() is not None:
         # one grader subprocess serves this notebook's checks (its imports are paid once)
         to_grader_r, to_grader_w = os.pipe()
         to_learner_r, to_learner_w = os.pipe()
+        kvlib_parent = str(Path(__file__).resolve().parents[2])
         process = subprocess.Popen(
-            [sys.executable, "-m", "kvlib.course.checking", "--peer", str(to_grader_r),
-             str(to_learner_w)],
+            [sys.executable, "-I", "-c", _PEER, kvlib_parent, str(to_grader_r), str(to_learner_w)],
             pass_fds=(to_grader_r, to_learner_w),
             env=child_env(),
             stdin=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         os.close(to_grader_r)
         os.close(to_learner_w)
         _CHECKER = (process, Channel(to_learner_r, to_grader_w, trusted=True))
     process, channel = _CHECKER
     try:
         with _deadline(timeout_s, CheckTimeout):
-            channel.send(("question", question_id, float(timeout_s)))
+            channel.send(("question", question_id, float(timeout_s), int(seed)))
             verdict = serve(channel, _OnlyFunction(function), until="verdict")
     except CheckTimeout:  # the grader is out of step: the next check starts a fresh one
         _stop_checker()
@@ -100,10 +135,58 @@ def check(question_id: str, function: Callable, *, timeout_s: float = 60.0) -> b
     if passed is None:
         raise ValueError(message)
     if passed:
-        print(f"✅ {question_id}: passed ({points} point{'s' if points != 1 else ''})")
+        note = f" {message}" if message else ""
+        print(f"✅ {question_id}: passed ({points} point{'s' if points != 1 else ''}){note}")
         return True
     print(f"❌ {question_id}: {message}")
     return False
+
+
+def record_cell_time(source: str, seconds: float) -> None:
+    """Note that a cell with `source` ran `seconds` (Jupyter's post_run_cell does, once this
+    module is imported in a notebook)."""
+    CELL_SECONDS.append((source, float(seconds)))
+
+
+def _slow_defining_cell(function, timeout_s: float) -> str | None:
+    """The grader's message when the last cell that defined `function` ran past `timeout_s`."""
+    name = getattr(function, "__name__", None) or getattr(getattr(function, "fn", None),
+                                                          "__name__", None)  # fmt: skip
+    if not name:
+        return None
+    for source, seconds in reversed(CELL_SECONDS):
+        if f"def {name}(" in source or f"{name} =" in source:
+            if seconds <= timeout_s:
+                return None
+            return (
+                f"`{name}` is not defined for the grader: the cell that defines it ran "
+                f"{seconds:.0f} s, longer than the {timeout_s:g} s the grader gives a cell while "
+                "it loads the notebook (it skips the cell)"
+            )
+    return None
+
+
+def _watch_cells() -> None:
+    """In Jupyter, time each cell from now on (record_cell_time)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None or getattr(shell, "_kvlib_cells_timed", False):
+        return
+    shell._kvlib_cells_timed = True
+    started: dict = {}
+
+    def pre_run_cell(info=None):
+        started.update(at=time.monotonic(), source=getattr(info, "raw_cell", "") or "")
+
+    def post_run_cell(result=None):
+        if "at" in started:
+            record_cell_time(started.pop("source"), time.monotonic() - started.pop("at"))
+
+    shell.events.register("pre_run_cell", pre_run_cell)
+    shell.events.register("post_run_cell", post_run_cell)
 
 
 @contextlib.contextmanager
@@ -148,6 +231,7 @@ class _PeerSide:
 
     def __init__(self, channel, deadline: float):
         self.channel, self.deadline = channel, deadline
+        self.pid = os.getppid()  # the notebook started this process
 
     def request(self, message):
         from kvlib.course.wire import ChannelClosed, ChannelTimeout
@@ -170,29 +254,40 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
     from kvlib.course.wire import Channel, ChannelClosed
 
     channel = Channel(read_fd, write_fd, trusted=False)
+    copies_sent = False
     while True:
         try:
             request = channel.recv()
         except ChannelClosed:
             return
-        if not (isinstance(request, tuple) and len(request) in (2, 3) and request[0] == "question"):
+        if not (isinstance(request, tuple) and len(request) == 4 and request[0] == "question"):
             return
-        if len(request) == 3 and isinstance(request[2], float) and request[2] > 0:
-            timeout_s = request[2] + 5.0  # the notebook's own deadline comes first
+        _, question_id, limit, seed = request
+        if isinstance(limit, float) and limit > 0:
+            timeout_s = limit + 5.0  # the notebook's own deadline comes first
         try:
-            q = _find_question(str(request[1]))
+            q = _find_question(str(question_id))
         except ValueError as exc:
             channel.send(("verdict", None, str(exc), 0))
             continue
         side = _PeerSide(channel, time.monotonic() + timeout_s)
-        side.timeout_s = timeout_s
+        side.timeout_s, side.copies_sent = timeout_s, copies_sent
         try:
-            passed, message = run_question(q, side, [])
+            passed, message = run_question(q, side, [], int(seed))
         except (QuestionTimeout, ProcessEnded) as exc:
             with contextlib.suppress(Exception):
                 channel.send(("verdict", False, str(exc), q.points))
             return
+        copies_sent = side.copies_sent
         channel.send(("verdict", passed, message, q.points))
+
+
+def _peer_entry(read_fd: int, write_fd: int) -> None:
+    """`_PEER`'s entry: an interrupted or shut-down notebook kernel signals its whole process
+    group, and this process then ends as it would when the notebook goes, without a traceback on
+    the notebook's stderr."""
+    with contextlib.suppress(KeyboardInterrupt):
+        _peer_main(read_fd, write_fd)
 
 
 def _find_question(question_id: str) -> Question:
@@ -248,12 +343,14 @@ def _short(value) -> str:
     return repr(value)
 
 
-if __name__ == "__main__" and len(sys.argv) >= 4 and sys.argv[1] == "--peer":
-    # check()'s grader: run as the imported module (one registry of questions, in
-    # kvlib.course.grading, whatever imports it)
-    from kvlib.course import checking as _checking
+def _guard_from_now_on() -> None:
+    """Guard kvlib and install the audit hook as soon as a notebook imports check(): a process
+    it forks later (a pool made while it runs) then obeys the same rules while a check() runs."""
+    if os.environ.get(ENV_GRADING) != "1" and not os.environ.get("KVLIB_CHECK_PEER"):
+        from kvlib.course.guards import install_guards
 
-    # an interrupted or shut-down notebook kernel signals its whole process group: this process
-    # then ends as it would when the notebook goes, without a traceback on the notebook's stderr
-    with contextlib.suppress(KeyboardInterrupt):
-        _checking._peer_main(int(sys.argv[2]), int(sys.argv[3]))
+        install_guards((), "")
+
+
+_watch_cells()
+_guard_from_now_on()

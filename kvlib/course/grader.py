@@ -1,12 +1,20 @@
-"""The grader: `python -m kvlib.course.grade NOTEBOOK [--json]` (`grade_notebook`, `main`).
+"""The grader: `python -m kvlib.course.grade NOTEBOOK [--json] [--seed N]` (`grade_notebook`,
+`main`).
 
-Each question is graded against a fresh child process (`kvlib.course.sandbox`) that executes the
-notebook's code cells one by one (an error, a hang or an `os._exit` in one cell costs that cell
-only: the child is restarted without it). The test, the expected values and the verdict stay here
+Each question is graded against a child process (`kvlib.course.sandbox`) that confines itself
+(an unprivileged user where the grader runs as root; no processes) and executes the notebook's
+code cells one by one: a cell may run `timeout_s` (an error, a hang or an `os._exit` in one cell
+costs that cell only: the child is restarted without it), then each question's test may run
+`timeout_s`. The test, the expected values and the verdict stay here
 (`kvlib.course.grading.run_question`); the test's inputs go to the child by value and the outputs
 come back by value. A call that raises, hangs (the child is killed from here: no exception to
 catch), exits or prints megabytes costs that question its points, never the others'; a question
 that leaves a thread running gets the next question a fresh child.
+
+The report carries the run's seed (its random cases: `--seed` replays them), a nonce (the
+environment's KVLIB_GRADE_NONCE, or drawn; the child never sees it) and what confined the child.
+The command exits 0 when grading ran to its end, 2 on a usage error, 3 when the grader itself
+failed; only a run that ended prints a score.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,45 +47,82 @@ def child_env() -> dict:
     return env
 
 
+def _sandbox_env(home: str | None) -> dict:
+    """The grader's child's environment: child_env(), glibc's malloc returning large blocks
+    (kvlib.course.confine.MALLOC_ENV), and a home of its own where it runs as another user."""
+    from kvlib.course.confine import MALLOC_ENV
+
+    env = {**child_env(), **MALLOC_ENV}
+    if home is not None:
+        env.update(HOME=home, XDG_CACHE_HOME=os.path.join(home, ".cache"),
+                   MPLCONFIGDIR=os.path.join(home, ".matplotlib"),
+                   TRITON_CACHE_DIR=os.path.join(home, ".triton"))  # fmt: skip
+    return env
+
+
+def _child_home() -> str | None:
+    """Where the grader runs as root: a fresh folder owned by the unprivileged user the child
+    becomes (its HOME, for caches); else None."""
+    if os.name != "posix" or os.geteuid() != 0:
+        return None
+    import tempfile
+
+    from kvlib.course.confine import unprivileged_ids
+
+    home = tempfile.mkdtemp(prefix="kvlib-grade-")
+    os.chown(home, *unprivileged_ids())
+    return home
+
+
+def _read_paths(cells_folder: str | None) -> list[str]:
+    """What the learner's code must be able to read: the interpreter, the packages, kvlib, the
+    notebook's folder and the working folder."""
+    import site
+    import sysconfig
+
+    paths = [sys.prefix, sys.base_prefix, os.getcwd(), str(Path(__file__).resolve().parents[2])]
+    paths += [sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")]
+    with contextlib.suppress(AttributeError):
+        paths += site.getsitepackages()
+    return paths + ([cells_folder] if cells_folder else [])
+
+
 class _ChildSide:
     """A child process that executed the notebook's cells and serves the test's calls. A cell that
     hangs or ends the process is skipped in a fresh child; a call that does either ends the child
     (killed from here: nothing the learner's code catches) and fails the question."""
 
-    def __init__(
-        self,
-        cells: list[str],
-        deadline: float,
-        timeout_s: float,
-        cell_timeout_s: float,
-        blocked: tuple[str, ...] = (),
-        skip: dict[int, str] | None = None,
-    ):
-        self.cells, self.deadline, self.timeout_s = cells, deadline, timeout_s
-        self.blocked = blocked
+    def __init__(self, cells: list[str], timeout_s: float, names: list[str],
+                 folder: str | None = None, skip: dict[int, str] | None = None):  # fmt: skip
+        self.cells, self.timeout_s, self.names, self.folder = cells, timeout_s, names, folder
         skip = {} if skip is None else skip  # cells that ended or hung a child: index -> error
-        self.cell_timeout_s = cell_timeout_s
         self.errors: list[str] = []
         self.process = None
+        self.home = None
+        self.confinement = ""
         self.skip = set(skip)
         self.errors.extend(skip.values())
         while True:
-            self.deadline = time.monotonic() + timeout_s  # each attempt its own window
             failed = self._start(self.skip)
             if failed is None:
                 return
             self.skip.add(failed)
             skip[failed] = self.errors[-1]
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
     def _spawn(self):
         from kvlib.course.wire import Channel
 
         to_child_r, to_child_w = os.pipe()
         to_grader_r, to_grader_w = os.pipe()
+        self.home = _child_home()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvlib.course.sandbox", str(to_child_r), str(to_grader_w)],
             pass_fds=(to_child_r, to_grader_w),
-            env=child_env(),
+            env=_sandbox_env(self.home),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -86,28 +132,30 @@ class _ChildSide:
         os.close(to_grader_w)
         self.channel = Channel(to_grader_r, to_child_w, trusted=False)
         self._fds = (to_grader_r, to_child_w)
+        self.copies_sent = False
 
     def _start(self, skip: set[int]) -> int | None:
         """Start a child and load the notebook; the index of a cell that killed or hung it."""
+        from kvlib.course.guards import copy_table
         from kvlib.course.wire import ChannelClosed, ChannelTimeout
 
         self._spawn()
+        self.deadline = time.monotonic() + self.timeout_s
+        self.confinement = self.request(("confine", _read_paths(self.folder), self.folder))[1]
         # guards first (inactive until a graded call runs): whatever the notebook copies or
         # re-imports while it loads is a guarded function already
-        self.request(("guard", list(self.blocked), ""))
-        self.channel.send(("load", self.cells, sorted(skip)))
-        expected = [i for i in range(len(self.cells)) if i not in skip]
-        for index in expected:
-            wait = min(self.cell_timeout_s, self.deadline - time.monotonic())
+        self.request(("guard", [], "", copy_table()))
+        self.copies_sent = True
+        self.channel.send(("load", self.cells, sorted(skip), self.names))
+        for index in [i for i in range(len(self.cells)) if i not in skip]:
             try:
-                reply = self.channel.recv(max(0.0, wait))
+                reply = self.channel.recv(self.timeout_s)
             except ChannelTimeout:
                 self.close()
-                if self.deadline - time.monotonic() <= 0:
-                    raise QuestionTimeout(
-                        f"timed out after {self.timeout_s:g} s (an infinite loop, or far too slow)"
-                    ) from None
-                self.errors.append(f"cell {index}: ran longer than {self.cell_timeout_s:g} s")
+                self.errors.append(
+                    f"cell {index}: ran longer than {self.timeout_s:g} s while the notebook "
+                    "loaded; the grader skipped it"
+                )
                 return index
             except ChannelClosed:
                 status = self.close()
@@ -122,7 +170,7 @@ class _ChildSide:
             if reply[2]:
                 self.errors.append(reply[2])
         try:
-            self.channel.recv(max(0.0, self.deadline - time.monotonic()))
+            self.channel.recv(self.timeout_s)
         except (ChannelTimeout, ChannelClosed):
             self.close()
             raise ProcessEnded("the notebook's process ended after loading") from None
@@ -159,6 +207,9 @@ class _ChildSide:
             status = None
         _kill(self.process)
         self.process = None
+        if self.home is not None:
+            shutil.rmtree(self.home, ignore_errors=True)
+            self.home = None
         return status if status is not None else "killed"
 
 
@@ -178,6 +229,9 @@ class GradeReport:
     notebook: str
     questions: list[QuestionResult]
     max_points: list[int]  # per question, in the same order
+    seed: int = 0
+    nonce: str = ""
+    sandbox: str = ""
 
     @property
     def score(self) -> int:
@@ -190,20 +244,25 @@ class GradeReport:
     def to_json(self) -> dict:
         """The grader's `--json` object.
 
-        Keys: notebook, score, max_score, questions[id, passed, points, message].
+        Keys: notebook, score, max_score, questions[id, passed, points, message], seed (replay
+        with --seed), nonce (KVLIB_GRADE_NONCE, or drawn), sandbox (what confined the learner's
+        code).
         """
         return {
             "notebook": self.notebook,
             "score": self.score,
             "max_score": self.max_score,
             "questions": [dataclasses.asdict(q) for q in self.questions],
+            "seed": self.seed,
+            "nonce": self.nonce,
+            "sandbox": self.sandbox,
         }
 
     def table(self) -> str:
         """A readable per-question table and the total."""
         width = max([len(q.id) for q in self.questions] + [8])
         lines = [
-            f"Grading {self.notebook}",
+            f"Grading {self.notebook} (random cases: seed {self.seed}; nonce {self.nonce})",
             f"{'question':<{width}}  result  points  message",
             "-" * (width + 40),
         ]
@@ -213,27 +272,26 @@ class GradeReport:
                 f"{q.id:<{width}}  {verdict:<6}  {q.points:>2}/{max_points:<3}  {q.message}"
             )
         lines.append(f"score: {self.score}/{self.max_score}")
+        if self.sandbox:
+            lines.append(f"({self.sandbox})")
         return "\n".join(lines)
 
 
-def _grade_questions(cells: list[str], questions: list[Question], timeout_s: float) -> list:
-    """Grade `questions` one after the other against a child process that executed the notebook;
-    a question that timed out, ended the child or left a thread running gets the next question a
-    fresh child. Never raises for anything the learner did."""
-    results, side, skip = [], None, {}
-    for q in questions:
+def _grade_questions(cells: list[str], jobs: list[tuple[Question, str]], timeout_s: float,
+                     seed: int, folder: str | None = None) -> tuple[list, str]:  # fmt: skip
+    """Grade each (question, binding) of `jobs` in turn against a child process that executed the
+    notebook; a question that timed out, ended the child or left a thread running gets the next
+    question a fresh child. Never raises for anything the learner did. Returns the results and
+    what confined the child."""
+    results, side, skip, confinement = [], None, {}, ""
+    names = sorted({binding or q.function for q, binding in jobs})
+    for q, binding in jobs:
         try:
             if side is None:
-                side = _ChildSide(
-                    cells,
-                    time.monotonic() + timeout_s,
-                    timeout_s,
-                    timeout_s / 3,
-                    tuple(sorted({name for other in questions for name in other.blocked})),
-                    skip,
-                )
+                side = _ChildSide(cells, timeout_s, names, folder, skip)
+                confinement = side.confinement
             side.deadline = time.monotonic() + timeout_s
-            passed, message = run_question(q, side, side.errors)
+            passed, message = run_question(q, side, side.errors, seed, binding=binding)
             if side.process is not None and side.request(("status",))[1]["threads"] > 1:
                 side.close()
         except (QuestionTimeout, ProcessEnded) as exc:
@@ -243,7 +301,7 @@ def _grade_questions(cells: list[str], questions: list[Question], timeout_s: flo
         results.append(QuestionResult(q.id, passed, q.points if passed else 0, message))
     if side is not None:
         side.close()
-    return results
+    return results, confinement
 
 
 def _kill(process: subprocess.Popen) -> None:
@@ -280,28 +338,36 @@ def read_code_cells(path: Path) -> list[str]:
         ) from None
 
 
+def _draw_seed() -> int:
+    import secrets
+
+    return secrets.randbelow(2**32)
+
+
 def grade_notebook(
-    notebook: str | os.PathLike, *, timeout_s: float = 60.0, only: list[str] | None = None
+    notebook: str | os.PathLike,
+    *,
+    timeout_s: float = 60.0,
+    only: list[str] | None = None,
+    seed: int | None = None,
+    nonce: str | None = None,
 ) -> GradeReport:
     """Grade an exercise notebook question by question, against a child process that executes it.
 
     Args:
         notebook: path to `NN_<chapter>.ipynb` (an exercise or a solution notebook).
-        timeout_s: seconds each question may take, notebook execution included.
+        timeout_s: seconds each cell may run while the notebook loads, and each question's test.
         only: grade just these question ids (default: all of the chapter's).
+        seed: the random cases' seed (default: drawn afresh); the report says which.
+        nonce: carried by the report (default: KVLIB_GRADE_NONCE, or drawn); never sent to the
+            child.
     Returns:
         A GradeReport.
     Raises:
         FileNotFoundError: no such notebook. ValueError: not a notebook, a chapter without
             questions, or timeout_s <= 0.
     """
-    path = Path(notebook).resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"notebook: no such file {notebook!s}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
-    cells = read_code_cells(path)
-    questions = chapter_questions(chapter_of(path))
+    path, cells, questions = _prepare(notebook, timeout_s)
     if only is not None:
         unknown = sorted(set(only) - {q.id for q in questions})
         if unknown:
@@ -310,37 +376,84 @@ def grade_notebook(
                 f"{[q.id for q in questions]}"
             )
         questions = [q for q in questions if q.id in only]
-    results = _grade_questions(cells, questions, timeout_s)
-    return GradeReport(str(notebook), results, [q.points for q in questions])
+    seed = _draw_seed() if seed is None else int(seed)
+    if nonce is None:
+        import secrets
+
+        nonce = os.environ.get("KVLIB_GRADE_NONCE") or secrets.token_hex(8)
+    jobs = [(q, "") for q in questions]
+    results, confinement = _grade_questions(cells, jobs, timeout_s, seed, str(path.parent))
+    return GradeReport(
+        str(notebook), results, [q.points for q in questions], seed, nonce, confinement
+    )
+
+
+def grade_bindings(
+    notebook: str | os.PathLike, question_id: str, names: list[str], *,
+    timeout_s: float = 60.0, seed: int | None = None,
+) -> list[QuestionResult]:  # fmt: skip
+    """Grade question `question_id` once per function name in `names`, all defined by the
+    notebook, against one child process (the grading tests grade many answers this way)."""
+    path, cells, questions = _prepare(notebook, timeout_s)
+    (q,) = [q for q in questions if q.id == question_id]
+    seed = _draw_seed() if seed is None else int(seed)
+    jobs = [(q, name) for name in names]
+    return _grade_questions(cells, jobs, timeout_s, seed, str(path.parent))[0]
+
+
+def _prepare(notebook, timeout_s: float) -> tuple[Path, list[str], list[Question]]:
+    path = Path(notebook).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"notebook: no such file {notebook!s}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
+    return path, read_code_cells(path), chapter_questions(chapter_of(path))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvlib.course.grade NOTEBOOK [--json] [--timeout S]`: exit 0 whenever grading
-    ran."""
+    """`python -m kvlib.course.grade NOTEBOOK [--json] [--timeout S] [--seed N]`: exit 0 when
+    grading ran to its end, 2 on a usage error, 3 (and no score) when the grader failed."""
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m kvlib.course.grade", description="Grade a course exercise notebook."
+        prog="python -m kvlib.course.grade",
+        description="Grade a course exercise notebook. Read the exit status (0: graded) and the "
+        "report; set KVLIB_GRADE_NONCE to a secret of yours and check the JSON carries it.",
     )
     parser.add_argument("notebook", help="path to exercises/NN_<chapter>.ipynb")
     parser.add_argument(
         "--json", action="store_true", help="print exactly one JSON object instead of a table"
     )
     parser.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds allowed per question (default 60)"
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds allowed per question's test, and per cell while the notebook loads "
+        "(default 60)",
     )
     parser.add_argument(
         "--question", action="append", metavar="ID", help="grade only this question (repeatable)"
     )
+    parser.add_argument(
+        "--seed", type=int, help="the random cases' seed (default: drawn; the report says which)"
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
-        report = grade_notebook(args.notebook, timeout_s=args.timeout, only=args.question)
+        report = grade_notebook(
+            args.notebook, timeout_s=args.timeout, only=args.question, seed=args.seed
+        )
     except (FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))  # exits with status 2
+    except Exception:  # noqa: BLE001 - the grader failed: no score, a non-zero status
+        import traceback
+
+        traceback.print_exc()
+        print("grading failed: no score", file=sys.stderr)
+        return 3
     if args.json:
-        print(json.dumps(report.to_json()))
+        print(json.dumps(report.to_json()), flush=True)
     else:
         print(report.table())
-        print(f"(graded in {time.perf_counter() - started:.1f} s)")
+        print(f"(graded in {time.perf_counter() - started:.1f} s)", flush=True)
     return 0

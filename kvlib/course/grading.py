@@ -2,25 +2,38 @@
 run.
 
 A chapter's questions are test functions in `kvlib/course/checks/chNN.py`, one per question, each
-declared with `@question(...)` (points, the function the learner writes, the kvlib functions it
-replaces, see `kvlib.course.blocked`). The learner's code never runs in the process that holds a
-test: a test receives a `Submission` whose functions are `Remote`s; calling one sends the inputs
-to the learner's process by value and returns the outputs by value (`kvlib.course.wire`).
-`run_question` runs a test against either learner's side:
+declared with `@question(...)` (points, the function the learner writes, the kvlib functions its
+answer may call: usually none). The learner's code never runs in the process that holds a test: a
+test receives a `Submission` whose functions are `Remote`s; calling one sends the inputs to the
+learner's process by value and returns the outputs by value (`kvlib.course.wire`). `run_question`
+runs a test against either learner's side:
 
 - the grader (`python -m kvlib.course.grade NOTEBOOK`, `kvlib.course.grader`): a fresh child
   process (`kvlib.course.sandbox`) that executed the notebook's code cells;
 - `check("question_id", function)` in the notebook (`kvlib.course.checking`): a grader subprocess
-  runs the same test with the same protocol against the notebook's process, so the two verdicts
-  cannot differ.
+  runs the same test with the same protocol against the notebook's process.
 
-Random cases are drawn per run from `Submission.rng()` / `torch_generator()`, seeded from the
-learner's function's source (check() and the grader draw the same cases; the seed is in the
-failure message). What the learner's process measures (the torch operators a call ran, its peak
-allocations, the reads a RowReadCounter counted, whether a result aliases an input) is measured
-there, by code that the learner's code could patch; what it cannot reach is the test, the
-expected values and the verdict. Nor does the grader sandbox the machine (learner code runs with
-the learner's permissions, on the learner's machine) or grade prose.
+**What an instructor can rely on** (the grader, every platform): the test, the expected values
+and the verdict stay in the grader's process, which receives only plain data; while a question is
+graded the learner's code may call no kvlib function but those the question allows (their copies
+included) and create no process (`kvlib.course.guards`); random cases are drawn afresh on every
+run from a seed the report prints (`--seed` replays it), and `check()` draws its own, so no table
+can list them in advance; where a rule is about memory, the grader reads the learner's process's
+peak resident memory from outside it (Linux; elsewhere the process measures itself); arrays a
+rule forbids holding whole (chapter 4's K and V) stay in the grader's process, served a slice at a
+time and counted there; whether a result is a view of an input is read from the memory the values
+lie in, through accessors the learner's code cannot patch. Where the grader runs as root, the
+child becomes an unprivileged user before any learner code runs (it cannot signal the grader,
+write to its output or change the repository), and on Linux a seccomp filter refuses processes in
+the kernel; the JSON report carries a per-run nonce the child never sees, and an abnormal end
+prints no score and exits non-zero: read the exit status and the JSON, never stdout alone.
+
+**What needs a container**: the learner's code runs on the grader's machine, with network access,
+CPU and memory of its own, and (where the grader is not root) the grader's own user, which can
+read and write what that user can; learner code that rewrites the grader's guards in its own
+process escapes them (the tests, values and verdict stay out of its reach). An instructor grading
+untrusted notebooks runs the grader in a container without network or secrets (book/setup.md).
+Nor does the grader grade prose.
 
 `check`, `show`, `grade_notebook` and the rest of the grader's API stay importable from here.
 """
@@ -28,27 +41,26 @@ the learner's permissions, on the learner's machine) or grade prose.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib
 import os
 import re
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from kvlib.course.blocked import (  # noqa: F401 (the checks import them from here)
-    ATTENTION_API,
-    BREAK_EVEN_API,
-    COMPACTION_API,
-    EVICTION_API,
-    MEMORY_API,
-    OFFLOAD_KEYS_API,
-    OFFLOAD_TIERS_API,
-    PAGING_API,
-    QUANT_API,
-    ROPE_API,
-    SCHEDULER_API,
-)
 from kvlib.course.guards import GradingError  # noqa: F401 (raised in the learner's process)
+from kvlib.course.remote import (  # noqa: F401 (the checks import them from here)
+    Call,
+    LearnerRaised,
+    ProcessEnded,
+    QuestionTimeout,
+    Remote,
+    expect_int,
+    expect_list,
+    expect_tensor,
+    peak_allocation,
+)
+from kvlib.course.wire import ParentRows
 
 ENV_GRADING = "KVLIB_GRADING"  # "1" while a notebook is executed by the grader: check() is silent
 MESSAGE_CHARS = 400  # longest message kept per question
@@ -56,12 +68,13 @@ MESSAGE_CHARS = 400  # longest message kept per question
 
 @dataclasses.dataclass(frozen=True)
 class Question:
-    """One graded question: its test, the learner function it grades and what it blocks."""
+    """One graded question: its test, the learner function it grades and the kvlib names its
+    answer may call."""
 
     id: str
     function: str
     points: int
-    blocked: tuple[str, ...]
+    allowed: tuple[str, ...]
     test: Callable[[Submission], None]
     chapter: str
 
@@ -69,14 +82,15 @@ class Question:
 _QUESTIONS: dict[str, Question] = {}
 
 
-def question(*, function: str, points: int = 1, blocked: tuple[str, ...] = ()) -> Callable:
+def question(*, function: str, points: int = 1, allowed: tuple[str, ...] = ()) -> Callable:
     """Declare a pytest test `test_<id>(submission)` as a graded question.
 
     Args:
         function: the name the learner defines in the notebook.
         points: what passing is worth.
-        blocked: dotted names of kvlib functions that are unavailable while it is graded
-            (the functions the learner is asked to write).
+        allowed: dotted names of the kvlib functions (or classes) the answer may call while it
+            is graded, where they are defined (`kvlib.cache.block_pool.hash_block_tokens`);
+            every other kvlib function is unavailable.
     """
 
     def register(test: Callable[[Submission], None]) -> Callable[[Submission], None]:
@@ -92,7 +106,7 @@ def question(*, function: str, points: int = 1, blocked: tuple[str, ...] = ()) -
                 f"{_QUESTIONS[question_id].chapter} and {chapter}"
             )
         _QUESTIONS[question_id] = Question(
-            question_id, function, points, tuple(blocked), test, chapter
+            question_id, function, points, tuple(allowed), test, chapter
         )
         return test
 
@@ -132,197 +146,38 @@ def chapter_of(notebook: str | os.PathLike) -> str:
     return match.group(1)
 
 
-class LearnerRaised(Exception):
-    """The learner's function raised (in the learner's process): its type and message."""
-
-    def __init__(self, type_name: str, message: str):
-        super().__init__(f"your code raised {type_name}: {message}")
-        self.type_name = type_name
-
-
-class QuestionTimeout(Exception):
-    """The learner's process ran past the question's time; the grader killed it."""
-
-
-class ProcessEnded(Exception):
-    """The learner's process ended while a call ran (os._exit, a crash, a kill)."""
-
-
-@dataclasses.dataclass
-class Call:
-    """One call of the learner's function, seen from the grader: what it returned, its arguments
-    after the call (to see mutation), and what the learner's side measured."""
-
-    result: object
-    args: list
-    aliases: list[int]  # indices of the arguments the result is or shares memory with
-    info: dict
-
-
-class Remote:
-    """The learner's function, in the learner's process: calling it sends the inputs there and
-    returns the outputs by value."""
-
-    def __init__(self, submission: Submission, name: str, description: dict):
-        self._submission, self.name, self.description = submission, name, description
-
-    @property
-    def is_triton_kernel(self) -> bool:
-        return bool(self.description.get("jit"))
-
-    def __call__(self, *args, **kwargs):
-        return self.call(*args, **kwargs).result
-
-    def call(self, *args, _options: dict | None = None, **kwargs) -> Call:
-        """Call with `args`, `kwargs`; `_options`: measure_memory, torch_ops, grid, and
-        `mutates` (indices of the arguments the function is meant to change in place; any other
-        argument it changes fails the question) and `may_alias` (the result may be, or be a
-        view of, an argument; otherwise that fails the question too)."""
-        options = {"blocked": self._submission.question.blocked, **(_options or {})}
-        reply = self._submission._request(("call", self.name, list(args), kwargs, options))
-        from kvlib.course.wire import decode
-
-        if reply[0] == "raised":
-            if reply[1] == "GradingError" or reply[2].startswith("expected a @triton.jit"):
-                raise AssertionError(reply[2])
-            raise LearnerRaised(reply[1], reply[2])
-        try:
-            info = decode(reply[3])
-            refs: list = []
-            result = decode(reply[1], refs)
-            args_after = decode(reply[2], refs) if reply[2] is not None else list(args)
-        except (ValueError, TypeError, RecursionError) as exc:
-            raise AssertionError(
-                f"`{self.name}` returned a value the grader cannot read: {exc}"
-            ) from None
-        call = Call(result, args_after, list(info.get("aliases", [])), info)
-        options = _options or {}
-        mutates = set(options.get("mutates", ()))
-        # reported once the test's own checks pass: their hints come first
-        for index, (before, after) in enumerate(zip(args, call.args)):
-            if index not in mutates and not _same_value(before, after):
-                self._submission.violations.append(
-                    f"`{self.name}` changed its argument {index + 1} ({_kind(before)}) in place: "
-                    "leave its inputs as they were"
-                )
-        if call.aliases and not options.get("may_alias") and not options.get("grid"):
-            index = call.aliases[0]
-            self._submission.violations.append(
-                f"`{self.name}` returned its argument {index + 1} ({_kind(args[index])}) itself "
-                "or a view of it: return a new object"
-            )
-        return call
-
-    def launch(self, grid: tuple, *args, _mutates=(), **kwargs) -> Call:
-        """Launch a Triton kernel `kernel[grid](*args, **kwargs)` in the learner's process, under
-        Triton's interpreter (CPU tensors)."""
-        if not self.is_triton_kernel:
-            raise AssertionError(
-                f"`{self.name}` should be a @triton.jit kernel (a triton JITFunction), got a "
-                f"{self.description.get('type', '?')}"
-            )
-        call = self.call(*args, _options={"grid": tuple(grid), "mutates": _mutates}, **kwargs)
-        if not call.info.get("interpreter"):
-            raise AssertionError(
-                "the kernel did not run under Triton's interpreter: the grader launches it on CPU "
-                "tensors, which need TRITON_INTERPRET=1 set before @triton.jit runs (import "
-                "kvlib.kernels first), on a GPU machine too"
-            )
-        return call
-
-
-def expect_list(got, item_ok: Callable[[object], bool], should: str) -> None:
-    """Fail unless `got` is a list whose every item passes `item_ok`, with the message `should`
-    (what the learner's function should return) followed by what it returned."""
-    assert isinstance(got, list) and all(item_ok(item) for item in got), f"{should}, got {got!r}"
-
-
-def expect_tensor(got, expected, name: str) -> None:
-    """Fail unless `got` is a torch.Tensor of `expected`'s shape and dtype (values are the
-    caller's to compare)."""
-    import torch
-
-    assert isinstance(got, torch.Tensor), (
-        f"{name}: expected a torch.Tensor, got {type(got).__name__}"
-    )
-    assert tuple(got.shape) == tuple(expected.shape), (
-        f"{name}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
-    )
-    assert got.dtype == expected.dtype, (
-        f"{name}: expected dtype {expected.dtype} (the inputs' own), got {got.dtype}"
-    )
-
-
-def peak_allocation(info: dict) -> tuple[int, str]:
-    """The peak bytes a learner's call allocated (`_options={"measure_memory": True}`): PyTorch's
-    CPU allocator plus numpy/Python's (tracemalloc), and a phrase for a hint naming both, in MiB."""
-    torch_bytes, python_bytes = info["torch_peak_bytes"], info["python_peak_bytes"]
-    peak = torch_bytes + python_bytes
-    return peak, (
-        f"{peak / 2**20:.1f} MiB (PyTorch's CPU allocator {torch_bytes / 2**20:.1f} MiB + "
-        f"numpy/Python {python_bytes / 2**20:.1f} MiB, traced)"
-    )
-
-
-def _kind(value) -> str:
-    shape = getattr(value, "shape", None)
-    return type(value).__name__ + (f" of shape {tuple(shape)}" if shape is not None else "")
-
-
-def _same_value(a, b) -> bool:
-    """Whether `b` (an argument after the call, rebuilt here) still equals `a` (as sent)."""
-    import numpy as np
-    import torch
-
-    from kvlib.course.wire import Opaque
-
-    if isinstance(b, Opaque) or not isinstance(a, (list, tuple, dict, set, frozenset, int, float,
-                                                  str, bytes, bool, type(None), np.ndarray,
-                                                  np.generic, torch.Tensor)):  # fmt: skip
-        return True  # an object of another type: its state is the test's to judge
-    if isinstance(a, torch.Tensor):
-        if not (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape):
-            return False
-        a = a.detach().cpu()
-        if a.is_floating_point():  # NaN where it was NaN is unchanged
-            nan = a.isnan()
-            return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
-        return torch.equal(a, b)
-    if isinstance(a, np.ndarray):
-        return (
-            isinstance(b, np.ndarray)
-            and a.dtype == b.dtype
-            and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
-        )
-    if isinstance(a, (list, tuple)):
-        return (
-            type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
-        )
-    if isinstance(a, dict):
-        return (
-            isinstance(b, dict) and list(a) == list(b) and all(_same_value(a[k], b[k]) for k in a)
-        )
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True
-    return type(a) is type(b) and a == b
-
-
 class Submission:
-    """The learner's definitions, as the tests see them: `function(name)` is a `Remote`."""
+    """The learner's definitions, as the tests see them: `function(name)` is a `Remote`.
 
-    def __init__(self, side, question: Question, errors: list[str] | None = None):
+    Random cases come from `rng()` / `torch_generator()`, seeded by the run's `seed` and the
+    question. `draws_only`: skip the fixed cases and checks (`fixed()`, `fixed_cases`), for the
+    tests that run a question's random cases many times."""
+
+    def __init__(self, side, question: Question, errors: list[str] | None = None, *,
+                 seed: int = 0, binding: str = "", draws_only: bool = False):  # fmt: skip
         self._side, self.question = side, question
         self.errors = errors or []
-        self.seed: int | None = None
+        self.seed, self.binding, self.draws_only = int(seed), binding, draws_only
         self.seed_used = False
         self.violations: list[str] = []  # inputs changed or returned, found by Remote.call
+        self.notes: list[str] = []  # said whether the question passes or not
+
+    @property
+    def fixed_cases(self) -> bool:
+        return not self.draws_only
+
+    def fixed(self, cases) -> list:
+        """`cases`, or none when only the random cases are run."""
+        return [] if self.draws_only else list(cases)
 
     def _request(self, message):
         return self._side.request(message)
 
     def function(self, name: str) -> Remote:
         """The learner's function `name`; fails the question with a clear message if missing."""
-        _, description = self._request(("describe", name))
+        target = self.binding if self.binding and name == self.question.function else name
+        own = self.question.id if target == name else ""  # check() saw the question's own
+        _, description = self._request(("describe", target, own))
         if description["kind"] == "missing":
             hint = f" The notebook raised while it ran: {self.errors[0]}" if self.errors else ""
             raise AssertionError(
@@ -332,31 +187,50 @@ class Submission:
             raise AssertionError(
                 f"`{name}` should be a function, but it is a {description.get('type')}"
             )
-        if self.seed is None:
-            digest = description.get("source_sha") or hashlib.sha256(name.encode()).hexdigest()
-            self.seed = int(digest[:8], 16)
-        return Remote(self, name, description)
+        if description.get("checked") is False:
+            cell = description.get("defined_in")
+            self.notes.append(
+                f"note: the `{name}` graded here is not the one your check() cell checked: "
+                f"{'cell ' + str(cell) if cell is not None else 'a later cell'} defines it again"
+            )
+        return Remote(self, name, description, target)
+
+    def _key(self, stream: int) -> list[int]:
+        self.seed_used = True
+        return [self.seed, zlib.crc32(self.question.id.encode()), stream]
 
     def rng(self, stream: int = 0):
-        """A numpy Generator for this run's random cases: seeded from the learner's function's
-        source (so check() and the grader draw the same cases), reported in a failure message."""
+        """A numpy Generator for this run's random cases (the seed is in a failure message)."""
         import numpy as np
 
-        self.seed_used = True
-        return np.random.default_rng([self.seed or 0, stream])
+        return np.random.default_rng(self._key(stream))
 
     def torch_generator(self, stream: int = 0):
+        import numpy as np
         import torch
 
-        self.seed_used = True
-        return torch.Generator().manual_seed(((self.seed or 0) * 1_000_003 + stream) % 2**63)
+        seed = int(np.random.SeedSequence(self._key(stream)).generate_state(1, np.uint64)[0])
+        return torch.Generator().manual_seed(seed % 2**63)
+
+    def rows(self, array, max_rows: int) -> ParentRows:
+        """`array` (S, D) as an argument that stays here: the learner's code reads it `max_rows`
+        rows at a time, each read counted (`.reads`, per row, after the call)."""
+        return ParentRows(array, max_rows)
 
 
-def run_question(q: Question, side, errors: list[str]) -> tuple[bool, str]:
+def run_question(
+    q: Question, side, errors: list[str], seed: int = 0, *, binding: str = "",
+    draws_only: bool = False,
+) -> tuple[bool, str]:  # fmt: skip
     """Run `q`'s test against the learner's side `side`: (passed, message). The same function for
-    check() and the grader, so their verdicts cannot differ."""
-    side.request(("guard", list(q.blocked), q.id))
-    submission = Submission(side, q, errors)
+    check() and the grader, so their verdicts cannot differ. `seed`: the run's random cases;
+    `binding`: the name of the function to grade, when not the question's own."""
+    from kvlib.course.guards import copy_table
+
+    copies = None if getattr(side, "copies_sent", False) else copy_table()
+    side.request(("guard", list(q.allowed), q.id, copies))
+    side.copies_sent = True
+    submission = Submission(side, q, errors, seed=seed, binding=binding, draws_only=draws_only)
     try:
         q.test(submission)
         if submission.violations:
@@ -367,18 +241,20 @@ def run_question(q: Question, side, errors: list[str]) -> tuple[bool, str]:
         if exc.type_name == "NotImplementedError":  # not written yet: no case to reproduce
             return False, _shorten(str(exc))
         message = str(exc)
-    except QuestionTimeout as exc:
-        return False, str(exc)
-    except ProcessEnded as exc:
-        return False, str(exc)
+    except (QuestionTimeout, ProcessEnded) as exc:
+        return False, _with_notes(str(exc), submission)
     except Exception as exc:  # noqa: BLE001 - the test failed on an answer of an unexpected shape
         message = f"your answer could not be checked ({type(exc).__name__}: {exc})"
     else:
-        return True, ""
+        return True, _with_notes("", submission)
     message = _shorten(message)
     if submission.seed_used and "seed" not in message:
-        message = _shorten(message, MESSAGE_CHARS - 40) + f" [random cases: seed {submission.seed}]"
-    return False, message
+        message = _shorten(message, MESSAGE_CHARS - 40) + f" [random cases: seed {seed}]"
+    return False, _with_notes(message, submission)
+
+
+def _with_notes(message: str, submission: Submission) -> str:
+    return " ".join([message, *submission.notes]).strip()
 
 
 def _shorten(text: str, limit: int = MESSAGE_CHARS) -> str:

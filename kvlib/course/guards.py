@@ -1,214 +1,266 @@
-"""Blocking by provenance: while a graded call runs, the kvlib functions a question replaces are
-unavailable to the learner's code, wherever it found them.
+"""Default-deny while a graded call runs: kvlib is unavailable to the learner's code, except the
+helpers its question allows, and no process may be created.
 
-`install_guards` recompiles each blocked function in place with a first statement that asks who
-called it. A call whose caller's code object is not kvlib library code (kvlib outside
-kvlib/course), made while a graded call runs (`call_learner` is on the stack), raises
-GradingError: every alias, re-export, default argument and reloaded copy of the function is the
-same function object or gets the same guard, and no unguarded original is kept anywhere. The check
-modules' functions (the oracles) are guarded for every question.
+**kvlib.** While a graded call runs (`call_learner`, or a thread the learner's code started
+meanwhile), a function of kvlib's library (kvlib outside kvlib/course) or of the grader's check
+modules that is called by anything but kvlib library code raises GradingError, unless the question
+names it in `@question(allowed=...)` (usually nothing, or a helper such as `hash_block_tokens`).
+Library code calling library code goes on, so an allowed helper works; the learner's own code, a
+thread or a callback it started, or a third-party function it handed a kvlib function to, is
+stopped. Every function of every imported kvlib module (and of each one imported later: an import
+hook) is recompiled from its source with a first statement that calls the guard, held as a
+constant of the code, not looked up by name; every alias, re-export, default argument and reloaded
+copy is the same function or gets the same code.
 
-Copies made from kvlib's *source* rather than its function objects (the module executed under
-another file name, `importlib.util.spec_from_file_location` on a copy, a code object taken from a
-compiled module) are recognised by their bytecode, whatever their file name: at each
-`install_guards` every such copy gets the guarded code, and while a graded call runs an audit hook
-refuses to execute, build or assign code that matches a blocked function. A copy retyped by hand
-with any change is the learner's own code, as a paste of it would be: this module does not judge
-code it cannot match.
+**Copies.** kvlib's code compiled again from its source, under any name, file or line (an
+`exec`'d copy, a module loaded from a copied file, a code object taken out of one) is recognised by
+its content (`_fingerprint`: bytecode, names, local names and constants): at each `install_guards`
+every such function gets the guarded code, and while a graded call runs an audit hook refuses to
+execute, build or assign code that matches kvlib's, or to replace a guarded function's code. A
+copy retyped with a change is the learner's own code, as a paste of it would be.
+
+**Processes.** The same audit hook refuses to create processes (`subprocess`, `os.system`,
+`os.fork`, `os.exec*`, `os.posix_spawn`, `os.spawn*`, `_posixsubprocess.fork_exec`), to signal
+another process, and `ctypes` (but loading a library that lies in site-packages, as torch does on
+import): in the grader's child always, from before the notebook loads (`forbid_processes`), and
+elsewhere while a graded call runs, in the process that runs it and in any process forked from it
+earlier (a pool made while a notebook ran). Threads are allowed. In the grader's child on Linux a
+seccomp filter refuses the same in the kernel (`kvlib.course.confine`).
+
+All of this runs in the learner's own process: code that rewrites this module's state escapes it
+(that starts with reading the grader's source); the tests, the expected values and the verdict
+stay in the grader's process, and the kernel's limits hold whatever the learner's code does.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.abc
 import importlib.machinery
+import mmap
 import os
 import sys
 import types
+import warnings
+import zlib
 from pathlib import Path
-from threading import get_ident as _thread_id
+
+from kvlib.course import confine
 
 _KVLIB_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 _COURSE_DIR = str(Path(__file__).resolve().parent) + os.sep
+_CHECKS_DIR = str(Path(__file__).resolve().parent / "checks") + os.sep
 _CHECKS_PREFIX = "kvlib.course.checks"
+_PLACEHOLDER = "__kvlib_course_guard_placeholder__"
 
 
 class GradingError(RuntimeError):
-    """Raised by a kvlib function that is unavailable while the question replacing it is graded."""
+    """Raised in the learner's process for what a graded call may not do: call a kvlib function
+    its question does not allow, or create a process."""
 
 
-def call_learner(fn, args, kwargs, grid, blocked):
-    """The one frame that marks a graded call: the guards look for it on the stack and read
-    `blocked` from it."""
-    if grid is not None:
-        return fn[grid](*args, **kwargs)
-    return fn(*args, **kwargs)
+_ACTIVE = [0]  # graded calls running in this process
+# 1 while a graded call runs in the process that imported this module: a process forked from it
+# earlier shares the page and obeys the same rules meanwhile
+_SHARED = mmap.mmap(-1, 1)
+_ORIGIN = os.getpid()
+_state: dict = {"question": "", "allowed": (), "always": False}
 
 
-_state: dict = {"question": "", "guarded": {}, "library_codes": {}}
+def graded_call_running() -> bool:
+    """Whether a graded call runs now, in this process or (for a fork) in its parent."""
+    return bool(_ACTIVE[0]) or (_SHARED[0] == 1 and os.getpid() != _ORIGIN)
 
 
-def _walk_codes(code, into: dict) -> None:
-    into[id(code)] = code
+def call_learner(fn, args, kwargs, grid):
+    """Run the learner's `fn` as a graded call (a Triton kernel launched on `grid`)."""
+    _ACTIVE[0] += 1
+    _SHARED[0] = 1
+    try:
+        if grid is not None:
+            return fn[grid](*args, **kwargs)
+        return fn(*args, **kwargs)
+    finally:
+        _ACTIVE[0] -= 1
+        if not _ACTIVE[0]:
+            _SHARED[0] = 0
+
+
+def _allowed(dotted: str) -> bool:
+    if os.getpid() != _ORIGIN:
+        return False  # a fork: nothing is allowed
+    return any(dotted == name or dotted.startswith(name + ".") for name in _state["allowed"])
+
+
+def _guard(dotted: str) -> None:
+    """The first statement of every guarded function."""
+    if not (_ACTIVE[0] or (_SHARED[0] == 1 and os.getpid() != _ORIGIN)):
+        return
+    try:
+        caller = sys._getframe(2).f_code  # 0: here, 1: the guarded function, 2: its caller
+    except ValueError:
+        caller = None
+    if caller is not None and _LIBRARY.get(id(caller)) is caller:
+        return
+    if dotted.startswith(_CHECKS_PREFIX + "."):
+        raise GradingError(
+            f"{dotted} is the grader's own check code, unavailable to your answer: write it "
+            "yourself"
+        )
+    if not _allowed(dotted):
+        raise GradingError(_unavailable(dotted))
+
+
+def _unavailable(dotted: str) -> str:
+    allowed = ", ".join(_state["allowed"]) if os.getpid() == _ORIGIN else ""
+    graded = f"question {_state['question']!r}" if _state["question"] else "your code"
+    return (
+        f"{dotted} is unavailable while {graded} is graded: write it yourself (kvlib functions "
+        f"this question allows: {allowed or 'none'})"
+    )
+
+
+# --- recompiling kvlib with the guard -------------------------------------------------------------
+
+_LIBRARY: dict[int, types.CodeType] = {}  # id -> code of kvlib's library: callers let through
+_GUARDED: dict[str, dict] = {}  # file -> {(qualname, first line): guarded code}
+_GUARDED_IDS: set[int] = set()
+_COPIES: dict[tuple, dict[str, tuple[str, types.CodeType]]] = {}  # see _copy_of
+_FOREIGN: dict[tuple, dict[str, str]] = {}  # copy_table() of the grader: modules not imported here
+
+
+def _module_name(filename: str) -> str | None:
+    """kvlib's module defined in `filename`, if it is kvlib library or check code."""
+    if not filename.startswith(_KVLIB_DIR) or not filename.endswith(".py"):
+        return None
+    if filename.startswith(_COURSE_DIR) and not filename.startswith(_CHECKS_DIR):
+        return None  # the course machinery (grading, notebook helpers) is not guarded
+    parts = list(Path(filename[len(_KVLIB_DIR) :]).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["kvlib", *parts])
+
+
+class _Prologues(ast.NodeVisitor):
+    """Puts `_PLACEHOLDER("module.qualname")` first in every function (after its docstring);
+    `standalone` collects each function compiled on its own, before that, as a copy made from its
+    source would be (Python 3.11 compiles `np.max(...)` differently inside a module that imports
+    np): {(qualname, first line): code}."""
+
+    def __init__(self, module: str, filename: str = "<kvlib>"):
+        self.module, self.filename, self.stack = module, filename, []
+        self.standalone: dict = {}
+
+    def _compile_alone(self, node) -> None:
+        with contextlib.suppress(SyntaxError, ValueError, TypeError):
+            unit = ast.Module(body=[node], type_ignores=[])
+            code = compile(unit, self.filename, "exec", dont_inherit=True)
+            for const in code.co_consts:
+                if isinstance(const, types.CodeType) and const.co_name == node.name:
+                    qualname = ".".join([*self.stack, node.name])
+                    self.standalone[(qualname, const.co_firstlineno)] = const
+
+    def visit_ClassDef(self, node):
+        self.stack.append(node.name)
+        self.generic_visit(node)
+        self.stack.pop()
+
+    def visit_FunctionDef(self, node):
+        self._compile_alone(node)
+        module_hook = not self.stack and node.name in ("__getattr__", "__dir__")
+        if not module_hook:  # a module's lazy attribute lookup computes nothing
+            dotted = ".".join([self.module, *self.stack, node.name])
+            first = node.body[0]
+            call = ast.Expr(
+                ast.Call(ast.Constant(_PLACEHOLDER), [ast.Constant(dotted)], keywords=[])
+            )
+            for part in ast.walk(call):
+                part.lineno = part.end_lineno = first.lineno
+                part.col_offset = part.end_col_offset = 0
+            docstring = isinstance(first, ast.Expr) and isinstance(
+                getattr(first, "value", None), ast.Constant
+            )
+            node.body.insert(1 if docstring and isinstance(first.value.value, str) else 0, call)
+        self.stack += [node.name, "<locals>"]
+        self.generic_visit(node)
+        del self.stack[-2:]
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+
+def _bind(code: types.CodeType) -> types.CodeType:
+    """`code` with the placeholder constant replaced by the guard, nested code included."""
+    consts = tuple(
+        _guard
+        if isinstance(c, str) and c == _PLACEHOLDER
+        else _bind(c)
+        if isinstance(c, types.CodeType)
+        else c
+        for c in code.co_consts
+    )
+    return code.replace(co_consts=consts)
+
+
+def _walk(code: types.CodeType):
+    yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            _walk_codes(const, into)
+            yield from _walk(const)
 
 
-def _register_library(module) -> None:
-    """Remember the code objects of a kvlib library module: the only callers a guard lets
-    through (a learner's code compiled under a library file name is not among them)."""
-    name = getattr(module, "__name__", "") or ""
-    if not name.startswith("kvlib") or name.startswith("kvlib.course"):
-        return
-    codes = _state["library_codes"]
-    for value in list(vars(module).values()):
-        for fn in _functions_of(value):
-            if getattr(fn, "__module__", None) == name:
-                _walk_codes(fn.__code__, codes)
-
-
-def _resolve(dotted: str):
-    """The object a dotted name denotes: a module attribute, or a class's attribute (raw, so a
-    property or staticmethod comes back as such)."""
-    parts = dotted.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        value = sys.modules.get(".".join(parts[:split]))
-        if value is None:
-            continue  # not imported (yet): the import hook guards it when it is
-        for name in parts[split:]:
-            value = vars(value)[name] if isinstance(value, type) else getattr(value, name)
-        return value
-    raise ImportError(dotted)
-
-
-def _functions_of(value) -> list:
-    if isinstance(value, (staticmethod, classmethod)):
-        value = value.__func__
-    if isinstance(value, property):
-        return [
-            f for f in (value.fget, value.fset, value.fdel) if isinstance(f, types.FunctionType)
-        ]
-    if isinstance(value, types.FunctionType):
-        return [value]
-    if isinstance(value, type):
-        found = []
-        for attr in vars(value).values():
-            if isinstance(attr, (staticmethod, classmethod)):
-                attr = attr.__func__
-            if isinstance(attr, property):
-                found.extend(f for f in (attr.fget, attr.fset, attr.fdel) if f is not None)
-            elif isinstance(attr, types.FunctionType):
-                found.append(attr)
-        return found
-    return []
-
-
-def _make_guard():
-    def blocked_now():
-        """The names blocked by the graded call running now (a local of its frame), or None
-        outside a graded call."""
-        return _graded_call_blocked(sys._getframe(2), dispatch)
-
-    def guard(name: str) -> None:
-        caller = sys._getframe(2).f_code  # 0: here, 1: the guarded function, 2: its caller
-        if library.get(id(caller)) is caller:
-            return
-        blocked = blocked_now()
-        if blocked is not None and name.startswith(_CHECKS_PREFIX + "."):
-            raise GradingError(
-                f"{name} is the grader's own check code, unavailable to your answer: write it "
-                "yourself"
-            )
-        if blocked is not None and name in blocked:
-            raise GradingError(
-                f"{name} is unavailable while question {_state['question']!r} is graded: write "
-                "it yourself"
-            )
-
-    library = _state["library_codes"]
-    dispatch = call_learner.__code__
-    return guard
-
-
-_GUARD_NAME = "__kvlib_course_guard__"
-
-
-def _guard_function(fn, dotted: str) -> bool:
-    """Recompile `fn` in place with the guard as its first statement. False if impossible."""
-    code = fn.__code__
-    if _GUARD_NAME in code.co_names:
-        return True  # already guarded
-    filename = code.co_filename
-    cache_key = (filename, code.co_qualname, code.co_firstlineno, dotted)
-    cached = _GUARDED_CODES.get(cache_key)
-    if cached is not None and cached.co_freevars == code.co_freevars:
-        fn.__globals__[_GUARD_NAME] = _GUARD
-        fn.__code__ = cached
-        return True
+def _guarded_codes(filename: str) -> dict:
+    """{(qualname, first line): guarded code} for kvlib's file `filename`, compiled once."""
+    if filename in _GUARDED:
+        return _GUARDED[filename]
+    module = _module_name(filename)
+    table: dict = {}
+    _GUARDED[filename] = table
+    if module is None:
+        return table
     try:
-        source = Path(filename).read_text()
-    except OSError:
-        return False
-    tree = ast.parse(source, filename)
-    target = None
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.name == code.co_name
-            and min([node.lineno] + [d.lineno for d in node.decorator_list]) == code.co_firstlineno
-        ):
-            target = node
-            break
-    if target is None:
-        return False
-    call = ast.parse(f"{_GUARD_NAME}({dotted!r})").body[0]
-    for n in ast.walk(call):
-        n.lineno, n.col_offset = target.body[0].lineno, 0
-        n.end_lineno, n.end_col_offset = target.body[0].lineno, 0
-    docstring = (
-        1
-        if isinstance(target.body[0], ast.Expr)
-        and isinstance(getattr(target.body[0], "value", None), ast.Constant)
-        and isinstance(target.body[0].value.value, str)
-        else 0
-    )
-    target.body.insert(docstring, call)
-    compiled = compile(tree, filename, "exec", dont_inherit=True)
-    found: dict = {}
-    _walk_codes(compiled, found)
-    for candidate in found.values():
-        if (
-            candidate.co_name == code.co_name
-            and candidate.co_firstlineno == code.co_firstlineno
-            and _GUARD_NAME in candidate.co_names
-            and candidate.co_freevars == code.co_freevars
-        ):
-            fn.__globals__[_GUARD_NAME] = _GUARD
-            if filename.startswith(_KVLIB_DIR) and not filename.startswith(_COURSE_DIR):
-                _walk_codes(candidate, _state["library_codes"])  # still library code
-            fn.__code__ = candidate
-            _GUARDED_CODES[cache_key] = candidate
-            key = (code.co_name, len(code.co_code))
-            _COPIES.setdefault(key, {})[_fingerprint(code)] = (dotted, candidate)
-            return True
-    return False
-
-
-_GUARDED_CODES: dict = {}
-# (name, bytecode length) -> {fingerprint: (dotted name, guarded code)} of every guarded function
-_COPIES: dict[tuple[str, int], dict[str, tuple[str, types.CodeType]]] = {}
+        source = Path(filename).read_text(encoding="utf-8")
+        tree = ast.parse(source, filename)
+        original = compile(tree, filename, "exec", dont_inherit=True)
+        prologues = _Prologues(module, filename)
+        prologues.visit(tree)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "'str' object is not callable": the placeholder
+            guarded = _bind(compile(tree, filename, "exec", dont_inherit=True))
+    except (OSError, SyntaxError, ValueError):
+        return table
+    library = not module.startswith(_CHECKS_PREFIX)
+    for code in _walk(guarded):
+        if library:
+            _LIBRARY[id(code)] = code
+        if any(c is _guard for c in code.co_consts):
+            table[(code.co_qualname, code.co_firstlineno)] = code
+            _GUARDED_IDS.add(id(code))
+    copies = [((code.co_qualname, code.co_firstlineno), code) for code in _walk(original)]
+    for key, code in [*copies, *prologues.standalone.items()]:
+        match = table.get(key)
+        if match is not None and _copy_key(code) is not None:
+            entry = (f"{module}.{key[0]}", match)
+            _COPIES.setdefault(_copy_key(code), {})[_fingerprint(code)] = entry
+    return table
 
 
 def _fingerprint(code: types.CodeType) -> str:
-    """What a code object computes, whatever file and line it was compiled at: its bytecode,
-    names, arguments and constants (nested code objects by their own fingerprints)."""
+    """What a code object computes, whatever its name, file and lines: its bytecode, names,
+    local names, arguments and constants (nested code objects by their own fingerprints)."""
     digest = hashlib.sha256()
-    parts = [code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_argcount,
-             code.co_kwonlyargcount, code.co_flags]  # fmt: skip
+    parts = [
+        code.co_code,
+        code.co_names,
+        code.co_varnames,
+        code.co_freevars,
+        code.co_argcount,
+        code.co_kwonlyargcount,
+        code.co_flags & 0xFFFF,
+    ]  # fmt: skip (__future__ flags off)
     parts += [_fingerprint(c) if isinstance(c, types.CodeType) else c for c in code.co_consts]
     for part in parts:
         digest.update(part if isinstance(part, bytes) else repr(part).encode())
@@ -216,123 +268,103 @@ def _fingerprint(code: types.CodeType) -> str:
     return digest.hexdigest()
 
 
-def _copy_of(code: types.CodeType) -> tuple[str, types.CodeType] | None:
-    """(dotted name, guarded code) of the guarded function `code` is a copy of, or None."""
-    candidates = _COPIES.get((code.co_name, len(code.co_code)))
-    return None if not candidates else candidates.get(_fingerprint(code))
+_COPY_MIN_BYTES = 100  # shorter code (`return self.shape[0]`) is anybody's: not matched as a copy
 
 
-def _guard_copy(fn: types.FunctionType) -> None:
-    """Give a function built from a guarded function's source (compiled again, under any file
-    name) the guarded code: it computes the same, and asks who calls it."""
-    match = _copy_of(fn.__code__)
-    if match is not None and match[1].co_freevars == fn.__code__.co_freevars:
-        fn.__globals__[_GUARD_NAME] = _GUARD
-        fn.__code__ = match[1]
+def _copy_key(code: types.CodeType) -> tuple[int, int] | None:
+    if len(code.co_code) < _COPY_MIN_BYTES:
+        return None
+    return len(code.co_code), zlib.crc32(code.co_code)
 
 
-def _graded_call_blocked(frame, marker):
-    """`blocked` of the graded call running now, found on this thread's stack from `frame`, or
-    on any other thread's (a thread the learner's code started runs without `call_learner` on
-    its own stack, but while it runs on the main thread's); None outside a graded call."""
-    stacks = [frame, *(f for tid, f in sys._current_frames().items() if tid != _thread_id())]
-    for frame in stacks:
-        while frame is not None:
-            if frame.f_code is marker:
-                return frame.f_locals.get("blocked", ())
-            frame = frame.f_back
-    return None
+def _copy_of(code: types.CodeType) -> tuple[str, types.CodeType | None] | None:
+    """(dotted name, guarded code) of the kvlib function `code` is a copy of, or None; the code
+    is None for a function of a module this process has not imported."""
+    key = _copy_key(code)
+    if key is None or (key not in _COPIES and key not in _FOREIGN):
+        return None
+    fingerprint = _fingerprint(code)
+    match = _COPIES.get(key, {}).get(fingerprint)
+    if match is not None:
+        return match
+    dotted = _FOREIGN.get(key, {}).get(fingerprint)
+    return None if dotted is None else (dotted, None)
 
 
-def _blocked_now():
-    """The names the graded call running now blocks, or None outside a graded call."""
-    return _graded_call_blocked(sys._getframe(1), call_learner.__code__)
-
-
-_AUDITED = frozenset({"exec", "function.__new__", "object.__setattr__"})
-
-
-def _audit(event: str, args: tuple) -> None:
-    """While a graded call runs, refuse to execute, build or assign code that copies a function
-    it blocks (kvlib's source compiled again, under any file name)."""
-    if event not in _AUDITED or not _COPIES:
-        return
-    if event == "object.__setattr__":
-        if len(args) < 3 or args[1] != "__code__":
-            return
-        code = args[2]
-    else:
-        code = args[0] if args else None
-    if not isinstance(code, types.CodeType):
-        return
-    blocked = _blocked_now()
-    if blocked is None:
-        return
-    found: dict = {}
-    _walk_codes(code, found)
-    for nested in found.values():
-        match = _copy_of(nested)
-        if match is not None and (match[0] in blocked or match[0].startswith(_CHECKS_PREFIX)):
-            raise GradingError(
-                f"{match[0]} is unavailable while question {_state['question']!r} is graded, "
-                "copies of its code included: write it yourself"
-            )
-
-
-def _install_audit_hook() -> None:
-    if not _state.get("audit_hook"):
-        sys.addaudithook(_audit)  # for the life of the process: an audit hook cannot be removed
-        _state["audit_hook"] = True
-
-
-def install_guards(names: tuple[str, ...], question_id: str) -> list[str]:
-    """Guard the kvlib functions `names` (dotted; a class guards all its methods) and every function
-    of the check modules; returns the names that could not be guarded."""
-    _state["question"] = question_id
-    _install_import_hook()
-    _install_audit_hook()
-    for module in list(sys.modules.values()):
-        _register_library(module)
-    failed = []
-    targets = list(names)
-    for module_name in [m for m in list(sys.modules) if m.startswith(_CHECKS_PREFIX + ".")]:
-        targets.extend(
-            f"{module_name}.{k}"
-            for k, v in vars(sys.modules[module_name]).items()
-            if isinstance(v, types.FunctionType) and v.__module__ == module_name
-        )
-    identities: dict = {}
-    for dotted in targets:
-        _state["guarded"][dotted] = True
-        try:
-            value = _resolve(dotted)
-        except ImportError:
-            continue  # its module is not imported: guarded on import
-        except (AttributeError, KeyError):
-            failed.append(dotted)
+@functools.lru_cache(maxsize=1)
+def copy_table() -> dict[tuple, dict[str, str]]:
+    """{(bytecode length, CRC-32): {fingerprint: dotted name}} of every function in kvlib's
+    library and check modules, imported or not (the grader sends it to the learner's side, which
+    then recognises a copy of a module it never imported)."""
+    table: dict = {}
+    for path in sorted(Path(_KVLIB_DIR).rglob("*.py")):
+        module = _module_name(str(path))
+        if module is None:
             continue
-        for fn in _functions_of(value):
-            identities[(fn.__code__.co_filename, fn.__code__.co_qualname)] = dotted
-            if not _guard_function(fn, dotted):
-                failed.append(dotted)
-    # copies: the same function from a module object since replaced in sys.modules, a
-    # FunctionType built on its code before the guard was installed, or its source compiled again
-    # under another file name (exec, a module loaded from a copy of the file)
+        with contextlib.suppress(OSError, SyntaxError, ValueError):
+            tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+            codes = list(_walk(compile(tree, str(path), "exec", dont_inherit=True)))[1:]
+            alone = _Prologues(module, str(path))
+            alone.visit(tree)  # (the prologues go into this parse only)
+            named = [(code.co_qualname, code) for code in codes]
+            named += [(qualname, code) for (qualname, _), code in alone.standalone.items()]
+            for qualname, code in named:
+                if _copy_key(code) is not None:
+                    entry = table.setdefault(_copy_key(code), {})
+                    entry[_fingerprint(code)] = f"{module}.{qualname}"
+    return table
+
+
+def _import_owner(dotted: str) -> None:
+    """Import the module that defines `dotted` and compile its guarded code (a copy of its
+    functions then finds them in _COPIES)."""
+    parts = dotted.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        with contextlib.suppress(ImportError):
+            module = importlib.import_module(".".join(parts[:split]))
+            _guarded_codes(getattr(module, "__file__", None) or "")
+            return
+
+
+def _guard_function(fn: types.FunctionType) -> None:
+    """Give `fn` its guarded code: kvlib's own functions by file and line, copies by content."""
+    code = fn.__code__
+    if (
+        id(code) in _GUARDED_IDS
+        or code.co_filename.startswith(_COURSE_DIR)
+        and not (code.co_filename.startswith(_CHECKS_DIR))
+    ):
+        return  # guarded already, or the grading machinery's own
+    if _module_name(code.co_filename) is not None:
+        guarded = _guarded_codes(code.co_filename).get((code.co_qualname, code.co_firstlineno))
+    else:
+        match = _copy_of(code)
+        if match is not None and match[1] is None:  # a copy of a module not imported here
+            _import_owner(match[0])
+            match = _copy_of(code)
+        guarded = None if match is None else match[1]
+    if guarded is not None and guarded.co_freevars == code.co_freevars:
+        fn.__code__ = guarded
+
+
+def install_guards(allowed: tuple[str, ...], question_id: str, copies: dict | None = None) -> None:
+    """Guard every kvlib function (and copy of one) in this process; while question
+    `question_id` is graded, the learner's code may call the kvlib functions `allowed` (dotted
+    names; a class allows its methods) and no other. `copies`: the grader's `copy_table()`."""
     import gc
 
+    _state.update(question=question_id, allowed=tuple(allowed))
+    for key, entries in (copies or {}).items():
+        _FOREIGN.setdefault(key, {}).update(entries)
+    _install_import_hook()
+    _install_audit_hook()
     for obj in gc.get_objects():
-        if type(obj) is types.FunctionType and _GUARD_NAME not in obj.__code__.co_names:
-            code = obj.__code__
-            dotted = identities.get((code.co_filename, code.co_qualname))
-            if dotted is not None:
-                _guard_function(obj, dotted)
-            else:
-                _guard_copy(obj)
-    return failed
+        if type(obj) is types.FunctionType:
+            _guard_function(obj)
 
 
 class _GuardingFinder(importlib.abc.MetaPathFinder):
-    """Re-guards a kvlib module that is imported again or reloaded: its fresh functions get the
+    """Guards a kvlib module imported (again) after `install_guards`: its functions get the
     guard before anyone can call them."""
 
     def find_spec(self, fullname, path, target=None):
@@ -348,26 +380,18 @@ class _GuardingFinder(importlib.abc.MetaPathFinder):
                 return loader.create_module(spec)
 
             def exec_module(self, module):
-                loader.exec_module(module)
-                _register_library(module)
-                prefix = module.__name__ + "."
-                for dotted in list(_state["guarded"]):
-                    if dotted.startswith(prefix):
-                        with contextlib.suppress(Exception):
-                            value = module
-                            for name in dotted[len(prefix) :].split("."):
-                                value = (
-                                    vars(value)[name]
-                                    if isinstance(value, type)
-                                    else getattr(value, name)
-                                )
-                            for fn in _functions_of(value):
-                                _guard_function(fn, dotted)
-                if module.__name__.startswith(_CHECKS_PREFIX + "."):
-                    for k, v in list(vars(module).items()):
-                        if isinstance(v, types.FunctionType) and v.__module__ == module.__name__:
-                            _state["guarded"][f"{module.__name__}.{k}"] = True
-                            _guard_function(v, f"{module.__name__}.{k}")
+                filename = getattr(module, "__file__", None) or ""
+                if _module_name(filename) is None or not hasattr(loader, "get_code"):
+                    loader.exec_module(module)
+                    return
+                code = loader.get_code(module.__name__)
+                for part in _walk(code):  # the module's own body calls into kvlib
+                    _LIBRARY[id(part)] = part
+                _guarded_codes(filename)
+                exec(code, module.__dict__)
+                for value in list(vars(module).values()):
+                    for fn in _functions_of(value):
+                        _guard_function(fn)
 
             def __getattr__(self, name):
                 return getattr(loader, name)
@@ -376,9 +400,69 @@ class _GuardingFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _functions_of(value) -> list:
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        return [f for f in (value.fget, value.fset, value.fdel) if f is not None]
+    if isinstance(value, types.FunctionType):
+        return [value]
+    if isinstance(value, type):
+        return [f for attr in vars(value).values() for f in _functions_of(attr)]
+    return []
+
+
 def _install_import_hook() -> None:
     if not any(isinstance(f, _GuardingFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _GuardingFinder())
 
 
-_GUARD = _make_guard()
+# --- the audit hook: copies of kvlib's code, processes --------------------------------------------
+
+_CODE_EVENTS = frozenset({"exec", "function.__new__", "object.__setattr__"})
+_EVENTS = _CODE_EVENTS | confine.PROCESS_EVENTS | confine.CTYPES_EVENTS
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event not in _EVENTS:
+        return
+    if event not in _CODE_EVENTS:
+        if confine.process_refused(event, args, _state["always"] or graded_call_running()):
+            raise GradingError(
+                f"{event} is not allowed while your code is graded: it runs without creating "
+                "processes or using ctypes (threads are fine)"
+            )
+        return
+    if not graded_call_running():
+        return
+    if event == "object.__setattr__":
+        if len(args) < 3 or args[1] != "__code__":
+            return
+        if isinstance(args[0], types.FunctionType) and id(args[0].__code__) in _GUARDED_IDS:
+            raise GradingError("a guarded kvlib function's code cannot be replaced while graded")
+        code = args[2]
+    else:
+        code = args[0] if args else None
+    if not isinstance(code, types.CodeType) or _LIBRARY.get(id(code)) is code:
+        return
+    for nested in _walk(code):
+        match = _copy_of(nested)
+        if match is not None and not _allowed(match[0]):
+            raise GradingError(_unavailable(match[0]) + "; copies of its code included")
+
+
+def _install_audit_hook() -> None:
+    if not _state.get("audit_hook"):
+        sys.addaudithook(_audit)  # for the life of the process: an audit hook cannot be removed
+        _state["audit_hook"] = True
+        confine.wrap_fork_exec(
+            lambda: _state["always"] or graded_call_running(),
+            lambda message: GradingError(message),
+        )
+
+
+def forbid_processes() -> None:
+    """From now on, for the life of this process (the grader's child), refuse what the audit
+    hook refuses while a graded call runs: processes, signals to others, ctypes."""
+    _state["always"] = True
+    _install_audit_hook()

@@ -4,19 +4,23 @@ the tests, the expected values and the verdict in its own process, which the lea
 reach.
 
 Two servers answer the grader's requests, with the same `handle_request`:
-- the grader's child process (`python -m kvlib.course.sandbox RFD WFD`), which first executes a
-  notebook's code cells one by one, reporting each cell as it finishes (so a cell that ends the
-  process or hangs costs only itself: the grader restarts the child without it);
+- the grader's child process (`python -m kvlib.course.sandbox RFD WFD`), which first confines
+  itself (an unprivileged user where the grader runs as root, no new processes:
+  `kvlib.course.confine`, `kvlib.course.guards.forbid_processes`), then executes a notebook's code
+  cells one by one, reporting each cell as it finishes (so a cell that ends the process or hangs
+  costs only itself: the grader restarts the child without it);
 - the notebook itself, while `check()` waits for the grader subprocess it started.
 
-A call runs with the question's kvlib functions blocked (`kvlib.course.guards`) and measured as the
-test asks (the torch operators it ran, its peak allocations, whether its result aliases an input).
+A call runs as a graded call (`kvlib.course.guards`: kvlib unavailable but what the question
+allows, no processes) and, as the test asks, with the torch operators it ran recorded. While it
+runs it may ask the grader for more (`ask`): rows of an array the grader keeps
+(`kvlib.course.wire.ParentRows`), and the start and the end of a span whose peak memory the grader
+reads from outside the process.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import linecache
 import os
 import sys
@@ -28,8 +32,10 @@ from kvlib.course.wire import (  # noqa: F401 (the protocol's names, importable 
     ChannelClosed,
     ChannelTimeout,
     Opaque,
+    ParentRows,
     decode,
     encode,
+    extents,
 )
 
 __all__ = ["GradingError", "CheckTimeout", "handle_request", "serve", "child_main"]
@@ -40,44 +46,6 @@ MESSAGE_CHARS = 400
 class CheckTimeout(BaseException):
     """check()'s deadline passed while the learner's function ran in the notebook (a
     BaseException: `except Exception` in learner code does not swallow it)."""
-
-
-def _buffers(value, found: list, depth: int = 0) -> list:
-    """(start, end) byte ranges of the tensors and arrays in `value` (containers searched)."""
-    import numpy as np
-
-    if depth > 4:
-        return found
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.Tensor):
-        with contextlib.suppress(Exception):
-            storage = value.untyped_storage()
-            found.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
-    elif isinstance(value, np.ndarray):
-        with contextlib.suppress(Exception):
-            low, high = np.lib.array_utils.byte_bounds(value)
-            found.append((low, high))
-    elif isinstance(value, (list, tuple)):
-        for v in value[:1000]:
-            _buffers(v, found, depth + 1)
-    elif isinstance(value, dict):
-        for v in list(value.values())[:1000]:
-            _buffers(v, found, depth + 1)
-    return found
-
-
-def _aliases(result, args) -> list[int]:
-    """Indices of the arguments that `result` is, contains, or shares memory with."""
-    hits = []
-    result_buffers = _buffers(result, [])
-    for index, arg in enumerate(args):
-        if result is arg and not isinstance(arg, (int, float, str, bool, type(None))):
-            hits.append(index)
-            continue
-        arg_buffers = _buffers(arg, [])
-        if any(a0 < b1 and b0 < a1 for a0, a1 in result_buffers for b0, b1 in arg_buffers):
-            hits.append(index)
-    return hits
 
 
 # --- running one call -----------------------------------------------------------------------------
@@ -110,9 +78,44 @@ def _silence_stderr(stack: contextlib.ExitStack) -> None:
     stack.callback(os.dup2, saved, 2)
 
 
-def _run_call(fn, args, kwargs, options: dict) -> tuple:
+def _fixed_malloc() -> None:
+    """glibc's malloc in this process: each block of 64 KiB or more its own mapping, given back
+    when freed (what the grader's child gets through its environment), so that the resident
+    memory the grader reads shows a large temporary. Once per process; nothing elsewhere."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or getattr(_fixed_malloc, "done", False):
+        return
+    _fixed_malloc.done = True
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 131072)  # M_TRIM_THRESHOLD
+        libc.malloc_trim(0)
+
+
+def _measured_in_process(stack: contextlib.ExitStack, info: dict) -> None:
+    """Peak allocations measured here (where the grader cannot read this process's memory):
+    PyTorch's CPU allocator (its profiler) and numpy/Python's (tracemalloc)."""
+    import tracemalloc
+
+    from torch.profiler import ProfilerActivity, profile
+
+    _silence_stderr(stack)
+    profiler = stack.enter_context(profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+    tracemalloc.start()
+
+    def collect():
+        info["python_peak_bytes"] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+
+    stack.callback(lambda: info.update(torch_peak_bytes=_torch_peak_bytes(profiler.events())))
+    stack.callback(collect)
+
+
+def _run_call(fn, args, kwargs, options: dict, ask) -> tuple:
     """Call the learner's `fn`, measured as `options` asks. Returns (outcome, info)."""
-    info: dict = {}
+    info: dict = {"extents_before": [extents(a) for a in args]}
     grid = options.get("grid")
     if grid is not None:
         if not _is_triton_kernel(fn):
@@ -125,10 +128,9 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
         info["interpreter"] = interpreter is not None and isinstance(
             fn, interpreter.InterpretedFunction
         )
-    stack = contextlib.ExitStack()
     ops: set = set()
-    profiler = None
-    with stack:
+    measure = options.get("measure_memory")
+    with contextlib.ExitStack() as stack:
         if options.get("torch_ops"):
             # the profiler records every operator at the dispatcher's entry, composite ones
             # included (torch.ops.aten._scaled_dot_product_attention_math decomposes before a
@@ -139,33 +141,22 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
             holder: list = []
             stack.callback(lambda: ops.update(e.name for e in holder[0].events()))  # after exit
             holder.append(stack.enter_context(profile(activities=[ProfilerActivity.CPU])))
-        if options.get("measure_memory"):
-            import tracemalloc
-
-            from torch.profiler import ProfilerActivity, profile
-
-            _silence_stderr(stack)
-            profiler = stack.enter_context(
-                profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            )
-            tracemalloc.start()
-            stack.callback(tracemalloc.stop)
+        if measure:
+            _fixed_malloc()
+            if ask(("measure", "start"))[1] != "parent":
+                _measured_in_process(stack, info)
         try:
-            result = call_learner(fn, args, kwargs, grid, tuple(options.get("blocked", ())))
+            result = call_learner(fn, args, kwargs, grid)
         except CheckTimeout:
             raise  # check()'s deadline: the notebook's cell stops here
         except BaseException as exc:  # noqa: BLE001 - report anything, SystemExit included
-            text = _safe_str(exc)
-            return ("raised", type(exc).__name__, text[:MESSAGE_CHARS]), info
-        if options.get("measure_memory"):
-            import tracemalloc
-
-            info["python_peak_bytes"] = tracemalloc.get_traced_memory()[1]
-    if profiler is not None:
-        info["torch_peak_bytes"] = _torch_peak_bytes(profiler.events())
+            return ("raised", type(exc).__name__, _safe_str(exc)[:MESSAGE_CHARS], exc), info
+        finally:
+            if measure:
+                ask(("measure", "stop"))
     if options.get("torch_ops"):
         info["torch_ops"] = sorted(ops)
-    info["aliases"] = _aliases(result, args)
+    info["extents"] = {"result": extents(result), "args": [extents(a) for a in args]}
     return ("returned", result), info
 
 
@@ -190,48 +181,56 @@ def _is_triton_kernel(value) -> bool:
     )
 
 
-def _describe(namespace: dict, name: str) -> dict:
+def _describe(namespace: dict, name: str, question_id: str) -> dict:
     value = namespace.get(name)
     if value is None:
         return {"kind": "missing"}
     is_jit = _is_triton_kernel(value)
     if not callable(value) and not is_jit:
         return {"kind": "not callable", "type": type(value).__name__}
-    source = ""
-    with contextlib.suppress(Exception):
-        import inspect
-
-        source = inspect.getsource(getattr(value, "fn", value))
+    checking = sys.modules.get("kvlib.course.checking")
+    seen = getattr(checking, "CHECKED_WHILE_GRADING", {}).get(question_id)
     return {
         "kind": "callable",
         "type": type(value).__name__,
         "jit": is_jit,
-        "source_sha": hashlib.sha256(source.encode()).hexdigest() if source else "",
+        # whether the notebook's check() cell saw this very object (None: no check() cell ran)
+        "checked": None if seen is None else seen is value,
+        "defined_in": namespace.get("__kvlib_defined_in__", {}).get(name),
     }
 
 
-def handle_request(request, namespace: dict):
-    """One request of the grader -> its reply (plain data)."""
+def _mro(exc: BaseException) -> list[str]:
+    return [f"{c.__module__}.{c.__qualname__}" for c in type(exc).__mro__]
+
+
+def handle_request(request, namespace: dict, ask=None):
+    """One request of the grader -> its reply (plain data). `ask(message)` sends the grader a
+    message during a call and returns its answer."""
     kind = request[0]
     if kind == "describe":
-        return ("described", _describe(namespace, request[1]))
+        return ("described", _describe(namespace, request[1], request[2]))
     if kind == "guard":
-        _, names, question_id = request
-        return ("guarded", install_guards(tuple(names), question_id))
+        _, allowed, question_id, copies = request
+        install_guards(tuple(allowed), question_id, copies)
+        return ("guarded",)
     if kind == "status":
         import threading
 
         return ("status", {"threads": threading.active_count()})
     if kind == "call":
         _, name, args, kwargs, options = request
-        fn = namespace.get(name)
-        outcome, info = _run_call(fn, args, kwargs, options)
-        if outcome[0] == "raised":
-            return ("raised", outcome[1], outcome[2], encode(info))
-        memo: dict = {}
+        for value in [*args, *kwargs.values()]:
+            if isinstance(value, ParentRows):
+                value._ask = ask
+        outcome, info = _run_call(namespace.get(name), args, kwargs, options, ask)
+        memo: dict = {}  # the result first, then the arguments: the grader decodes them so
         try:
-            encoded = encode(outcome[1], memo)
+            encoded = encode(outcome[1], memo) if outcome[0] == "returned" else None
             args_after = encode(list(args), memo) if options.get("return_args", True) else None
+            if outcome[0] == "raised":
+                return ("raised", outcome[1], outcome[2], encode(info), _mro(outcome[3]),
+                        args_after)  # fmt: skip
         except CheckTimeout:
             raise
         except BaseException as exc:  # noqa: BLE001
@@ -240,6 +239,8 @@ def handle_request(request, namespace: dict):
                 type(exc).__name__,
                 f"its result could not be read: {_safe_str(exc)}",
                 encode(info),
+                _mro(exc),
+                None,
             )
         return ("returned", encoded, args_after, encode(info))
     return ("error", f"unknown request {kind!r}")
@@ -247,14 +248,19 @@ def handle_request(request, namespace: dict):
 
 def serve(channel: Channel, namespace: dict, *, until: str = "end"):
     """Answer requests until one of kind `until` arrives; returns that request."""
+
+    def ask(message):
+        channel.send(message)
+        return channel.recv()
+
     while True:
         request = channel.recv()
         if request[0] == until:
             return request
-        channel.send(handle_request(request, namespace))
+        channel.send(handle_request(request, namespace, ask))
 
 
-# --- the child process: load a notebook, then serve ---------------------------------------------
+# --- the child process: confine, load a notebook, then serve --------------------------------------
 
 
 def _cell_code(source: str):
@@ -275,10 +281,13 @@ def _cell_code(source: str):
     return "\n".join(lines)
 
 
-def _load(channel: Channel, namespace: dict, cells: list[str], skip: set[int]) -> None:
+def _load(channel: Channel, namespace: dict, cells: list[str], skip: set[int], names) -> None:
+    """Execute the cells; note the last cell that (re)bound each of `names`."""
+    defined = namespace.setdefault("__kvlib_defined_in__", {})
     for index, source in enumerate(cells):
         if index in skip:
             continue
+        before = {name: namespace.get(name) for name in names}
         filename = f"<cell {index}>"
         error = None
         try:
@@ -287,25 +296,53 @@ def _load(channel: Channel, namespace: dict, cells: list[str], skip: set[int]) -
             exec(compile(text, filename, "exec"), namespace)
         except BaseException as exc:  # noqa: BLE001 - learner code may raise SystemExit too
             error = f"cell {index}: {type(exc).__name__}: {_safe_str(exc)}"[:MESSAGE_CHARS]
+        for name in names:
+            if namespace.get(name) is not before[name]:
+                defined[name] = index
         channel.send(("cell", index, error))
 
 
+def _confine(read_paths) -> str:
+    """Confine this process before any learner code runs (see kvlib.course.confine)."""
+    import ctypes  # noqa: F401 (imported now: its own import opens a library, refused later)
+
+    from kvlib.course import confine, guards
+
+    confinement = confine.Confinement()
+    if os.name == "posix" and os.geteuid() == 0:
+        try:
+            confinement.user = confine.drop_privileges(read_paths)
+            confine.limit_processes(extra=4 * (os.cpu_count() or 1) + 256)
+        except OSError as exc:
+            confinement.user = f"root (could not drop privileges: {exc})"
+    with contextlib.suppress(OSError):
+        if confine.forbid_processes():
+            confinement.processes = "refused by the kernel (seccomp) and Python's audit hooks"
+    guards.forbid_processes()
+    return confinement.describe()
+
+
 def child_main(read_fd: int, write_fd: int) -> None:
-    """The grader's child: silence stdout/stderr at the descriptor level, then serve."""
+    """The grader's child: silence stdout/stderr at the descriptor level, confine itself, then
+    load the notebook and serve."""
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
     channel = Channel(read_fd, write_fd, trusted=True)
     os.environ["KVLIB_GRADING"] = "1"
+    _, read_paths, folder = channel.recv()  # ("confine", what it must read, the notebook's)
+    channel.send(("confined", _confine(read_paths)))
+    if folder:
+        os.chdir(folder)  # as Jupyter runs a notebook (imports still come from where they were)
     namespace: dict = {"__name__": "__main__"}
     request = channel.recv()
-    if request[0] == "guard":  # every question's blocked names, before the notebook runs
+    if request[0] == "guard":  # guards first: whatever the notebook copies is guarded already
         channel.send(handle_request(request, namespace))
         request = channel.recv()
     if request[0] == "load":
-        _, cells, skip = request
-        _load(channel, namespace, cells, set(skip))
+        _, cells, skip, names = request
+        _load(channel, namespace, cells, set(skip), names)
         channel.send(("loaded",))
     serve(channel, namespace)
     os._exit(0)

@@ -1,5 +1,6 @@
 """The wire between the grader and the learner's process: length-prefixed frames over two pipes
-(`Channel`), and values sent by value (`encode`/`decode`).
+(`Channel`), values sent by value (`encode`/`decode`), where their memory lies (`extents`), and
+arrays the grader keeps and serves a slice at a time (`ParentRows`).
 
 The grader sends pickled requests (inputs are data it made itself); the learner's side answers with
 *encoded* values: tensors, arrays, numbers, strings and containers as nested tuples of plain data,
@@ -106,6 +107,8 @@ def encode(value, memo: dict | None = None, depth: int = 0):
     if key in memo:
         return ("R", memo[key][0])
     memo[key] = (len(memo), value)  # keep value alive so ids stay unique
+    if isinstance(value, ParentRows):
+        return ("O", "ParentRows", repr(value), ())
     if "torch" in sys.modules:
         torch = sys.modules["torch"]
         if isinstance(value, torch.Tensor):
@@ -174,7 +177,6 @@ _OPAQUE_TYPES: dict[str, type] = {}
 def decode(node, refs: list | None = None):
     """The value `encode` described, rebuilt from plain data."""
     import numpy as np
-    import torch
 
     refs = [] if refs is None else refs
     if not isinstance(node, tuple) or not node or not isinstance(node[0], str):
@@ -187,6 +189,8 @@ def decode(node, refs: list | None = None):
     slot = len(refs)
     refs.append(None)
     if kind == "T":
+        import torch
+
         _, dtype, shape, raw = node
         torch_dtype = getattr(torch, dtype)
         if not isinstance(torch_dtype, torch.dtype):
@@ -229,3 +233,124 @@ def decode(node, refs: list | None = None):
         raise ValueError(f"malformed reply node {kind!r}")
     refs[slot] = value
     return value
+
+
+# --- where values lie in memory -------------------------------------------------------------------
+
+_ARRAY_INTERFACE = None  # numpy's own descriptor, taken before any learner code runs
+
+
+def _span(value) -> tuple[int, int] | None:
+    """(first byte, last byte + 1) of the memory under a tensor (its whole storage) or an array,
+    read through the C types' own accessors (a patched torch.Tensor.untyped_storage, or an
+    ndarray subclass, does not change it)."""
+    global _ARRAY_INTERFACE
+    import numpy as np
+
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and isinstance(value, torch.Tensor):
+            storage = torch._C.TensorBase.untyped_storage(value)
+            start = torch._C.StorageBase.data_ptr(storage)
+            return start, start + torch._C.StorageBase.nbytes(storage)
+        if isinstance(value, np.ndarray):
+            if _ARRAY_INTERFACE is None:
+                _ARRAY_INTERFACE = np.ndarray.__dict__["__array_interface__"]
+            info = _ARRAY_INTERFACE.__get__(value)
+            start, size = info["data"][0], np.dtype(info["typestr"]).itemsize
+            shape, strides = info["shape"], info["strides"]
+            if strides is None:  # C-contiguous
+                strides = [size * int(np.prod(shape[i + 1 :])) for i in range(len(shape))]
+            if any(n == 0 for n in shape):
+                return start, start
+            low = start + sum(min(0, (n - 1) * st) for n, st in zip(shape, strides))
+            high = start + sum(max(0, (n - 1) * st) for n, st in zip(shape, strides)) + size
+            return low, high
+    except Exception:  # noqa: BLE001 - an exotic tensor (sparse, meta): no extent
+        return None
+    return None
+
+
+_PLAIN = frozenset({int, float, bool, complex, str, bytes, type(None)})
+
+
+def extents(value, depth: int = 0) -> list[tuple[int, int]]:
+    """The memory spans of the tensors and arrays in `value` (lists, tuples, dicts searched)."""
+    if depth > 4 or type(value) in _PLAIN:
+        return []
+    span = _span(value)
+    if span is not None:
+        return [span]
+    found: list = []
+    items = value if type(value) in (list, tuple) else value.values() if type(value) is dict else ()
+    for count, item in enumerate(items):
+        if count == 1000:
+            break
+        if type(item) not in _PLAIN:
+            found += extents(item, depth + 1)
+    return found
+
+
+# --- arrays the grader keeps ----------------------------------------------------------------------
+
+
+class ParentRows:
+    """A (S, D) array that stays in the grader's process: the learner's code reads it a row slice
+    at a time (`rows[a:b]`, at most `max_rows` rows), each slice asked of the grader, which counts
+    what was read. `shape`, `dtype`, `ndim` and `len()` work as for the array; nothing else of it
+    is here.
+
+    In the grader it holds the array and `reads` (how often each row was served); what crosses
+    the wire is its index among the call's arguments, its shape, dtype and limit."""
+
+    def __init__(self, array, max_rows: int, index: int = 0):
+        self._array = array
+        self.shape, self.dtype = tuple(array.shape), str(array.dtype)
+        self.max_rows, self.index = int(max_rows), index
+        self.reads = None
+        self._ask = None
+
+    def __getstate__(self):
+        return {"shape": self.shape, "dtype": self.dtype, "max_rows": self.max_rows,
+                "index": self.index}  # fmt: skip
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _array=None, reads=None, _ask=None)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"<rows of a {self.shape} array, read {self.max_rows} at a time>"
+
+    def rows(self, start: int, stop: int):
+        """The grader's side: rows start..stop-1, counted."""
+        import numpy as np
+
+        if self.reads is None:
+            self.reads = np.zeros(self.shape[0], dtype=np.int64)
+        self.reads[start:stop] += 1
+        return self._array[start:stop]
+
+    def __getitem__(self, index):
+        if isinstance(index, tuple) and len(index) == 2 and index[1] == slice(None):
+            index = index[0]  # rows[a:b, :] is rows[a:b]
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError(f"index: only row slices such as k[a:b] are allowed, got {index!r}")
+        start, stop, _ = index.indices(self.shape[0])
+        stop = max(start, stop)
+        if stop - start > self.max_rows:
+            raise ValueError(
+                f"index: read {stop - start} rows at once; at most {self.max_rows} (one tile) "
+                "are allowed"
+            )
+        if self._ask is None:
+            raise RuntimeError("these rows are served by the grader only during its call")
+        return decode(self._ask(("rows", self.index, start, stop))[1])
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError("read it in row slices (k[a:b]): the whole array is not here")

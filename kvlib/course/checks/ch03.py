@@ -1,12 +1,10 @@
 """Chapter 3's graded questions: bytes per token for GQA with an explicit head_dim, the MLA cache,
-and the largest batch a GPU holds. Oracles: kvlib.memory, imported before the grader blocks it."""
+and the largest batch a GPU holds. Oracle: kvlib.memory."""
 
 from __future__ import annotations
 
-from kvlib.course.grading import MEMORY_API, Submission, question
+from kvlib.course.grading import Submission, expect_int, question
 from kvlib.memory import kv_bytes_per_token, kv_cache_bytes
-
-_MEMORY_API = MEMORY_API
 
 GQA_CONFIGS = [
     {
@@ -46,11 +44,11 @@ GQA_CONFIGS = [
 ]
 
 
-@question(function="gqa_bytes_per_token", blocked=_MEMORY_API)
+@question(function="gqa_bytes_per_token")
 def test_gqa_bytes_per_token(submission: Submission) -> None:
     gqa_bytes_per_token = submission.function("gqa_bytes_per_token")
-    drawn, configs = submission.rng(), list(GQA_CONFIGS)
-    for _ in range(3):  # drawn per run (seeded from the answer's source)
+    drawn, configs = submission.rng(), submission.fixed(GQA_CONFIGS)
+    for _ in range(3):  # drawn afresh on every run
         heads = int(drawn.choice([4, 8, 12, 16, 32, 64]))
         divisors = [h for h in range(1, heads + 1) if heads % h == 0]
         config = {
@@ -68,16 +66,19 @@ def test_gqa_bytes_per_token(submission: Submission) -> None:
         # the oracle treats every layer as full attention, as the question says (no windows)
         expected = kv_bytes_per_token(dict(config, model_type="llama"))
         got = gqa_bytes_per_token(dict(config))
+        expect_int(got, "gqa_bytes_per_token")
         fields = ", ".join(f"{k}={v}" for k, v in config.items() if k != "model_type")
         assert got == expected, f"for {fields}: expected {expected:,} bytes per token, got {got!r}"
 
 
-@question(function="mla_cache_bytes", blocked=_MEMORY_API)
+@question(function="mla_cache_bytes")
 def test_mla_cache_bytes(submission: Submission) -> None:
     mla_cache_bytes = submission.function("mla_cache_bytes")
     drawn = submission.rng()
-    cases = [(61, 512, 64, 1, 2), (61, 512, 64, 4096, 2), (27, 512, 64, 1000, 1), (2, 16, 4, 7, 4)]
-    cases += [  # drawn per run (seeded from the answer's source)
+    cases = submission.fixed(
+        [(61, 512, 64, 1, 2), (61, 512, 64, 4096, 2), (27, 512, 64, 1000, 1), (2, 16, 4, 7, 4)]
+    )
+    cases += [  # drawn afresh on every run
         (
             *(int(n) for n in drawn.integers(1, (100, 1024, 128, 10**6))),
             int(drawn.choice([1, 2, 4])),
@@ -94,6 +95,7 @@ def test_mla_cache_bytes(submission: Submission) -> None:
         dtype = {1: "int8", 2: "bfloat16", 4: "float32"}[bytes_per_element]
         expected = kv_cache_bytes(config, seq_len, cache_dtype=dtype)
         got = mla_cache_bytes(layers, rank, rope, seq_len, bytes_per_element)
+        expect_int(got, "mla_cache_bytes")
         assert got == expected, (
             f"num_layers={layers}, kv_lora_rank={rank}, qk_rope_head_dim={rope}, "
             f"seq_len={seq_len}, "
@@ -101,18 +103,18 @@ def test_mla_cache_bytes(submission: Submission) -> None:
         )
 
 
-@question(function="max_batch", blocked=_MEMORY_API)
+@question(function="max_batch")
 def test_max_batch(submission: Submission) -> None:
     max_batch = submission.function("max_batch")
-    cases = [  # gpu, weights, overhead, kv bytes per token, seq_len
+    cases = submission.fixed([  # gpu, weights, overhead, kv bytes per token, seq_len
         (80 * 10**9, 16 * 10**9, 4 * 10**9, 131072, 8192),
         (80 * 10**9, 16 * 10**9, 4 * 10**9, 131072, 131072),
         (24 * 10**9, 14 * 10**9, 2 * 10**9, 524288, 4096),
         (141 * 10**9, 140 * 10**9, 2 * 10**9, 1024, 10),
         (10**9 + 3 * 4096 * 100, 10**9, 0, 4096, 100),  # exactly 3 sequences: a budget met fits
-    ]
+    ])  # fmt: skip
     drawn = submission.rng()
-    for _ in range(3):  # drawn per run (seeded from the answer's source)
+    for _ in range(3):  # drawn afresh on every run
         per_token, seq_len = int(drawn.integers(1, 10**6)), int(drawn.integers(1, 10**5))
         weights, overhead = (int(n) for n in drawn.integers(0, 10**11, size=2))
         gpu = weights + overhead + int(drawn.integers(-(10**10), 10**11))
@@ -122,9 +124,7 @@ def test_max_batch(submission: Submission) -> None:
     for gpu, weights, overhead, per_token, seq_len in cases:
         expected = max(0, (gpu - weights - overhead) // (per_token * seq_len))
         got = max_batch(gpu, weights, overhead, per_token, seq_len)
-        assert isinstance(got, int) and not isinstance(got, bool), (
-            f"max_batch should return an int (whole sequences), got {type(got).__name__} {got!r}"
-        )
+        expect_int(got, "max_batch")
         assert got == expected, (
             f"a {gpu / 1e9:g} GB GPU, {weights / 1e9:g} GB of weights, {overhead / 1e9:g} GB "
             "overhead, "

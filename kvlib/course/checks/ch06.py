@@ -1,19 +1,17 @@
 """Chapter 6's graded questions: the absorbed MLA score, latent cache bytes, and the shared rotary
-key. Oracles: kvlib's own implementations, imported before the grader blocks them."""
+key. Oracles: kvlib's own implementations, and the rotation in float64 (chapter 2's)."""
 
 from __future__ import annotations
 
 import torch
 
+from kvlib.course.checks.ch02 import EPS32, assert_rotated, rope_exact
 from kvlib.course.grading import (
-    ATTENTION_API,
-    MEMORY_API,
-    ROPE_API,
     Submission,
+    expect_int,
     peak_allocation,
     question,
 )
-from kvlib.layers.llama import apply_rope, rope_cos_sin
 from kvlib.memory import kv_cache_bytes
 from kvlib.testing import assert_close
 
@@ -36,23 +34,23 @@ def _expanded_scores(q_nope, q_rope, w_uk, latent, rope_key):
     return scores / (q_nope.shape[-1] + q_rope.shape[-1]) ** 0.5
 
 
-@question(function="absorbed_scores", blocked=ATTENTION_API)
+@question(function="absorbed_scores")
 def test_absorbed_scores(submission: Submission) -> None:
     absorbed_scores = submission.function("absorbed_scores")
     drawn = submission.rng()
-    queries = int(drawn.integers(1, 5))  # drawn per run (seeded from the answer's source)
+    queries = int(drawn.integers(1, 5))  # drawn afresh on every run
     random_case = (
         *(int(n) for n in drawn.integers(1, 4, size=2)),
         queries,
         queries + int(drawn.integers(0, 9)),
         *(int(n) for n in drawn.integers(1, 9, size=3) * 2),
     )
-    for batch, heads, queries, keys, d_h, d_r, d_c in (
+    fixed = [
         (1, 2, 1, 5, 4, 2, 6),  # decode
         (2, 4, 3, 3, 8, 4, 16),  # prefill
         (1, 3, 2, 7, 6, 2, 10),  # a chunk after 5 cached tokens
-        random_case,
-    ):
+    ]
+    for batch, heads, queries, keys, d_h, d_r, d_c in [*submission.fixed(fixed), random_case]:
         inputs = _score_inputs(batch, heads, queries, keys, d_h, d_r, d_c, seed=keys)
         got = absorbed_scores(*inputs)
         assert isinstance(got, torch.Tensor), (
@@ -73,18 +71,20 @@ def test_absorbed_scores(submission: Submission) -> None:
             rtol=1e-4,
             atol=1e-5,
         )
-    # decode over a long cache: the point of absorption is never to build per-head keys
-    heads, keys, d_h, d_r, d_c = 16, 4096, 64, 16, 128
+    if not submission.fixed_cases:
+        return
+    # decode over a long cache: the point of absorption is never to build per-head keys, not
+    # even one head's (here d_h > d_c: one head's keys take 32 MiB, an absorbed query 64 B)
+    heads, keys, d_h, d_r, d_c = 4, 8192, 1024, 16, 16
     inputs = _score_inputs(1, heads, 1, keys, d_h, d_r, d_c, seed=0)
-    expanded = heads * keys * d_h * 4
+    one_head = keys * d_h * 4
     measured = absorbed_scores.call(*inputs, _options={"measure_memory": True}).info
     peak, described = peak_allocation(measured)
-    assert peak < expanded // 2, (
+    assert peak < one_head // 4, (
         f"with H={heads}, S={keys}, d_h={d_h}, d_c={d_c} your function's peak allocation was "
-        f"{described}; the "
-        f"up-projected keys of every head take "
-        f"{expanded / 2**20:.0f} MiB: fold W_UK into the query instead (W_UK,iᵀ q_C,i, once per "
-        "query) and dot it with the cached latents"
+        f"{described}; one head's up-projected keys take {one_head / 2**20:.0f} MiB, every "
+        f"head's {heads * one_head / 2**20:.0f} MiB: fold W_UK into the query instead "
+        "(W_UK,iᵀ q_C,i, once per query and head) and dot it with the cached latents"
     )
 
 
@@ -103,12 +103,11 @@ _LATENT_CONFIGS = [
 
 @question(
     function="latent_cache_bytes",
-    blocked=MEMORY_API,
 )
 def test_latent_cache_bytes(submission: Submission) -> None:
     latent_cache_bytes = submission.function("latent_cache_bytes")
-    drawn, cases = submission.rng(), list(_LATENT_CONFIGS)
-    for _ in range(3):  # drawn per run (seeded from the answer's source)
+    drawn, cases = submission.rng(), submission.fixed(_LATENT_CONFIGS)
+    for _ in range(3):  # drawn afresh on every run
         config = {
             "num_hidden_layers": int(drawn.integers(1, 100)),
             "kv_lora_rank": int(drawn.integers(1, 17)) * 32,
@@ -123,9 +122,7 @@ def test_latent_cache_bytes(submission: Submission) -> None:
             {**config, "model_type": "deepseek_v2"}, seq_len, batch_size=batch_size
         )
         got = latent_cache_bytes(dict(config), seq_len, batch_size)
-        assert isinstance(got, int) and not isinstance(got, bool), (
-            f"latent_cache_bytes should return an int, got {type(got).__name__} {got!r}"
-        )
+        expect_int(got, "latent_cache_bytes")
         fields = ", ".join(f"{k}={v}" for k, v in config.items())
         assert got == expected, (
             f"for {fields}, {batch_size} sequences of {seq_len} tokens: expected {expected:,} "
@@ -136,28 +133,29 @@ def test_latent_cache_bytes(submission: Submission) -> None:
 
 @question(
     function="shared_rotary_key",
-    blocked=ROPE_API,
 )
 def test_shared_rotary_key(submission: Submission) -> None:
     shared_rotary_key = submission.function("shared_rotary_key")
     g, drawn = torch.Generator().manual_seed(3), submission.rng()
-    random_case = (  # drawn per run (seeded from the answer's source)
+    random_case = (  # drawn afresh on every run
         *(int(n) for n in drawn.integers(1, (4, 8, 24))),
         2 * int(drawn.integers(1, 9)),
         int(drawn.integers(0, 5000)),
         float(drawn.choice([10000.0, 500000.0])),
     )
-    for batch, tokens, d_model, d_r, start, theta in (
+    fixed = [
         (1, 4, 8, 4, 0, 10000.0),
         (2, 6, 16, 8, 0, 10000.0),
         (1, 3, 12, 6, 37, 500000.0),  # a chunk starting at position 37
-        random_case,
-    ):
+        (1, 2, 8, 8, 4990, 1e6),
+    ]
+    for batch, tokens, d_model, d_r, start, theta in [*submission.fixed(fixed), random_case]:
         x = torch.randn(batch, tokens, d_model, generator=g)
         w_kr = torch.randn(d_r, d_model, generator=g) / d_model**0.5
         positions = torch.arange(start, start + tokens)
-        cos, sin = rope_cos_sin(positions.expand(batch, tokens), d_r, theta)
-        expected = apply_rope((x @ w_kr.T)[:, None], cos, sin)  # (B, 1, T, d_R)
+        key = (x.double() @ w_kr.double().T)[:, None]  # (B, 1, T, d_R), exact
+        expected, allowed = rope_exact(key, positions, theta)
+        allowed = allowed + 8 * EPS32 * (x.double().abs() @ w_kr.double().abs().T)[:, None]
         got = shared_rotary_key(x, w_kr, positions, theta)
         assert isinstance(got, torch.Tensor), (
             f"shared_rotary_key should return a torch.Tensor, got {type(got).__name__}"
@@ -169,11 +167,10 @@ def test_shared_rotary_key(submission: Submission) -> None:
         assert got.dtype == x.dtype, (
             f"shared_rotary_key should keep the input's dtype {x.dtype}, got {got.dtype}"
         )
-        assert_close(
+        assert_rotated(
             got,
             expected,
-            name=f"the rotary key with d_R={d_r}, positions {start}..{start + tokens - 1}, "
+            allowed,
+            f"the rotary key with d_R={d_r}, positions {start}..{start + tokens - 1}, "
             f"theta={theta:g} (frequencies theta^(-2i/d_R); dimension i pairs with i + d_R/2)",
-            rtol=1e-4,
-            atol=1e-5,
         )

@@ -1,6 +1,6 @@
 """Chapter 7's graded questions: the slot mapping, appending a token with copy-on-write, and the
 prefix-cache hit of a prompt. Oracles: the formulas written out here and kvlib's BlockManager,
-imported before the grader blocks it."""
+BlockManager)."""
 
 from __future__ import annotations
 
@@ -8,31 +8,31 @@ import copy
 
 from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.block_pool import BlockPool, hash_block_tokens
-from kvlib.course.grading import PAGING_API, Submission, expect_list, question
+from kvlib.course.grading import Submission, expect_int, expect_list, question
 
 
 def _slots(block_table, positions, block_size):
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
-@question(function="slot_mapping", blocked=PAGING_API)
+@question(function="slot_mapping")
 def test_slot_mapping(submission: Submission) -> None:
     slot_mapping = submission.function("slot_mapping")
     rng = submission.rng()
     random_cases = []
-    for _ in range(3):  # drawn per run (seeded from the answer's source)
+    for _ in range(3):  # drawn afresh on every run
         block_size = int(rng.choice([1, 2, 4, 16]))
         table = [int(b) for b in rng.permutation(40)[: int(rng.integers(1, 8))]]
         positions = [int(p) for p in rng.integers(0, len(table) * block_size, size=10)]
         random_cases.append((table, positions, block_size))
-    for block_table, positions, block_size in (
+    fixed = [
         ([0], [0, 1, 2], 4),
         ([7, 2, 5], list(range(12)), 4),
         ([3, 9], [17, 16, 0, 31], 16),
         ([11, 4, 8, 1], [5, 6, 7], 2),
         ([5, 3], [], 4),
-        *random_cases,
-    ):
+    ]
+    for block_table, positions, block_size in [*submission.fixed(fixed), *random_cases]:
         got = slot_mapping(list(block_table), list(positions), block_size)
         expected = _slots(block_table, positions, block_size)
         expect_list(got, lambda s: isinstance(s, int), "slot_mapping should return a list of ints")
@@ -70,11 +70,11 @@ _APPEND_CASES = [
 ]
 
 
-@question(function="append_token", blocked=PAGING_API)
+@question(function="append_token")
 def test_append_token(submission: Submission) -> None:
     append_token = submission.function("append_token")
-    drawn, cases = submission.rng(), list(_APPEND_CASES)
-    for _ in range(4):  # drawn per run (seeded from the answer's source)
+    drawn, cases = submission.rng(), submission.fixed(_APPEND_CASES)
+    for _ in range(4):  # drawn afresh on every run
         block_size = int(drawn.choice([1, 2, 4, 8]))
         ids = [int(b) for b in drawn.permutation(30)]
         table, free = ids[: int(drawn.integers(0, 6))], ids[20 : 20 + int(drawn.integers(1, 4))]
@@ -124,7 +124,7 @@ def chained_block_hashes(tokens, block_size):
     return hashes
 
 
-@question(function="prefix_hit_tokens", blocked=PAGING_API)
+@question(function="prefix_hit_tokens", allowed=("kvlib.cache.block_pool.hash_block_tokens",))
 def test_prefix_hit_tokens(submission: Submission) -> None:
     prefix_hit_tokens = submission.function("prefix_hit_tokens")
     system = list(range(100, 112))  # three blocks of 4
@@ -142,7 +142,7 @@ def test_prefix_hit_tokens(submission: Submission) -> None:
         (system[:4] + [5, 5, 5, 5, 1], other, "a block cached only under another parent"),
         ([1, 2, 3], cached, "a prompt shorter than a block"),
     ]
-    cases = [(tokens, hashes, 4, what) for tokens, hashes, what in cases]
+    cases = submission.fixed([(tokens, hashes, 4, what) for tokens, hashes, what in cases])
     drawn = submission.rng()
     for _ in range(3):  # drawn per run: earlier prompts cached, a new one sharing a prefix
         block_size = int(drawn.choice([1, 2, 3, 4]))
@@ -156,6 +156,7 @@ def test_prefix_hit_tokens(submission: Submission) -> None:
     for tokens, hashes, block_size, what in cases:
         expected = cached_prefix_tokens(tokens, hashes, block_size)
         got = prefix_hit_tokens(list(tokens), set(hashes), block_size)
+        expect_int(got, "prefix_hit_tokens")
         assert got == expected, (
             f"{what}, {len(tokens)} tokens: expected {expected} cached tokens (whole blocks, each "
             f"hash chained to its parent's, stopping at the first miss, at most n - 1 tokens), "

@@ -1,6 +1,6 @@
 """Chapter 8's graded questions: StreamingLLM's keep mask, H2O's score update and SnapKV's
-selection. Oracles: kvlib's policies (imported before the grader blocks them) and the selection
-rule written out here."""
+selection. Oracles: kvlib's policies and the selection rule written out
+here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlib.cache.eviction_policies import H2O, LayerState, StreamingLLM
-from kvlib.course.grading import EVICTION_API, Submission, expect_list, question
+from kvlib.course.grading import Submission, expect_list, question
 
 
 def _streaming_keep(positions, budget, num_sinks):
@@ -25,20 +25,20 @@ def _streaming_keep(positions, budget, num_sinks):
     return keep
 
 
-@question(function="streaming_keep", blocked=EVICTION_API)
+@question(function="streaming_keep")
 def test_streaming_keep(submission: Submission) -> None:
     streaming_keep = submission.function("streaming_keep")
     rng = submission.rng()
     random_cases = []
-    for _ in range(3):  # drawn per run: positions left in a slot order by earlier evictions
+    for _ in range(3):  # drawn afresh: positions left in a slot order by earlier evictions
         n = int(rng.integers(1, 40))
         positions = sorted(int(p) for p in rng.choice(60, size=n, replace=False))
         if rng.random() < 0.7:
             positions = [int(p) for p in rng.permutation(positions)]
-        random_cases.append(
-            (positions, int(rng.integers(1, 45)), int(rng.integers(0, 5)), "random positions")
-        )
-    for positions, budget, num_sinks, what in (
+        num_sinks = int(rng.integers(0, 5))  # the budget exceeds the sinks, as the question says
+        budget = int(rng.integers(num_sinks + 1, 45))
+        random_cases.append((positions, budget, num_sinks, "random positions"))
+    fixed = [
         (list(range(10)), 6, 2, "10 tokens, budget 6, 2 sinks"),
         (list(range(5)), 8, 4, "fewer tokens than the budget"),
         (list(range(40)), 12, 4, "40 tokens, budget 12, 4 sinks"),
@@ -47,8 +47,9 @@ def test_streaming_keep(submission: Submission) -> None:
         (list(range(9)), 8, 0, "no sinks: a plain window"),
         (list(range(8)), 8, 2, "exactly the budget: nothing to evict"),
         ([0, 1, 30, 12, 25, 13, 2, 40, 18], 6, 2, "positions in slot order, not sorted"),
-        *random_cases,
-    ):
+        ([3, 0, 9, 1, 2], 4, 3, "one place left after the sinks"),
+    ]
+    for positions, budget, num_sinks, what in [*submission.fixed(fixed), *random_cases]:
         expected = _streaming_keep(positions, budget, num_sinks)
         got = streaming_keep(list(positions), budget, num_sinks)
         expect_list(
@@ -77,23 +78,20 @@ def _h2o_update(scores, weights):
     return state.scores[0]
 
 
-@question(function="h2o_update", blocked=EVICTION_API)
+@question(function="h2o_update")
 def test_h2o_update(submission: Submission) -> None:
     h2o_update = submission.function("h2o_update")
     g, drawn = torch.Generator().manual_seed(8), submission.rng()
-    h_kv, group = (int(n) for n in drawn.integers(1, 4, size=2))  # drawn per run
+    h_kv, group = (int(n) for n in drawn.integers(1, 4, size=2))  # drawn afresh on every run
     random_case = (h_kv * group, h_kv, *(int(n) for n in drawn.integers((0, 1), (12, 6))))
-    for h, h_kv, s_old, t, what in (
+    fixed = [
         (2, 2, 5, 1, "one decode step, one query head per KV head"),
         (6, 2, 7, 1, "one decode step, groups of 3 (GQA)"),
         (4, 1, 3, 4, "a 4-token chunk, one KV head (MQA)"),
         (4, 2, 0, 5, "the first forward (no scores yet)"),
-        (
-            *random_case,
-            f"random: H={random_case[0]}, H_kv={random_case[1]}, S_old="
-            f"{random_case[2]}, T={random_case[3]}",
-        ),
-    ):
+    ]
+    label = "random: H={}, H_kv={}, S_old={}, T={}".format(*random_case)
+    for h, h_kv, s_old, t, what in [*submission.fixed(fixed), (*random_case, label)]:
         scores = torch.rand(h_kv, s_old, generator=g)
         logits = torch.randn(h, t, s_old + t, generator=g)
         causal = torch.arange(s_old + t)[None] <= torch.arange(s_old, s_old + t)[:, None]
@@ -125,28 +123,28 @@ def _snapkv_select(votes, budget, window, kernel_size):
     return ranked.sort(dim=-1).values
 
 
-@question(function="snapkv_select", blocked=EVICTION_API)
+@question(function="snapkv_select")
 def test_snapkv_select(submission: Submission) -> None:
     snapkv_select = submission.function("snapkv_select")
     g = torch.Generator().manual_seed(3)
     spiky = torch.zeros(2, 20)
     spiky[0, 3], spiky[1, 11] = 5.0, 4.0
-    for votes, budget, window, kernel, what in (
+    fixed = [
         (torch.rand(1, 12, generator=g), 6, 2, 3, "12 tokens, budget 6, window 2, kernel 3"),
         (spiky, 8, 3, 5, "one spike per head: its neighbours come with it"),
         (torch.rand(3, 30, generator=g), 10, 4, 1, "kernel 1 (no pooling)"),
         (torch.rand(2, 6, generator=g), 8, 2, 3, "fewer tokens than the budget"),
         (torch.rand(2, 25, generator=g), 12, 4, 7, "SnapKV's kernel of 7"),
-        (torch.rand(2, 16, generator=g), 6, 0, 3, "no observation window (window 0)"),
+        (torch.rand(2, 16, generator=g), 6, 6, 3, "the window fills the budget"),
         (torch.rand(1, 9, generator=g), 9, 2, 3, "exactly the budget"),
-        (
-            torch.rand(2, 20, generator=submission.torch_generator()),
-            7,
-            int(submission.rng().integers(0, 7)),
-            3,
-            "random votes",
-        ),
-    ):
+    ]
+    drawn, votes_generator = submission.rng(), submission.torch_generator()
+    tokens = int(drawn.integers(1, 31))  # drawn afresh on every run
+    budget = int(drawn.integers(1, tokens + 3))
+    window = int(drawn.integers(1, min(budget, tokens) + 1))  # 1 <= window <= budget
+    votes = torch.rand(int(drawn.integers(1, 4)), tokens, generator=votes_generator)
+    random_case = (votes, budget, window, int(drawn.choice([1, 3, 5, 7])), "random votes")
+    for votes, budget, window, kernel, what in [*submission.fixed(fixed), random_case]:
         expected = _snapkv_select(votes, budget, window, kernel)
         got = snapkv_select(votes.clone(), budget, window, kernel)
         assert isinstance(got, torch.Tensor) and got.shape == expected.shape, (

@@ -1,34 +1,39 @@
 """Chapter 9's graded questions: the blocks a sequence can free without moving anything, the
 repack's gather and scatter, and the position map after a hole-filling round. Oracles: kvlib's
-plans (`kvlib.cache.compaction`, imported before the grader blocks them)."""
+plans (`kvlib.cache.compaction_plans`)."""
 
 from __future__ import annotations
 
 import torch
 
 from kvlib.cache.compaction_plans import freeable_blocks, plan_hole_filling, plan_repack
-from kvlib.course.grading import COMPACTION_API, Submission, expect_list, question
+from kvlib.course.grading import Submission, expect_list, question
 
 
-def _patterns(rng):
-    """(live, block_size, what) cases: the chapter's toy, edge cases, random scatters drawn from
-    `rng` (a numpy Generator: per run, seeded from the answer's source)."""
-    yield [t not in (2, 9, 13, 21) for t in range(24)], 4, "the chapter's toy (T2, T9, T13, T21)"
-    yield [not 4 <= t < 12 for t in range(20)], 4, "two whole blocks evicted"
-    yield [t >= 16 for t in range(22)], 8, "the first 16 evicted, a partly filled last block"
-    yield [False] * 6, 4, "everything evicted (a full and a partly filled block)"
-    yield [True] * 9, 4, "nothing evicted"
-    yield [t % 10 == 0 for t in range(160)], 16, "every 10th token kept"
+def _patterns(rng, fixed: bool = True):
+    """(live, block_size, what) cases: the chapter's toy and edge cases (if `fixed`), random
+    scatters drawn from `rng` (a numpy Generator, drawn afresh on every run)."""
+    if fixed:
+        yield from _fixed_patterns()
     for n in (17, 40, 63):
         keep = float(rng.uniform(0.1, 0.9))
         live = [bool(x) for x in rng.random(n) < keep]
         yield live, int(rng.choice((1, 2, 4, 8))), f"random, {n} slots"
 
 
-@question(function="blocks_freeable", blocked=COMPACTION_API)
+def _fixed_patterns():
+    yield [t not in (2, 9, 13, 21) for t in range(24)], 4, "the chapter's toy (T2, T9, T13, T21)"
+    yield [not 4 <= t < 12 for t in range(20)], 4, "two whole blocks evicted"
+    yield [t >= 16 for t in range(22)], 8, "the first 16 evicted, a partly filled last block"
+    yield [False] * 6, 4, "everything evicted (a full and a partly filled block)"
+    yield [True] * 9, 4, "nothing evicted"
+    yield [t % 10 == 0 for t in range(160)], 16, "every 10th token kept"
+
+
+@question(function="blocks_freeable")
 def test_blocks_freeable(submission: Submission) -> None:
     blocks_freeable = submission.function("blocks_freeable")
-    for live, block_size, what in _patterns(submission.rng()):
+    for live, block_size, what in _patterns(submission.rng(), submission.fixed_cases):
         expected = len(freeable_blocks(live, block_size))
         got = blocks_freeable(list(live), block_size)
         assert isinstance(got, int) and not isinstance(got, bool), (
@@ -42,10 +47,10 @@ def test_blocks_freeable(submission: Submission) -> None:
         )
 
 
-@question(function="repack", blocked=COMPACTION_API)
+@question(function="repack")
 def test_repack(submission: Submission) -> None:
     repack = submission.function("repack")
-    for live, _, what in _patterns(submission.rng(1)):
+    for live, _, what in _patterns(submission.rng(1), submission.fixed_cases):
         n = len(live)
         slots = torch.arange(n * 3, dtype=torch.float32).view(n, 3)  # row i: token i's K (say)
         original = slots.clone()
@@ -76,19 +81,19 @@ def _positions_after(positions):
     return moved[: sum(live)]
 
 
-@question(function="positions_after_hole_filling", blocked=COMPACTION_API)
+@question(function="positions_after_hole_filling")
 def test_positions_after_hole_filling(submission: Submission) -> None:
     positions_after = submission.function("positions_after_hole_filling")
     rng = submission.rng()
-    cases = [
+    cases = submission.fixed([
         ([p if p not in (2, 9, 13, 21) else -1 for p in range(24)], "the chapter's toy"),
         ([0, 1, -1, -1, 4, 5, 6, -1, 8], "holes next to each other"),
         ([0, 17, 2, -1, 4, 16, -1, 7, 8, 9, 15, 12], "a map already scrambled by an earlier round"),
         ([0, 1, 2, 3], "nothing evicted"),
         ([-1, -1, 5, 6], "holes only at the front"),
         ([0, 1, -1, -1], "holes only at the back"),
-    ]
-    for n in (int(rng.integers(1, 12)), 40):  # drawn per run (seeded from the answer's source)
+    ])  # fmt: skip
+    for n in (int(rng.integers(1, 12)), 40):  # drawn afresh on every run
         scattered = [p if rng.random() < 0.6 else -1 for p in range(n)]
         cases.append((scattered, f"random, {n} slots"))
     scrambled = [int(p) for p in rng.permutation(30)]  # an earlier round left them out of order

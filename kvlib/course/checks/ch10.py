@@ -1,17 +1,18 @@
 """Chapter 10's graded questions: asymmetric int4 quantization with packing, KIVI's per-channel key
-scales over groups of tokens, and a quantized cache's bytes per token with its scales. Oracles:
-`kvlib.quant` (imported before the grader blocks it)."""
+scales over groups of tokens, and a quantized cache's bytes per token with its scales. Oracle:
+`kvlib.quant`."""
 
 from __future__ import annotations
 
 import torch
 
-from kvlib.course.grading import MEMORY_API, QUANT_API, Submission, question
+from kvlib.course.grading import Submission, question
 from kvlib.quant import QuantScheme, quantize, unpack_bits
 
 
-def _rows(seed: int, drawn) -> list[tuple[torch.Tensor, str]]:
-    """Fixed cases, and rows drawn from `drawn` (a numpy Generator seeded per run)."""
+def _rows(seed: int, drawn, fixed: bool = True) -> list[tuple[torch.Tensor, str]]:
+    """Fixed cases (if `fixed`), and rows drawn from `drawn` (a numpy Generator, drawn afresh on
+    every run)."""
     g = torch.Generator().manual_seed(seed)
     n, d = int(drawn.integers(1, 7)), 2 * int(drawn.integers(1, 17))
     magnitude, offset = float(10 ** drawn.uniform(-2, 3)), float(drawn.normal() * 100)
@@ -21,22 +22,22 @@ def _rows(seed: int, drawn) -> list[tuple[torch.Tensor, str]]:
     constant = torch.randn(4, 8, generator=g)
     constant[1] = 0.0
     constant[2] = 1.5
-    return [
+    cases = [
         (torch.randn(5, 8, generator=g), "random rows of 8"),
         (torch.rand(3, 32, generator=g) + 2.0, "all-positive rows (min far from 0)"),
         (outlier, "rows with an outlier channel"),
         (constant, "rows whose max equals their min (all 0, all 1.5)"),
-        (random_rows, f"random ({n}, {d}) rows ~{magnitude:.3g} around {offset:.3g}"),
     ]
+    random_case = (random_rows, f"random ({n}, {d}) rows ~{magnitude:.3g} around {offset:.3g}")
+    return [*(cases if fixed else []), random_case]
 
 
 @question(
     function="quantize_int4",
-    blocked=QUANT_API,
 )
 def test_quantize_int4(submission: Submission) -> None:
     quantize_int4 = submission.function("quantize_int4")
-    for x, what in _rows(10, submission.rng()):
+    for x, what in _rows(10, submission.rng(), submission.fixed_cases):
         result = quantize_int4(x.clone())
         assert isinstance(result, tuple) and len(result) == 3, (
             f"quantize_int4 should return (packed, scale, zero), got {type(result).__name__}"
@@ -82,8 +83,9 @@ def test_quantize_int4(submission: Submission) -> None:
         )
 
 
-def _keys(seed: int, drawn) -> list[tuple[torch.Tensor, int, str]]:
-    """Fixed cases, and keys drawn from `drawn` (a numpy Generator seeded per run)."""
+def _keys(seed: int, drawn, fixed: bool = True) -> list[tuple[torch.Tensor, int, str]]:
+    """Fixed cases (if `fixed`), and keys drawn from `drawn` (a numpy Generator, drawn afresh on
+    every run)."""
     g = torch.Generator().manual_seed(seed)
     group, groups, channels = (int(n) for n in drawn.integers(1, (33, 5, 5)) * (1, 1, 4))
     random_keys = drawn.normal(size=(group * groups, channels)) * 10 ** drawn.uniform(
@@ -92,19 +94,25 @@ def _keys(seed: int, drawn) -> list[tuple[torch.Tensor, int, str]]:
     keys = torch.randn(64, 16, generator=g)
     keys[:, 5] *= 30
     ramp = torch.arange(96, dtype=torch.float32)[:, None] * torch.ones(1, 4)
-    return [
+    flat = torch.randn(32, 8, generator=g)
+    flat[:16, 2] = 0.5  # channel 2 is constant in the first group: its range is 0
+    cases = [
         (keys[:48], 8, "48 tokens x 16 channels with an outlier channel, G = 8"),
         (keys, 32, "64 tokens, G = 32"),
         (ramp, 32, "a ramp: token t holds t in every channel, G = 32"),
         (torch.randn(16, 8, generator=g), 16, "one group"),
-        (torch.from_numpy(random_keys).float(), group, f"random: {groups} groups of G = {group}"),
+        (flat, 16, "a channel constant over a group (range 0)"),
+        (torch.randn(6, 4, generator=g), 1, "groups of one token (every range 0)"),
     ]
+    random_case = (torch.from_numpy(random_keys).float(), group, f"random: {groups} groups of G "
+                   f"= {group}")  # fmt: skip
+    return [*(cases if fixed else []), random_case]
 
 
-@question(function="kivi_key_scales", blocked=QUANT_API)
+@question(function="kivi_key_scales")
 def test_kivi_key_scales(submission: Submission) -> None:
     kivi_key_scales = submission.function("kivi_key_scales")
-    for keys, group, what in _keys(11, submission.rng()):
+    for keys, group, what in _keys(11, submission.rng(), submission.fixed_cases):
         oracle = quantize(keys, QuantScheme("int2", False, "tokens", group, torch.float32))
         result = kivi_key_scales(keys.clone(), group)
         assert isinstance(result, tuple) and len(result) == 2, (
@@ -116,8 +124,15 @@ def test_kivi_key_scales(submission: Submission) -> None:
             f"{what}: one scale and zero per channel per group of G tokens: expected "
             f"{expected_shape} each (S / G, D), got {tuple(scale.shape)} and {tuple(zero.shape)}"
         )
+        grouped = keys.view(-1, group, keys.shape[1])  # (S / G, G, D)
+        flat = grouped.amax(dim=1) == grouped.amin(dim=1)  # range 0: any scale >= 0 will do
+        assert bool((torch.isfinite(scale[flat]) & (scale[flat] >= 0)).all()), (
+            f"{what}: where a channel's group has max = min (range 0), the scale may be anything "
+            f">= 0 ((max - min) / 3 = 0 is fine, and so is kvlib's 1), got "
+            f"{scale[flat][:4].tolist()}"
+        )
         ok = torch.allclose(zero, oracle.zero, rtol=1e-5, atol=1e-6) and torch.allclose(
-            scale, oracle.scale, rtol=1e-5, atol=1e-6
+            scale[~flat], oracle.scale[~flat], rtol=1e-5, atol=1e-6
         )
         assert ok, (
             f"{what}: per-channel means the min and max run over groups of G consecutive tokens "
@@ -128,17 +143,17 @@ def test_kivi_key_scales(submission: Submission) -> None:
         )
 
 
-@question(function="bytes_per_token", blocked=MEMORY_API)
+@question(function="bytes_per_token")
 def test_bytes_per_token(submission: Submission) -> None:
     bytes_per_token = submission.function("bytes_per_token")
-    cases = [
+    cases = submission.fixed([
         (32, 8, 128, 2, 32, 2, "Llama 3 8B, 2-bit KIVI, fp16 scales"),
         (30, 3, 64, 4, 32, 2, "SmolLM2, 4-bit KIVI"),
         (4, 4, 32, 8, 32, 4, "the course model, 8 bits, fp32 scales"),
         (2, 1, 64, 2, 16, 2, "groups of 16"),
-    ]
+    ])  # fmt: skip
     drawn = submission.rng()
-    for _ in range(3):  # drawn per run (seeded from the answer's source)
+    for _ in range(3):  # drawn afresh on every run
         group = int(drawn.choice([16, 32, 64, 128]))
         cases.append((int(drawn.integers(1, 100)), int(drawn.integers(1, 17)),
                       group * int(drawn.integers(1, 3)), int(drawn.choice([2, 4, 8])), group,

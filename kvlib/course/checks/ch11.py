@@ -15,18 +15,20 @@ try:
 except ImportError:  # macOS, native Windows: `check()` imports every chapter's questions
     triton = None  # so that chapters 1-10 and 12 grade without Triton; chapter 11's fail
 
-from kvlib.course.grading import PAGING_API, Remote, Submission, question
+from kvlib.course.grading import Remote, Submission, question
 from kvlib.ref.attention import attention
 from kvlib.ref.online_softmax import merge_partials
 from kvlib.testing import assert_close
 
 
-@question(function="physical_slots", blocked=PAGING_API)
+@question(function="physical_slots")
 def test_physical_slots(submission: Submission) -> None:
     physical_slots = submission.function("physical_slots")
     drawn = submission.rng()
-    cases = [([3, 0, 7], 40, 16), ([5], 1, 16), ([2, 9, 4, 1], 128, 32), ([6, 2], 17, 16)]
-    for _ in range(2):  # drawn per run (seeded from the answer's source)
+    cases = submission.fixed(
+        [([3, 0, 7], 40, 16), ([5], 1, 16), ([2, 9, 4, 1], 128, 32), ([6, 2], 17, 16)]
+    )
+    for _ in range(2):  # drawn afresh on every run
         block_size = int(drawn.choice([1, 4, 16, 32]))
         table = [int(b) for b in drawn.permutation(64)[: int(drawn.integers(1, 9))]]
         seq_len = int(
@@ -83,11 +85,13 @@ def launch_reduce(kernel, partial_out: torch.Tensor, partial_lse: torch.Tensor) 
 def test_reduce_kernel(submission: Submission) -> None:
     kernel = submission.function("reduce_kernel")
     rng, drawn = np.random.default_rng(11), submission.rng()
-    cases = [(3, 4, 0.0), (2, 5, 1000.0), (4, 1, 0.0)]
-    cases.append((*(int(n) for n in drawn.integers(1, (5, 9))), float(drawn.normal() * 300)))
-    for rows, num_splits, shift in cases:  # the last one drawn per run
-        partial_out = rng.normal(size=(rows, num_splits, 16)).astype(np.float32)
-        partial_lse = (rng.normal(size=(rows, num_splits)) * 3 + shift).astype(np.float32)
+    cases = submission.fixed([(3, 4, 0.0, rng), (2, 5, 1000.0, rng), (4, 1, 0.0, rng)])
+    cases.append(  # drawn afresh on every run: shapes, a shift and the values
+        (*(int(n) for n in drawn.integers(1, (5, 9))), float(drawn.normal() * 300), drawn)
+    )
+    for rows, num_splits, shift, values in cases:
+        partial_out = values.normal(size=(rows, num_splits, 16)).astype(np.float32)
+        partial_lse = (values.normal(size=(rows, num_splits)) * 3 + shift).astype(np.float32)
         if num_splits > 1:
             partial_lse[0, -1] = -np.inf  # an empty split
             partial_out[0, -1] = 0.0
@@ -118,12 +122,16 @@ def launch_masked_decode(kernel, q, k_buffer, v_buffer, seq_len, block_n=16):
 @question(function="masked_decode_kernel")
 def test_masked_decode_kernel(submission: Submission) -> None:
     kernel = submission.function("masked_decode_kernel")
-    rng = np.random.default_rng(12)
-    for seq_len in (1, 5, 16, 37, int(submission.rng().integers(1, 49))):  # the last drawn per run
+    rng, drawn = np.random.default_rng(12), submission.rng()
+    cases = [
+        *submission.fixed((n, rng) for n in (1, 5, 16, 37)),
+        (int(drawn.integers(1, 49)), drawn),
+    ]
+    for seq_len, values in cases:  # the last drawn afresh on every run
         q, keys, values = (
-            rng.normal(size=32),
-            rng.normal(size=(seq_len, 32)),
-            rng.normal(size=(seq_len, 32)),
+            values.normal(size=32),
+            values.normal(size=(seq_len, 32)),
+            values.normal(size=(seq_len, 32)),
         )
         # the buffers run on past seq_len, holding garbage (another sequence's tokens)
         padded = 16 * (seq_len // 16 + 2)

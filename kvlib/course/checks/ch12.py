@@ -1,14 +1,12 @@
 """Chapter 12's graded questions: one scheduler step under a token budget, the preemption victims
 when blocks run out, and a new request's first step (prefix hit, chunk, blocks). Oracles: the
 rules of `kvlib.engine.scheduler` written out here, and chapter 7's prefix-hit oracle (its
-BlockManager, imported before the grader blocks it)."""
+BlockManager)."""
 
 from __future__ import annotations
 
 from kvlib.course.checks.ch07 import cached_prefix_tokens, chained_block_hashes
-from kvlib.course.grading import PAGING_API, SCHEDULER_API, Submission, expect_list, question
-
-_BLOCKED = SCHEDULER_API
+from kvlib.course.grading import Submission, expect_list, question
 
 
 def _schedule_step(running, waiting, token_budget, max_num_seqs):
@@ -41,11 +39,11 @@ _STEP_CASES = [
 ]
 
 
-@question(function="schedule_step", blocked=_BLOCKED)
+@question(function="schedule_step")
 def test_schedule_step(submission: Submission) -> None:
     schedule_step = submission.function("schedule_step")
-    drawn, cases = submission.rng(), list(_STEP_CASES)
-    for _ in range(4):  # drawn per run (seeded from the answer's source)
+    drawn, cases = submission.rng(), submission.fixed(_STEP_CASES)
+    for _ in range(4):  # drawn afresh on every run
         names = [f"r{i}" for i in range(12)]
         num_running, num_waiting = (int(n) for n in drawn.integers(0, 6, size=2))
         lefts = [int(n) if drawn.random() < 0.5 else 1 for n in drawn.integers(1, 40, size=12)]
@@ -94,11 +92,11 @@ _VICTIM_CASES = [
 ]
 
 
-@question(function="preemption_victims", blocked=_BLOCKED)
+@question(function="preemption_victims")
 def test_preemption_victims(submission: Submission) -> None:
     preemption_victims = submission.function("preemption_victims")
-    drawn, cases = submission.rng(), list(_VICTIM_CASES)
-    for _ in range(4):  # drawn per run (seeded from the answer's source)
+    drawn, cases = submission.rng(), submission.fixed(_VICTIM_CASES)
+    for _ in range(4):  # drawn afresh on every run
         running = [f"r{i}" for i in range(int(drawn.integers(1, 8)))]
         held = {name: int(drawn.integers(0, 5)) for name in running}
         index = int(drawn.integers(0, len(running)))
@@ -121,10 +119,7 @@ def _first_step(token_ids, cached, block_size, token_budget):
     return hit, new, -(-(hit + new) // block_size) - hit // block_size
 
 
-@question(
-    function="first_step",
-    blocked=(*PAGING_API, *_BLOCKED),
-)
+@question(function="first_step", allowed=("kvlib.cache.block_pool.hash_block_tokens",))
 def test_first_step(submission: Submission) -> None:
     first_step = submission.function("first_step")
     system = list(range(100, 116))  # a 16-token system prompt: four blocks of 4
@@ -137,7 +132,7 @@ def test_first_step(submission: Submission) -> None:
         ([3, 1, 4], 2, "no hit, budget smaller than the prompt"),
         (system[:8] + [6], 1, "a budget of one token"),
     ]
-    cases = [(tokens, cached, 4, budget, what) for tokens, budget, what in cases]
+    cases = submission.fixed([(tokens, cached, 4, budget, what) for tokens, budget, what in cases])
     drawn = submission.rng()
     for _ in range(3):  # drawn per run: an earlier prompt cached, a new one sharing a prefix
         block_size = int(drawn.choice([1, 2, 3, 4]))

@@ -32,17 +32,17 @@ def _split_bytes(text: str, rng) -> list[bytes]:
 _ALPHABET = list("ab ,") + ["é", "ï", "ß", "€", "日", "本", "🦙", "🙂"]
 
 
-@question(function="utf8_deltas", blocked=("kvlib.serve.detokenize.IncrementalDetokenizer",))
+@question(function="utf8_deltas")
 def test_utf8_deltas(submission: Submission) -> None:
     utf8_deltas = submission.function("utf8_deltas")
     rng = submission.rng()
-    cases = [
+    cases = submission.fixed([
         ([b"\xf0\x9f", b"\xa6\x99", b" l", b"lama"], "an emoji cut in two tokens"),
         ([b"na", b"\xc3", b"\xafve"], "a 2-byte character cut after its lead byte"),
         ([b"\xe6\x97", b"\xa5\xe6", b"\x9c\xac"], "two 3-byte characters cut twice"),
         ([b"plain", b" ascii"], "ASCII only"),
         ([b"\xf0", b"\x9f", b"\x99", b"\x82"], "one byte per token"),
-    ]
+    ])  # fmt: skip
     for _ in range(6):
         text = "".join(rng.choice(_ALPHABET, size=int(rng.integers(3, 12))))
         cases.append((_split_bytes(text, rng), f"random text {text!r}"))
@@ -80,7 +80,7 @@ def _stop_stream(pieces, stops):
     return sent, False
 
 
-@question(function="stop_stream", blocked=("kvlib.serve.detokenize.StopStringMatcher",))
+@question(function="stop_stream")
 def test_stop_stream(submission: Submission) -> None:
     stop_stream = submission.function("stop_stream")
     rng = submission.rng()
@@ -98,11 +98,15 @@ def test_stop_stream(submission: Submission) -> None:
             ["abcd", "bc"],
             "a longer stop string still possible, a shorter one hits",
         ),
+        (["ab", "", "c"], ["bc"], "an empty piece while a stop string's start is held"),
+        ([], ["x"], "no pieces at all"),
+        (["", ""], ["x"], "only empty pieces"),
     ]
+    cases = submission.fixed(cases)
     for _ in range(8):
-        text = "".join(rng.choice(list("ab\n"), size=int(rng.integers(1, 16))))
-        cuts = sorted(set(rng.integers(1, max(2, len(text)), size=3).tolist()))
-        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)]) if text[i:j]]
+        text = "".join(rng.choice(list("ab\n"), size=int(rng.integers(0, 16))))
+        cuts = sorted(rng.integers(0, len(text) + 1, size=int(rng.integers(0, 5))).tolist())
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]  # some may be empty
         stops = ["".join(rng.choice(list("ab\n"), size=int(rng.integers(1, 4)))) for _ in "ab"]
         cases.append((pieces, stops, f"random pieces {pieces!r}"))
     for pieces, stops, what in cases:
@@ -138,11 +142,11 @@ def _slo_goodput(requests, ttft_slo_s, tpot_slo_s):
     return good, good / (end - start)
 
 
-@question(function="slo_goodput", blocked=("kvlib.serve.load.goodput",))
+@question(function="slo_goodput")
 def test_slo_goodput(submission: Submission) -> None:
     slo_goodput = submission.function("slo_goodput")
     rng = submission.rng()
-    cases = [
+    cases = submission.fixed([
         ([(0.0, [0.1, 0.15, 0.2]), (0.5, [0.9, 0.95])], 0.25, 0.06, "one TTFT too slow"),
         ([(0.0, [0.1, 0.3]), (0.1, [0.2, 0.25, 0.3])], 0.25, 0.1, "one TPOT too slow"),
         ([(1.0, [1.05]), (2.0, [2.5])], 0.25, 0.01, "one-token requests: TPOT 0"),
@@ -156,7 +160,7 @@ def test_slo_goodput(submission: Submission) -> None:
             "requests in no particular order (the first arrival and the last token are the "
             "middle request's)",
         ),
-    ]
+    ])  # fmt: skip
     for _ in range(4):
         requests = []
         for arrival in np.cumsum(rng.exponential(0.1, size=int(rng.integers(2, 8)))):

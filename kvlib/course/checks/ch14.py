@@ -1,7 +1,7 @@
 """Chapter 14's graded questions: the salted block keys of a prompt, promotion and demotion with LRU
 in a two-tier store, and the break-even bandwidth of shipping K/V against recomputing it.
 Oracles: the keys written out here over chapter 7's chained hash, kvlib's `TieredStore` (two
-memory tiers) and `kvlib.offload.breakeven`, imported before the grader blocks them."""
+memory tiers) and `kvlib.offload.breakeven`."""
 
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ import torch
 
 from kvlib.cache.block_pool import hash_block_tokens
 from kvlib.course.grading import (
-    BREAK_EVEN_API,
-    OFFLOAD_KEYS_API,
-    OFFLOAD_TIERS_API,
     Submission,
     expect_list,
     question,
@@ -38,19 +35,22 @@ def _random_keys_case(rng) -> tuple:
     return bytes(rng.integers(0, 256, size=32).tolist()), tokens, block_size, "a random case"
 
 
-@question(function="salted_block_keys", blocked=OFFLOAD_KEYS_API)
+@question(function="salted_block_keys", allowed=("kvlib.cache.block_pool.hash_block_tokens",))
 def test_salted_block_keys(submission: Submission) -> None:
     salted_block_keys = submission.function("salted_block_keys")
-    rng = submission.rng()  # random cases are drawn per run (seeded from the answer's source)
+    rng = submission.rng()  # random cases are drawn afresh on every run
     salt = hashlib.sha256(b"course model / float32").digest()
-    for salt_, tokens, block_size, what in (
+    fixed = [
         (salt, list(range(8)), 4, "two full blocks"),
         (salt, list(range(10)), 4, "a partial last block (it gets no key)"),
         (salt, [5, 6, 7], 4, "fewer tokens than a block"),
         (b"another salt", list(range(8)), 4, "the same tokens under another salt"),
         (salt, [1, 2, 3, 4, 1, 2, 3, 4], 4, "the same block at two offsets"),
+    ]
+    for salt_, tokens, block_size, what in [
+        *submission.fixed(fixed),
         *(_random_keys_case(rng) for _ in range(3)),
-    ):
+    ]:
         expected = _keys(salt_, tokens, block_size)
         got = salted_block_keys(salt_, list(tokens), block_size)
         expect_list(
@@ -98,12 +98,12 @@ def _random_lru_case(rng) -> tuple:
     return int(rng.integers(1, 4)), int(rng.integers(1, 5)), operations, "a random case"
 
 
-@question(function="two_tier_lru", blocked=OFFLOAD_TIERS_API)
+@question(function="two_tier_lru")
 def test_two_tier_lru(submission: Submission) -> None:
     two_tier_lru = submission.function("two_tier_lru")
-    rng = submission.rng()  # random cases are drawn per run (seeded from the answer's source)
+    rng = submission.rng()  # random cases are drawn afresh on every run
     puts = [("put", k) for k in "ABCDE"]
-    for host, disk, operations, what in (
+    fixed = [
         (2, 2, puts, "five puts: the oldest fall to disk, then off it"),
         (2, 3, puts + [("get", "B"), ("get", "A"), ("get", "E")], "hits in each tier, a miss"),
         (1, 2, [("put", "A"), ("put", "B"), ("put", "A"), ("get", "B")], "a put of a disk key"),
@@ -111,8 +111,11 @@ def test_two_tier_lru(submission: Submission) -> None:
         (2, 2, puts[:2] + [("get", "A"), ("put", "C")], "a host hit makes the block the newest"),
         (2, 2, puts[:2] + [("put", "A"), ("put", "C")], "a put of a host key refreshes it"),
         (1, 2, puts[:3] + [("get", "B")], "a promotion into full tiers"),
+    ]
+    for host, disk, operations, what in [
+        *submission.fixed(fixed),
         *(_random_lru_case(rng) for _ in range(6)),
-    ):
+    ]:
         expected = _lru(host, disk, operations)
         got = two_tier_lru(host, disk, list(operations))
         assert isinstance(got, tuple) and len(got) == 3, (
@@ -144,11 +147,13 @@ _CONFIGS = [  # (L, d, I, H, H_kv, D), what
 ]
 
 
-@question(function="break_even_gbps", blocked=BREAK_EVEN_API)
+@question(function="break_even_gbps")
 def test_break_even_gbps(submission: Submission) -> None:
     break_even_gbps = submission.function("break_even_gbps")
     rng = submission.rng()
-    cases = [(dict(zip(_FIELDS, c)), n, 400e12, what) for c, what in _CONFIGS for n in (1, 4096)]
+    cases = submission.fixed(
+        (dict(zip(_FIELDS, c)), n, 400e12, what) for c, what in _CONFIGS for n in (1, 4096)
+    )
     for _ in range(3):
         heads = int(rng.choice([4, 8, 16]))
         config = dict(

@@ -1,0 +1,298 @@
+"""What the operating system enforces and measures about the learner's process: the grader's
+child drops to an unprivileged user where the grader runs as root, cannot create processes (a
+seccomp filter on Linux: `fork`, `vfork`, `execve` and `clone` without `CLONE_THREAD` fail; threads
+are fine), and its peak resident memory is read from outside it (`/proc/PID/status`, reset through
+`/proc/PID/clear_refs`).
+
+The same process rules at the Python level (`process_refused`, `wrap_fork_exec`: audit events for
+subprocess, os.system, fork, exec, spawn, signals to other processes and ctypes) are applied by
+`kvlib.course.guards`' audit hook: in the grader's child from before the notebook loads, in
+check()'s notebook while a graded call runs. Each OS-level piece says whether it took effect
+(`Confinement`); where the platform lacks it (macOS,
+Windows, a kernel without seccomp) the grader still runs, with the Python-level rules of
+`kvlib.course.guards` only, and the report says so. It does not limit the network, the CPU or the
+files the learner's code may read: those need a container (see book/setup.md).
+
+Sources: seccomp(2), capabilities(7), prctl(2), proc(5) (`clear_refs`, `VmHWM`); Docker's default
+seccomp profile answers `clone3` with ENOSYS in the same way, so that glibc falls back to `clone`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import platform
+import stat
+import struct
+import sys
+
+UNPRIVILEGED_USER = "nobody"
+# malloc settings for the child (glibc): every block of 64 KiB or more is its own mapping, given
+# back when freed, so that a large temporary shows in the peak resident memory
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+@dataclasses.dataclass
+class Confinement:
+    """What the child's confinement achieved (for the report)."""
+
+    user: str = "the grader's own user"
+    processes: str = "refused by Python's audit hooks only"
+
+    def describe(self) -> str:
+        return f"learner code runs as {self.user}; process creation {self.processes}"
+
+
+def unprivileged_ids() -> tuple[int, int]:
+    """(uid, gid) of the `nobody` user (65534 where it is not in the user database)."""
+    try:
+        import pwd
+
+        entry = pwd.getpwnam(UNPRIVILEGED_USER)
+        return entry.pw_uid, entry.pw_gid
+    except (ImportError, KeyError):
+        return 65534, 65534
+
+
+def _readable_by_others(paths) -> bool:
+    """Whether a user with no ownership can reach every path (x on each ancestor, r on it)."""
+    for path in paths:
+        path = os.path.abspath(path)
+        if not os.path.exists(path):
+            continue
+        parts = [path]
+        while os.path.dirname(parts[-1]) != parts[-1]:
+            parts.append(os.path.dirname(parts[-1]))
+        for index, part in enumerate(parts):
+            mode = os.stat(part).st_mode
+            need = stat.S_IROTH if index == 0 else 0
+            need |= stat.S_IXOTH if stat.S_ISDIR(mode) else 0
+            if mode & need != need:
+                return False
+    return True
+
+
+# --- the libc calls (Linux) -----------------------------------------------------------------------
+
+_PR_SET_KEEPCAPS, _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP = 8, 38, 22
+_SECCOMP_MODE_FILTER = 2
+_CAP_VERSION_3 = 0x20080522
+_CAP_DAC_READ_SEARCH = 2
+
+
+def _libc():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                           ctypes.c_ulong]  # fmt: skip
+    return ctypes, libc
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        import ctypes
+
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def _set_capabilities(ctypes, libc, keep: int) -> None:
+    """Effective and permitted capabilities: the bits of `keep` only (none inheritable)."""
+    header = struct.pack("<Ii", _CAP_VERSION_3, 0)
+    data = struct.pack("<6I", keep, keep, 0, 0, 0, 0)  # two (effective, permitted, inheritable)
+    header_buf, data_buf = ctypes.create_string_buffer(header), ctypes.create_string_buffer(data)
+    _check(libc.capset(header_buf, data_buf), "capset")
+
+
+def drop_privileges(read_paths) -> str:
+    """Become the unprivileged user (call as root, before any learner code runs). Keeps
+    CAP_DAC_READ_SEARCH (read any file, write none) only where `read_paths` (the interpreter, the
+    packages, the notebook's folder) are not readable by other users, as under a root-only home
+    folder. Returns who the process now is."""
+    uid, gid = unprivileged_ids()
+    keep_reading = not _readable_by_others(read_paths)
+    ctypes, libc = _libc()
+    _check(libc.prctl(_PR_SET_KEEPCAPS, 1, 0, 0, 0), "prctl(PR_SET_KEEPCAPS)")
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    _set_capabilities(ctypes, libc, (1 << _CAP_DAC_READ_SEARCH) if keep_reading else 0)
+    _check(libc.prctl(_PR_SET_KEEPCAPS, 0, 0, 0, 0), "prctl(PR_SET_KEEPCAPS)")
+    who = f"{UNPRIVILEGED_USER} (uid {uid})"
+    return who + (", allowed to read every file" if keep_reading else "")
+
+
+# --- no new processes: a seccomp filter -----------------------------------------------------------
+
+# (audit arch, clone, clone3, syscalls refused outright) per machine
+_SYSCALLS = {
+    "x86_64": (0xC000003E, 56, 435, (57, 58, 59, 322)),  # fork, vfork, execve, execveat
+    "aarch64": (0xC00000B7, 220, 435, (221, 281)),  # execve, execveat (no fork or vfork)
+}
+_CLONE_THREAD = 0x00010000
+_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_EPERM, _ENOSYS = 1, 38
+_LD_W_ABS, _JEQ_K, _JSET_K, _RET_K = 0x20, 0x15, 0x45, 0x06
+
+
+def _filter(arch: int, clone: int, clone3: int, refused: tuple[int, ...]) -> bytes:
+    """The BPF program: another ABI (x32, i386) -> EPERM; clone3 -> ENOSYS (glibc then uses
+    clone); clone -> allowed only with CLONE_THREAD; the refused calls -> EPERM; else allowed.
+    A jump's offsets count instructions after the next one (jt if the test holds, else jf)."""
+    eperm, enosys, n = _RET_ERRNO | _EPERM, _RET_ERRNO | _ENOSYS, len(refused)
+    program = [
+        (_LD_W_ABS, 0, 0, 4),  # 0: seccomp_data.arch
+        (_JEQ_K, 1, 0, arch),  # 1: the native ABI -> 3
+        (_RET_K, 0, 0, eperm),  # 2
+        (_LD_W_ABS, 0, 0, 0),  # 3: seccomp_data.nr
+        (_JSET_K, 0, 1, 0x40000000),  # 4: the x32 ABI's numbers -> 5, else 6
+        (_RET_K, 0, 0, eperm),  # 5
+        (_JEQ_K, 0, 1, clone3),  # 6: clone3 -> 7, else 8
+        (_RET_K, 0, 0, enosys),  # 7
+        (_JEQ_K, 0, 3, clone),  # 8: clone -> 9, else the refused list at 12
+        (_LD_W_ABS, 0, 0, 16),  # 9: the low half of args[0], clone's flags
+        (_JSET_K, n + 1, 0, _CLONE_THREAD),  # 10: a thread -> allow (12 + n), else 11
+        (_RET_K, 0, 0, eperm),  # 11
+        *((_JEQ_K, n - i, 0, nr) for i, nr in enumerate(refused)),  # 12 ..: -> 13 + n
+        (_RET_K, 0, 0, _RET_ALLOW),  # 12 + n
+        (_RET_K, 0, 0, eperm),  # 13 + n
+    ]
+    return b"".join(struct.pack("<HBBI", *instruction) for instruction in program)
+
+
+def forbid_processes() -> bool:
+    """Install the seccomp filter in this process (for good: every thread made after it, and
+    nothing can remove it). False where the platform has none."""
+    if sys.platform != "linux" or platform.machine() not in _SYSCALLS:
+        return False
+    ctypes, libc = _libc()
+    program = _filter(*_SYSCALLS[platform.machine()])
+    buffer = ctypes.create_string_buffer(program)
+    prog = struct.pack("<HxxxxxxQ", len(program) // 8, ctypes.addressof(buffer))
+    prog_buffer = ctypes.create_string_buffer(prog)
+    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    try:
+        _check(
+            libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(prog_buffer), 0, 0),
+            "prctl(PR_SET_SECCOMP)",
+        )
+    except OSError:
+        return False
+    return True
+
+
+def limit_processes(extra: int) -> None:
+    """RLIMIT_NPROC: the tasks this user already has plus `extra` (threads count on Linux, so
+    this bounds a runaway, it does not forbid one process: the seccomp filter does that)."""
+    import resource
+
+    uid, count = os.getuid(), 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if entry.stat().st_uid == uid:
+                        count += len(os.listdir(f"/proc/{entry.name}/task"))
+    limit = count + extra
+    resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
+
+
+# --- peak resident memory, read from outside ------------------------------------------------------
+
+
+class PeakMemory:
+    """The peak resident memory of process `pid` over a span, read by another process:
+    `start()` resets the kernel's high-water mark (`clear_refs` 5) and notes the resident size,
+    `stop()` returns how far the high-water mark rose above it, in bytes. `available` is False
+    where /proc lacks either (not Linux, or not permitted)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.base = pid, 0
+        self.available = self._reset()
+
+    def _status_kib(self, field: str) -> int:
+        with open(f"/proc/{self.pid}/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+        raise OSError(f"/proc/{self.pid}/status has no {field}")
+
+    def _reset(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/clear_refs", "w") as clear:
+                clear.write("5")
+            self.base = self._status_kib("VmRSS")
+            return True
+        except OSError:
+            return False
+
+    def start(self) -> None:
+        self.available = self._reset()
+
+    def stop(self) -> int:
+        return max(0, self._status_kib("VmHWM") - self.base) * 1024
+
+
+# --- no new processes: the Python-level rules (kvlib.course.guards' audit hook applies them) ------
+
+PROCESS_EVENTS = frozenset(
+    {"os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
+     "os.startfile", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg"}
+)  # fmt: skip
+CTYPES_EVENTS = frozenset(
+    {"ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function",
+     "ctypes.cdata", "ctypes.cdata/buffer", "ctypes.addressof", "ctypes.string_at",
+     "ctypes.wstring_at", "ctypes.create_string_buffer", "ctypes.create_unicode_buffer",
+     "ctypes.get_errno", "ctypes.set_errno", "ctypes.PyObj_FromPtr"}
+)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1)
+def _site_packages() -> tuple[str, ...]:
+    import site
+    import sysconfig
+
+    paths = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    with contextlib.suppress(AttributeError):
+        paths.update(site.getsitepackages())
+    return tuple(os.path.realpath(p) + os.sep for p in paths)
+
+
+def process_refused(event: str, args: tuple, rules_apply: bool) -> bool:
+    """Whether the audit event `event` is refused: one that creates a process, signals another
+    process, or uses ctypes, while `rules_apply` (but loading a library that lies in
+    site-packages, as torch does on import, and a signal to this process)."""
+    if not rules_apply or event not in PROCESS_EVENTS and event not in CTYPES_EVENTS:
+        return False
+    if event in ("os.kill", "os.killpg"):
+        return not (event == "os.kill" and args and args[0] == os.getpid())
+    if event == "ctypes.dlopen":  # a package's own library (torch loads one on import)
+        path = args[0] if args else None
+        return not (
+            isinstance(path, str)
+            and os.path.isabs(path)
+            and os.path.realpath(path).startswith(_site_packages())
+        )
+    return True
+
+
+def wrap_fork_exec(rules_apply, error) -> None:
+    """subprocess's and multiprocessing's way to start a process, `_posixsubprocess.fork_exec`,
+    raises no audit event of its own when called directly: refuse it (`error(message)`) while
+    `rules_apply()`."""
+    try:
+        import _posixsubprocess
+    except ImportError:  # Windows
+        return
+    original = _posixsubprocess.fork_exec
+
+    def fork_exec(*args, **kwargs):
+        if rules_apply():
+            raise error("creating a process is not allowed while your code is graded (threads "
+                        "are fine)")  # fmt: skip
+        return original(*args, **kwargs)
+
+    _posixsubprocess.fork_exec = fork_exec

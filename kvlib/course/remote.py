@@ -1,0 +1,332 @@
+"""A learner's function seen from the grader (`Remote`): calling it sends the inputs to the
+learner's process by value and returns what came back (`Call`: the result, the arguments after
+the call, what was measured), answering what the learner's side asks meanwhile (`_Exchange`: rows
+of an array the grader keeps, the span of a memory measurement read from outside the process);
+and the helpers the checks use to judge what came back (`expect_list`, `expect_int`,
+`expect_tensor`, `peak_allocation`). Whether a result is a view of an argument is read from where
+their memory lies (`_aliases`), whether an argument changed from its value (`_same_value`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Callable
+
+from kvlib.course.wire import ParentRows
+
+
+class LearnerRaised(Exception):
+    """The learner's function raised (in the learner's process): its type, message, the qualified
+    names of its classes (`mro`) and the arguments as they were after it (`args`)."""
+
+    def __init__(self, type_name: str, message: str, mro=(), args_after=None):
+        super().__init__(f"your code raised {type_name}: {message}")
+        self.type_name, self.mro, self.args_after = type_name, list(mro), args_after
+
+    def is_a(self, name: str) -> bool:
+        """Whether the exception is an instance of the built-in exception `name` (a subclass
+        counts: `class CacheFull(ValueError)` is a ValueError)."""
+        return f"builtins.{name}" in self.mro
+
+
+class QuestionTimeout(Exception):
+    """The learner's process ran past the question's time; the grader killed it."""
+
+
+class ProcessEnded(Exception):
+    """The learner's process ended while a call ran (os._exit, a crash, a kill)."""
+
+
+@dataclasses.dataclass
+class Call:
+    """One call of the learner's function, seen from the grader: what it returned, its arguments
+    after the call (to see mutation), and what was measured."""
+
+    result: object
+    args: list
+    aliases: list[int]  # indices of the arguments the result is or shares memory with
+    info: dict
+
+
+class Remote:
+    """The learner's function, in the learner's process: calling it sends the inputs there and
+    returns the outputs by value."""
+
+    def __init__(self, submission, name: str, description: dict, target: str = ""):
+        self._submission, self.name, self.description = submission, name, description
+        self._target = target or name  # the binding called (the tests grade variants by name)
+
+    @property
+    def is_triton_kernel(self) -> bool:
+        return bool(self.description.get("jit"))
+
+    def __call__(self, *args, **kwargs):
+        return self.call(*args, **kwargs).result
+
+    def call(self, *args, _options: dict | None = None, **kwargs) -> Call:
+        """Call with `args`, `kwargs`; `_options`: measure_memory (the peak memory of the call,
+        in `info["peak_bytes"]`, the least of two calls), torch_ops, grid, and `mutates`
+        (indices of the arguments the function is meant to change in place; any other argument
+        it changes fails the question, and so does giving one of these new memory) and
+        `may_alias` (the result may be, or be a view of, an argument; otherwise that fails the
+        question too)."""
+        options = dict(_options or {})
+        for index, arg in enumerate(args):
+            if isinstance(arg, ParentRows):
+                arg.index = index
+        reply = self._exchange(args, kwargs, options)
+        if options.get("measure_memory"):  # twice: the first call may page in code once
+            first = reply[3] if reply[0] == "returned" else None
+            reply = self._exchange(args, kwargs, options)
+            if first is not None and reply[0] == "returned":
+                reply[3]["peak_bytes"] = min(first["peak_bytes"], reply[3]["peak_bytes"])
+        return self._finish(args, options, reply)
+
+    def _exchange(self, args, kwargs, options) -> tuple:
+        """Send the call; answer what the learner's side asks meanwhile (rows of a ParentRows,
+        the span of a memory measurement); the reply, with its info decoded."""
+        from kvlib.course.wire import decode
+
+        submission = self._submission
+        exchange = _Exchange(args, submission._side)
+        message = ("call", self._target, list(args), kwargs, options)
+        direct = getattr(submission._side, "call_direct", None)
+        if direct is not None:  # a learner's side in this process (the draws tests)
+            reply = direct(message, exchange.answer)
+        else:
+            reply = submission._request(message)
+            while reply[0] in ("rows", "measure"):
+                reply = submission._request(exchange.answer(reply))
+        info_at = 3
+        try:
+            info = decode(reply[info_at]) if len(reply) > info_at else {}
+        except (ValueError, TypeError, RecursionError):
+            info = {}
+        info.update(exchange.measured)
+        if "peak_bytes" not in info and "torch_peak_bytes" in info:
+            info["peak_bytes"] = info["torch_peak_bytes"] + info["python_peak_bytes"]
+            info["measured_by"] = "your process"
+        return (*reply[:info_at], info, *reply[info_at + 1 :])
+
+    def _finish(self, args, options, reply) -> Call:
+        from kvlib.course.wire import decode
+
+        if reply[0] == "raised":
+            _, type_name, message, info, mro, args_after = reply
+            if "kvlib.course.guards.GradingError" in mro or message.startswith(
+                "expected a @triton.jit"
+            ):
+                raise AssertionError(message)
+            with contextlib.suppress(ValueError, TypeError, RecursionError):
+                args_after = None if args_after is None else decode(args_after)
+            raise LearnerRaised(type_name, message, mro, args_after)
+        if reply[0] != "returned":
+            raise AssertionError(f"the learner's process answered {reply[0]!r}: {reply[1:2]}")
+        try:
+            refs: list = []
+            result = decode(reply[1], refs)
+            args_after = decode(reply[2], refs) if reply[2] is not None else list(args)
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise AssertionError(
+                f"`{self.name}` returned a value the grader cannot read: {exc}"
+            ) from None
+        info = reply[3]
+        call = Call(result, args_after, _aliases(result, args_after, info), info)
+        mutates = set(options.get("mutates", ()))
+        violations = self._submission.violations
+        # reported once the test's own checks pass: their hints come first
+        for index, (before, after) in enumerate(zip(args, call.args)):
+            if index not in mutates and not _same_value(before, after):
+                violations.append(
+                    f"`{self.name}` changed its argument {index + 1} ({_kind(before)}) in place: "
+                    "leave its inputs as they were"
+                )
+        spans = info.get("extents", {}).get("args", [])
+        for index in sorted(mutates):
+            before = info.get("extents_before", [])
+            if (
+                index < min(len(before), len(spans))
+                and before[index]
+                and (before[index] != spans[index])
+            ):
+                violations.append(
+                    f"`{self.name}` gave its argument {index + 1} ({_kind(args[index])}) new "
+                    "memory (`x.data = ...` or `x.set_(...)`): write into its own memory, in place"
+                )
+        if call.aliases and not options.get("may_alias") and not options.get("grid"):
+            index = call.aliases[0]
+            violations.append(
+                f"`{self.name}` returned its argument {index + 1} ({_kind(args[index])}) itself "
+                "or a view of it: return a new object"
+            )
+        return call
+
+    def launch(self, grid: tuple, *args, _mutates=(), **kwargs) -> Call:
+        """Launch a Triton kernel `kernel[grid](*args, **kwargs)` in the learner's process, under
+        Triton's interpreter (CPU tensors)."""
+        if not self.is_triton_kernel:
+            raise AssertionError(
+                f"`{self.name}` should be a @triton.jit kernel (a triton JITFunction), got a "
+                f"{self.description.get('type', '?')}"
+            )
+        call = self.call(*args, _options={"grid": tuple(grid), "mutates": _mutates}, **kwargs)
+        if not call.info.get("interpreter"):
+            raise AssertionError(
+                "the kernel did not run under Triton's interpreter: the grader launches it on CPU "
+                "tensors, which need TRITON_INTERPRET=1 set before @triton.jit runs (import "
+                "kvlib.kernels first), on a GPU machine too"
+            )
+        return call
+
+
+class _Exchange:
+    """The grader's answers to what the learner's side asks while one call runs: rows of an
+    argument the grader keeps (`ParentRows`), and the start and end of a memory measurement,
+    read from outside the learner's process where the platform allows (`measured`)."""
+
+    def __init__(self, args, side):
+        self.args, self.side = args, side
+        self.peak = None
+        self.measured: dict = {}
+
+    def answer(self, ask: tuple) -> tuple:
+        from kvlib.course.wire import encode
+
+        if ask[0] == "rows":
+            _, index, start, stop = ask
+            rows = self.args[index] if 0 <= index < len(self.args) else None
+            if not isinstance(rows, ParentRows) or not 0 <= stop - start <= rows.max_rows:
+                return ("error", "no such rows")
+            return ("rows", encode(rows.rows(start, stop)))
+        if ask[:2] == ("measure", "start"):
+            from kvlib.course.confine import PeakMemory
+
+            pid = getattr(self.side, "pid", None)
+            self.peak = PeakMemory(pid) if pid else None
+            return ("measure", "parent" if self.peak is not None and self.peak.available else "-")
+        if ask[:2] == ("measure", "stop"):
+            if self.peak is not None and self.peak.available:
+                self.measured.update(peak_bytes=self.peak.stop(), measured_by="grader")
+            return ("measure", "done")
+        return ("error", f"unknown request {ask[0]!r}")
+
+
+def _aliases(result, args_after: list, info: dict) -> list[int]:
+    """Indices of the arguments that the result is, contains, or shares memory with: the same
+    object on the wire (the learner's side sends an object once), or overlapping memory."""
+    inside: set[int] = set()
+
+    def walk(value, depth=0):
+        if depth > 4 or isinstance(value, (int, float, complex, str, bytes, bool, type(None))):
+            return
+        inside.add(id(value))
+        if type(value) in (list, tuple):
+            for item in value[:1000]:
+                walk(item, depth + 1)
+        elif type(value) is dict:
+            for item in list(value.values())[:1000]:
+                walk(item, depth + 1)
+
+    walk(result)
+    spans = info.get("extents", {})
+    result_spans = spans.get("result", [])
+    hits = []
+    for index, arg in enumerate(args_after):
+        arg_spans = spans.get("args", [])[index] if index < len(spans.get("args", [])) else []
+        overlap = any(a0 < b1 and b0 < a1 for a0, a1 in result_spans for b0, b1 in arg_spans)
+        same = id(arg) in inside and not isinstance(arg, (int, float, str, bool, type(None)))
+        if overlap or same:
+            hits.append(index)
+    return hits
+
+
+def expect_list(got, item_ok: Callable[[object], bool], should: str) -> None:
+    """Fail unless `got` is a list whose every item passes `item_ok`, with the message `should`
+    (what the learner's function should return) followed by what it returned."""
+    assert isinstance(got, list) and all(item_ok(item) for item in got), f"{should}, got {got!r}"
+
+
+def expect_int(got, what: str) -> None:
+    """Fail unless `got` is an int (a numpy integer counts; a bool or a float does not)."""
+    import numpy as np
+
+    assert isinstance(got, (int, np.integer)) and not isinstance(got, (bool, np.bool_)), (
+        f"{what} should return an int, got {type(got).__name__} {got!r}"
+    )
+
+
+def expect_tensor(got, expected, name: str) -> None:
+    """Fail unless `got` is a torch.Tensor of `expected`'s shape and dtype (values are the
+    caller's to compare)."""
+    import torch
+
+    assert isinstance(got, torch.Tensor), (
+        f"{name}: expected a torch.Tensor, got {type(got).__name__}"
+    )
+    assert tuple(got.shape) == tuple(expected.shape), (
+        f"{name}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
+    )
+    assert got.dtype == expected.dtype, (
+        f"{name}: expected dtype {expected.dtype} (the inputs' own), got {got.dtype}"
+    )
+
+
+def peak_allocation(info: dict) -> tuple[int, str]:
+    """The peak bytes a learner's call held (`_options={"measure_memory": True}`), and a phrase
+    for a hint saying what measured it, in MiB."""
+    peak = info["peak_bytes"]
+    if info.get("measured_by") == "grader":
+        return peak, f"{peak / 2**20:.1f} MiB (the peak resident memory of your process)"
+    return peak, (
+        f"{peak / 2**20:.1f} MiB (PyTorch's CPU allocator "
+        f"{info['torch_peak_bytes'] / 2**20:.1f} MiB + numpy/Python "
+        f"{info['python_peak_bytes'] / 2**20:.1f} MiB, traced in your process)"
+    )
+
+
+def _kind(value) -> str:
+    shape = getattr(value, "shape", None)
+    return type(value).__name__ + (f" of shape {tuple(shape)}" if shape is not None else "")
+
+
+def _same_value(a, b) -> bool:
+    """Whether `b` (an argument after the call, rebuilt here) still equals `a` (as sent)."""
+    import numpy as np
+
+    from kvlib.course.wire import Opaque
+
+    torch = sys.modules.get("torch")
+    tensor = (torch.Tensor,) if torch is not None else ()
+    if isinstance(b, Opaque) or not isinstance(a, (list, tuple, dict, set, frozenset, int, float,
+                                                  str, bytes, bool, type(None), np.ndarray,
+                                                  np.generic, *tensor)):  # fmt: skip
+        return True  # an object of another type: its state is the test's to judge
+    if tensor and isinstance(a, torch.Tensor):
+        if not (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape):
+            return False
+        a = a.detach().cpu()
+        if a.is_floating_point():  # NaN where it was NaN is unchanged
+            nan = a.isnan()
+            return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+        return torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return (
+            isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+        )
+    if isinstance(a, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return False
+        if all(type(x) in (int, str, bool, bytes, type(None)) for x in a):
+            return a == b  # the common case: a list of plain values
+        return all(_same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and list(a) == list(b) and all(_same_value(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return type(a) is type(b) and a == b
