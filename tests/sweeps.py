@@ -39,9 +39,10 @@ def spot_check_recall(path, policy: str, budget, factory, distances=(8, 240)) ->
             assert abs(got[int(row["x"])] - float(row["value"])) <= 0.02, row
 
 
-def spot_check_smollm2(path, smollm2, text, passkey) -> None:
+def spot_check_smollm2(path, smollm2, text, passkey=None) -> None:
     """SmolLM2 on the essay (`text` = (policy, budget, factory)) within 5% of the recorded
-    metrics, and the recorded passkey trial at depth 0.5 (`passkey`, likewise) answered alike."""
+    metrics, and the recorded passkey trial at depth 0.5 (`passkey`, likewise; None: a file with
+    no passkey rows) answered alike."""
     model, tokenizer = smollm2
     essay = torch.tensor([tokenizer.encode(course_text())])
     policy, budget, factory = text
@@ -51,6 +52,8 @@ def spot_check_smollm2(path, smollm2, text, passkey) -> None:
     for row in rows:
         value = float(row["value"])
         assert abs(got[row["metric"]] - value) <= 0.05 * abs(value) + 0.01, row
+    if passkey is None:
+        return
     policy, budget, factory = passkey
     (row,) = [r for r in recorded(path, "passkey", policy, budget) if float(r["x"]) == 0.5]
     key = dict(zip(PASSKEY_DEPTHS, np.random.default_rng(0).integers(10_000, 100_000, 5)))[0.5]

@@ -82,6 +82,29 @@ def test_both_plans_pack_the_survivors_into_the_first_slots(live, start):
     assert len(holes) <= len(repack)
 
 
+def apply_one_at_a_time(slots: list, moves) -> list:
+    """Apply (src, dst) moves as a loop of single copies, each reading the slots as they are."""
+    out = list(slots)
+    for s, d in moves:
+        out[d] = out[s]
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(live=st.lists(st.booleans(), max_size=64), start=st.integers(0, 64))
+def test_repack_destinations_are_only_earlier_moves_sources(live, start):
+    """So one copy at a time front to back equals the gather-then-scatter; back to front does not
+    whenever a destination is some move's source."""
+    moves = plan_repack(live, min(start, len(live)))
+    sources = [s for s, _ in moves]
+    for j, (s, d) in enumerate(moves):
+        assert d < s and d not in sources[j:]  # never a source still to be read
+    slots = list(range(len(live)))
+    assert apply_one_at_a_time(slots, moves) == apply(slots, moves)
+    reverse = apply_one_at_a_time(slots, moves[::-1]) == apply(slots, moves)
+    assert reverse == (not {d for _, d in moves} & set(sources))
+
+
 def test_plans_reject_a_bad_start():
     with pytest.raises(ValueError, match="start: expected an int in \\[0, 3\\]"):
         plan_repack([True, False, True], 4)

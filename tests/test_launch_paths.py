@@ -194,14 +194,16 @@ def test_relabel_refreshes_a_label_in_place_and_reports_a_new_one(tmp_path, monk
     assert R.relabel(chapter) == []  # all fresh: no label lines
     original = chapter.read_text()
     edit("kvlib/quant.py")  # no label line to refresh yet: re-execute, relabel says
+    results = ["quant_sweep.csv", "quant_flush_unit.csv"]  # both recorded through kvlib.quant
     assert [t.split(": ", 1)[1] for t in R.relabel(chapter)] == [
-        "quant_sweep.csv is newly stale; re-execute it"
+        f"{name} is newly stale; re-execute it" for name in results
     ]
     assert chapter.read_text() == original
-    notebook = nbformat.read(chapter, as_version=4)  # executed now, the cell prints the label
-    cell = next(c for c in notebook.cells if 'recorded_file("quant_sweep.csv")' in c.source)
-    stream = next(o for o in cell.outputs if o.output_type == "stream")
-    stream.text = R.staleness("quant_sweep.csv").label() + "\n" + stream.text
+    notebook = nbformat.read(chapter, as_version=4)  # executed now, the cells print the labels
+    for name in results:
+        cell = next(c for c in notebook.cells if f'recorded_file("{name}")' in c.source)
+        stream = next(o for o in cell.outputs if o.output_type == "stream")
+        stream.text = R.staleness(name).label() + "\n" + stream.text
     nbformat.write(notebook, chapter)
     edit("kvlib/quant.py", "kvlib/model.py")  # another source changes: refreshed in place
     assert R.relabel(chapter) == []

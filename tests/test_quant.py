@@ -263,6 +263,39 @@ def test_kivi_cache_keeps_R_exact_and_quantizes_whole_groups():
     )
 
 
+def test_key_flush_unit_cache_holds_per_token_keys_back_in_whole_units():
+    """chapter 10's control (`kvlib.experiments.quant_flush_unit`): per-token keys leave the
+    residual in units of G tokens, as KIVI's per-channel keys do; values as before; a unit of 1
+    is `QuantizedCache` bitwise."""
+    from kvlib.experiments.quant_flush_unit import KeyFlushUnitCache
+
+    model, ids = tiny_model(), prompts(2, 23)
+    key, value = QuantScheme("int4", False), QuantScheme("int4", False, "channels", 8)
+    cache = KeyFlushUnitCache(
+        TINY.num_hidden_layers, key, value, key_flush_unit=4, residual_length=3
+    )
+    reference = DynamicCache(TINY.num_hidden_layers)
+    for t in range(23):
+        model(ids[:, t : t + 1], cache=cache)
+        model(ids[:, t : t + 1], cache=reference)
+        n = cache.length
+        for layer in range(TINY.num_hidden_layers):
+            kept_k = cache.residual_keys[layer].shape[2]
+            assert kept_k == n if n < 3 + 4 else 3 <= kept_k < 3 + 4  # R <= residual < R + unit
+            assert cache.residual_values[layer].shape[2] == min(3, n)
+    k0 = reference.keys[0][:, :, : cache.keys[0].num_tokens]  # per token: row by row
+    assert cache.keys[0].num_tokens % 4 == 0 and torch.equal(
+        cache.keys[0].codes, quantize(k0, key).codes
+    )
+    one = KeyFlushUnitCache.factory(key, value, key_flush_unit=1, residual_length=2)
+    plain = QuantizedCache.factory(key, value, residual_length=2)
+    assert torch.equal(generate(model, ids, 6, cache=one), generate(model, ids, 6, cache=plain))
+    with pytest.raises(ValueError, match="key_scheme: expected per-token keys"):
+        KeyFlushUnitCache(2, QuantScheme("int4", False, "tokens", 4), key_flush_unit=4)
+    with pytest.raises(ValueError, match="key_flush_unit"):
+        KeyFlushUnitCache(2, key, key_flush_unit=0)
+
+
 def test_int8_cache_close_to_the_full_cache_and_generates():
     model, ids = tiny_model(), prompts(2, 12)
     full = model(ids)
@@ -454,6 +487,15 @@ def test_recorded_sweep_spot_check_smollm2(smollm2):
         text=("int4 KIVI", 0, quant_factory("int4 KIVI")),
         passkey=("int2 per-token", 0, quant_factory("int2 per-token")),
     )
+
+
+@pytest.mark.slow
+def test_recorded_flush_unit_control_spot_check(smollm2):
+    from kvlib.experiments.quant_flush_unit import FLUSH_UNIT_LABELS, flush_unit_factory
+
+    label = FLUSH_UNIT_LABELS[0]
+    path = RESULTS.with_name("quant_flush_unit.csv")
+    spot_check_smollm2(path, smollm2, text=(label, 0, flush_unit_factory(label)))
 
 
 def test_cat_quantized_refuses_mixed_parts():

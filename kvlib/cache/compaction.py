@@ -7,7 +7,8 @@ nothing until a **compaction** pass moves the survivors together (TriAttention, 
 NVIDIA's "KV Cache Compression and Its Infra Problems", 2026). Two passes, both per sequence, both
 planned in `kvlib.cache.compaction_plans`: **repack**, order-preserving, and **hole-filling**, few
 copies with a slot -> position map. A pass moves K/V in every layer with one gather of all its
-sources before any write (repack's destinations overlap later sources). Blocks another
+sources before any write (repack's destinations are earlier moves' sources, so copies one at a
+time are safe only front to back; a gather first is safe in any order). Blocks another
 sequence also holds (prefix-cache hits, forked samples or beams) are **never written**: a pass
 starts after the sequence's last shared block and reports the blocks it skipped
 (`CompactionReport.blocks_pinned`); evicted tokens there stay masked. Blocks a pass writes leave the

@@ -53,9 +53,13 @@ def freeable_blocks(live: Sequence[bool], block_size: int) -> list[int]:
 
 def plan_repack(live: Sequence[bool], start: int = 0) -> list[tuple[int, int]]:
     """Order-preserving repack of slots `start` onward: the k-th survivor moves to slot
-    `start + k`. Returns the (src, dst) slot moves, survivors already in place left out; apply
-    them by reading every src before writing any dst (a destination can be a later move's
-    source). After it the survivors fill slots [start, start + survivors)."""
+    `start + k`. Returns the (src, dst) slot moves in slot order, survivors already in place left
+    out. Every move goes down (dst < src), so a destination can only be an *earlier* move's
+    source: copied one at a time in the order given, each slot is read before it is overwritten;
+    in reverse order, or by concurrent copies (a GPU kernel's threads), a move can read a slot an
+    earlier move has already overwritten. Reading every src before writing any dst (what
+    `CompactingPagedCache.compact` does) is safe in any order. After it the survivors fill slots
+    [start, start + survivors)."""
     flags = _check_live(live, start)
     moves, dst = [], start
     for src in range(start, len(flags)):

@@ -9,9 +9,12 @@ the FLOPs of a causal prefill of n tokens, for a dense Llama-family model (multi
     attention: 2 · L · H · D · n · (n + 1)                        (QKᵀ and AV over n(n+1)/2 pairs)
 
 leaving out the embedding lookup and the LM head (the request computes the last token's logits
-either way). Recomputing takes FLOPs / (the accelerator's achieved FLOP/s); shipping takes bytes /
-bandwidth; they take equally long at the **break-even bandwidth** bytes · (FLOP/s) / FLOPs. Over a
-faster link, shipping wins. Deliberately left out: the transfer's latency, overlap of transfer with
+either way). The linear term is the "2 · params · n" rule of thumb with params counting only the
+layers' linear weights (`linear_weight_count`; chapter 14 prints it for SmolLM2 and Llama 3 8B,
+whose embeddings it leaves out). Recomputing takes FLOPs / (the accelerator's achieved
+FLOP/s); shipping takes bytes / bandwidth; they take equally long at the **break-even
+bandwidth** bytes · (FLOP/s) / FLOPs, which is proportional to the FLOP/s assumed. Over a faster
+link, shipping wins. Deliberately left out: the transfer's latency, overlap of transfer with
 compute (layer-wise pipelining), and the decode side's own work.
 """
 
@@ -21,7 +24,25 @@ from kvlib._validate import check_positive_int
 from kvlib.config import config_field, load_config
 from kvlib.memory import kv_bytes_per_token
 
-__all__ = ["break_even_bandwidth", "kv_transfer_bytes", "prefill_flops"]
+__all__ = ["break_even_bandwidth", "kv_transfer_bytes", "linear_weight_count", "prefill_flops"]
+
+
+def _attention_shape(c: dict) -> tuple[int, int, int, int]:
+    """(L, d, H, D) of a loaded config."""
+    d, num_heads = config_field(c, "hidden_size"), config_field(c, "num_attention_heads")
+    return config_field(c, "num_hidden_layers"), d, num_heads, c.get("head_dim") or d // num_heads
+
+
+def linear_weight_count(config) -> int:
+    """Weights of every layer's linear projections (q, k, v, o and SwiGLU's three matrices) of a
+    dense Llama-family model: the `params` of "2 · params · n", without the embedding, the LM head
+    and the norms."""
+    c = load_config(config)
+    num_layers, d, num_heads, head_dim = _attention_shape(c)
+    num_kv_heads = c.get("num_key_value_heads") or num_heads
+    per_layer = d * num_heads * head_dim + 2 * d * num_kv_heads * head_dim
+    per_layer += num_heads * head_dim * d + 3 * d * config_field(c, "intermediate_size")
+    return num_layers * per_layer
 
 
 def prefill_flops(config, num_tokens: int) -> int:
@@ -29,14 +50,8 @@ def prefill_flops(config, num_tokens: int) -> int:
     Llama-family model (a Hugging Face config dict or path; see the module docstring)."""
     c = load_config(config)
     n = check_positive_int("num_tokens", num_tokens)
-    num_layers = config_field(c, "num_hidden_layers")
-    d, num_heads = config_field(c, "hidden_size"), config_field(c, "num_attention_heads")
-    num_kv_heads = c.get("num_key_value_heads") or num_heads
-    head_dim = c.get("head_dim") or d // num_heads
-    intermediate = config_field(c, "intermediate_size")
-    per_token = d * num_heads * head_dim + 2 * d * num_kv_heads * head_dim
-    per_token += num_heads * head_dim * d + 3 * d * intermediate
-    linear = 2 * n * num_layers * per_token
+    num_layers, _, num_heads, head_dim = _attention_shape(c)
+    linear = 2 * n * linear_weight_count(c)
     attention = 2 * num_layers * num_heads * head_dim * n * (n + 1)
     return linear + attention
 

@@ -5,7 +5,12 @@ A block is written to a temporary name in the tier's directory, flushed to the d
 atomic within a file system: a reader (or the next process, after a crash) sees either no file or
 the whole file, never a prefix of one. A writer killed mid-write leaves only a temporary file,
 which `reopen` deletes. Writing straight to the final name (`atomic=False`, for chapter 14's
-pitfall) can leave a torn file that a later lookup reads as a block.
+pitfall) can leave a torn file under a block's name. safetensors refuses any prefix of a file (its
+header gives the offsets of every byte, and the file must end where they do), so `reopen` skips
+such a file: it deletes it, lists it in `DiskTier.skipped` with the reason, and warns
+(`RuntimeWarning`); the tier opens with every whole block and stays usable, and the torn block is a
+miss (its K/V is recomputed). A format without lengths in its header would read it back as a
+shorter block instead.
 
 The file format is safetensors (a JSON header of names, dtypes, shapes and offsets, then the raw
 bytes; Hugging Face's format for weights), with the block's payload bytes in the header's metadata
@@ -20,11 +25,12 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load, save
 
 from kvlib.offload.store import TierIndex, payload_nbytes
@@ -54,7 +60,8 @@ def write_block_file(path: Path, payload: dict[str, torch.Tensor], *, atomic: bo
 class DiskTier(TierIndex):
     """Blocks as safetensors files `<key hex>.safetensors` in `directory` (created if absent);
     the same interface as `kvlib.offload.MemoryTier`, and durable: `reopen` rebuilds the index from
-    the files, as a restarted process does.
+    the files, as a restarted process does, skipping (and listing in `skipped`) any that does not
+    parse.
 
     Args:
         directory: where the files live (the tier owns it: it deletes stray temporary files).
@@ -85,14 +92,31 @@ class DiskTier(TierIndex):
 
     def reopen(self) -> None:
         """Rebuild the index from the directory: delete temporary files (writes a crash cut
-        short), then list the block files, least recently used (oldest modification) first."""
+        short), then list the block files, least recently used (oldest modification) first.
+
+        A block file that does not parse (torn by a non-atomic write, or not written by a
+        `DiskTier`) is skipped: deleted, recorded in `skipped` as (file name, reason), and
+        reported with one `RuntimeWarning`; every other block stays readable."""
         for stray in self.directory.glob(f"*{TEMP}.*"):
             stray.unlink(missing_ok=True)
         found = []
-        for path in self.directory.glob(f"*{SUFFIX}"):
-            with safe_open(path, framework="pt") as f:
-                nbytes = int(f.metadata()["nbytes"])
+        self.skipped: list[tuple[str, str]] = []
+        for path in sorted(self.directory.glob(f"*{SUFFIX}")):
+            try:
+                with safe_open(path, framework="pt") as f:
+                    nbytes = int((f.metadata() or {})["nbytes"])
+            except (SafetensorError, KeyError, ValueError) as error:
+                self.skipped.append((path.name, f"{type(error).__name__}: {error}"))
+                path.unlink(missing_ok=True)
+                continue
             found.append((path.stat().st_mtime_ns, path.name, nbytes))
+        if self.skipped:
+            warnings.warn(
+                f"{self.directory}: skipped {len(self.skipped)} unreadable block file(s) (torn by "
+                f"a crash?), deleted: {', '.join(name for name, _ in self.skipped)}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.sizes: OrderedDict[bytes, int] = OrderedDict(
             (bytes.fromhex(name.removesuffix(SUFFIX)), nbytes) for _, name, nbytes in sorted(found)
         )

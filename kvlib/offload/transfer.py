@@ -12,13 +12,16 @@ chapter 12's engine with chapter 14's tiers, in two processes on one machine:
    quantized cache);
 3. the decode side checks the salt (its own engine's: same model, dtype, scheme, RoPE, block
    size) and puts the blocks into its store (`import_blocks`); its engine admits the request as
-   a prefix hit, promotes the blocks into its pool and computes only the tokens of the last,
-   partial block, then decodes.
+   a prefix hit, promotes the blocks into its pool and computes the prompt's tail (below), then
+   decodes.
 
-Why the partial block is recomputed, not shipped: the engine admits a request through its prefix
-lookup, which only ever covers full blocks and leaves the last prompt token to compute (chapter
-7). So the decode side computes fewer than `block_size` tokens of the prompt; the bytes shipped
-are `full blocks · block_bytes`, measured in tests and in the chapter.
+What the decode side recomputes: the engine admits a request through its prefix lookup, which only
+ever covers full blocks and always leaves the last prompt token to compute (chapter 7), so it uses
+(n - 1) // block_size shipped blocks of an n-token prompt and computes the other
+n - block_size · ((n - 1) // block_size) tokens: between 1 and `block_size` of them, a whole block
+when n is a multiple of `block_size` (a 64-token prompt ships 3 blocks of 16 and recomputes 16
+tokens). The bytes shipped are `full blocks · block_bytes` plus safetensors' headers, measured in
+tests and in the chapter.
 
 Deliberately not here: RDMA or NVLink (production uses NIXL, Mooncake's transfer engine, UCX),
 layer-by-layer streaming overlapped with the prefill, a scheduler that routes requests.
