@@ -1,7 +1,11 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files; and, before any test can import Triton (torch.compile
+does), Triton's CPU interpreter switched on where there is no CUDA, so any selection of test files
+runs the kernels as `make unit` does."""
 
 import pytest
 import torch
+
+import kvlib.ops.interpreter  # noqa: F401  sets TRITON_INTERPRET=1 without CUDA
 
 
 @pytest.fixture(scope="session")
