@@ -36,6 +36,7 @@ checks and `paged_decode_attention_ref` work, and `paged_decode_attention` raise
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
@@ -43,10 +44,12 @@ import torch
 from kvlib.ops.decode_checks import check_inputs, check_values
 from kvlib.ops.decode_plan import (
     LOG2_E,
+    LaunchPlan,
     default_num_splits,
     launch_plan,
     next_power_of_2,
 )
+from kvlib.ops.direct_launch import KernelLaunch
 
 _KERNEL_NAMES = ("_decode_split_kernel", "_reduce_splits_kernel")  # in kvlib.ops.triton_decode
 
@@ -66,24 +69,30 @@ def triton_available() -> bool:
 
 
 def _triton_kernels():
-    """The module holding the @triton.jit kernels, imported on first launch.
+    """The module holding the decode @triton.jit kernels, imported on first launch."""
+    return _import_triton_module("kvlib.ops.triton_decode")
+
+
+def _import_triton_module(
+    name: str, function: str = "paged_decode_attention", where: str = "kvlib.kernels"
+):
+    """A kvlib module of @triton.jit kernels (`kvlib.ops.triton_decode`,
+    `kvlib.ops.triton_prefill`), imported on first launch by `where`.`function`.
 
     Raises:
         TritonUnavailableError: Triton is not importable here (the message says what to do).
     """
     try:
-        from kvlib.ops import triton_decode
+        return importlib.import_module(name)
     except ImportError as error:
         if error.name is None or error.name.split(".")[0] != "triton":
             raise  # a broken kvlib, not a missing Triton
         raise TritonUnavailableError(
-            f"paged_decode_attention launches a Triton kernel, and Triton cannot be imported here "
+            f"{function} launches a Triton kernel, and Triton cannot be imported here "
             f"({error}). Triton runs on Linux (on Windows, inside WSL2): `pip install triton` "
             "(without a CUDA GPU, kvlib.kernels runs it under Triton's CPU interpreter). Without "
-            "Triton, use kvlib.kernels.paged_decode_attention_ref: the same arguments and result, "
-            "in plain torch."
+            f"Triton, use {where}.{function}_ref: the same arguments and result, in plain torch."
         ) from error
-    return triton_decode
 
 
 def __getattr__(name: str):
@@ -178,30 +187,26 @@ def paged_decode_attention(
         num_splits = default_num_splits(plan.batch, plan.num_kv_heads, max_seq_len, q.device)
     elif not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits: expected an int >= 1, got {num_splits!r}")
-    if workspace is None:
+    if out is None:
+        out = torch.empty_like(q)
+    kernels = _KERNELS or _load_kernels()
+    split, reduce = plan.launches.get((kernels._decode_split_kernel, num_splits)) or _launches(
+        plan, kernels, num_splits, out
+    )
+    if reduce is None:  # one split: the split kernel writes `out`; no partials to merge
+        partial_out = partial_lse = out  # (pointers the kernel does not use)
+    elif workspace is None:
         shape = (plan.batch, plan.num_heads, num_splits)
         partial_out = torch.empty(*shape, plan.head_dim, dtype=torch.float32, device=q.device)
         partial_lse = torch.empty(shape, dtype=torch.float32, device=q.device)
-        head_stride = num_splits * plan.head_dim
-        partial_strides = (
-            plan.num_heads * head_stride,
-            head_stride,
-            plan.head_dim,
-            plan.num_heads * num_splits,
-            num_splits,
-        )
     else:
         if num_splits > plan.workspace_splits:
             raise ValueError(
                 f"workspace: holds {plan.workspace_splits} splits, num_splits is {num_splits}"
             )
         partial_out, partial_lse = workspace
-        partial_strides = plan.workspace_strides
-    if out is None:
-        out = torch.empty_like(q)
-    kernels = _KERNELS or _load_kernels()
     qk_scale = plan.qk_scale if scale is None else float(scale) * LOG2_E
-    kernels._decode_split_kernel[(plan.batch, plan.num_kv_heads, num_splits)](
+    split(
         q,
         k_cache,
         v_cache,
@@ -211,24 +216,55 @@ def paged_decode_attention(
         seq_lens,
         partial_out,
         partial_lse,
-        qk_scale,
-        *plan.fixed_strides,
-        *partial_strides,
-        num_splits,
-        **plan.split_options,
-    )
-    kernels._reduce_splits_kernel[(plan.batch, plan.num_heads)](
-        partial_out,
-        partial_lse,
         out,
-        *partial_strides,
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        BLOCK_S=next_power_of_2(num_splits),
-        **plan.reduce_options,
+        qk_scale,
     )
+    if reduce is not None:
+        reduce(partial_out, partial_lse, out)
     return out
+
+
+def _launches(plan: LaunchPlan, kernels, num_splits: int, out: torch.Tensor) -> tuple:
+    """The plan's launches at `num_splits` splits (`kvlib.ops.direct_launch.KernelLaunch`): the
+    split kernel, and the reduce, None for one split (the split kernel then writes the output
+    itself). Their trailing arguments (strides, the split count) are fixed by the plan: `out` is
+    the caller's (in the plan's metadata) or `empty_like(q)`, whose strides follow q's. Kept in
+    the plan, keyed by the kernel object (a benchmark may stand one in)."""
+    single = num_splits == 1
+    if single:
+        partial_strides = (0, 0, 0, 0, 0)  # no partials
+    elif plan.workspace_splits:
+        partial_strides = plan.workspace_strides
+    else:  # contiguous (B, H, num_splits, D) and (B, H, num_splits), allocated per call
+        head_stride = num_splits * plan.head_dim
+        partial_strides = (
+            plan.num_heads * head_stride,
+            head_stride,
+            plan.head_dim,
+            plan.num_heads * num_splits,
+            num_splits,
+        )
+    out_strides = out.stride()[:2]
+    split = KernelLaunch(
+        kernels._decode_split_kernel,
+        (plan.batch, plan.num_kv_heads, num_splits),
+        (*plan.fixed_strides, *partial_strides, *out_strides, num_splits),
+        {**plan.split_options, "SINGLE_SPLIT": single},
+        plan.device_index,
+        num_tensors=10,
+    )
+    reduce = None
+    if not single:
+        reduce = KernelLaunch(
+            kernels._reduce_splits_kernel,
+            (plan.batch, plan.num_heads),
+            (*partial_strides, *out_strides, num_splits),
+            {**plan.reduce_options, "BLOCK_S": next_power_of_2(num_splits)},
+            plan.device_index,
+            num_tensors=3,
+        )
+    plan.launches[kernels._decode_split_kernel, num_splits] = split, reduce
+    return split, reduce
 
 
 def _load_kernels():

@@ -168,12 +168,24 @@ def torch_allocated_bytes(fn: Callable[[], object]) -> int:
 # ---------------------------
 
 
+class _FakeCompiled:
+    """Stands in for the compiled kernel a Triton launch returns: its launcher does nothing."""
+
+    function = packed_metadata = None
+
+    @staticmethod
+    def run(*args):
+        return None
+
+
 class _FakeLaunch:
-    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **options)` does nothing, so a
-    CPU timer sees only the wrapper's own Python path."""
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **options)` does nothing and
+    returns `_FakeCompiled`, which the wrapper then launches directly as it launches a compiled
+    kernel on a GPU (`kvlib.ops.direct_launch`), so a CPU timer sees only the wrapper's own
+    Python path."""
 
     def __getitem__(self, grid):
-        return lambda *args, **options: None
+        return lambda *args, **options: _FakeCompiled
 
 
 def decode_host_time_us(
@@ -192,8 +204,9 @@ def decode_host_time_us(
     and `DecodeWorkspace`. The shape is a small decode step (batch 1, 32/8 heads, D = 128, 16
     tokens), so that on a GPU each call's kernels take less time than its host path and the
     timer measures the host. On a GPU the device is synchronized before and after each round,
-    never inside it. `fake_launch` replaces the two Triton launches with no-ops: what remains is
-    the wrapper's own Python (checks, plan cache, allocations), which a CPU can measure.
+    never inside it. `fake_launch` replaces the Triton kernels with stand-ins whose launches do
+    nothing: what remains is the wrapper's own Python (checks, plan cache, allocations, the
+    direct launch's arguments), which a CPU can measure.
     """
     import torch
 

@@ -3,11 +3,19 @@ from its inputs' metadata alone (grid sizes, strides, constexprs, launch options
 computed once per distinct metadata and cached (`launch_plan`, `_PLANS`), so the hot path of a
 decode loop pays no checks; the split count that fills a GPU (`default_num_splits`); the launch
 options frozen from the H100 sweep (`GPU_LAUNCH`); and the caller-owned scratch buffers
-(`DecodeWorkspace`)."""
+(`DecodeWorkspace`).
+
+The cache key is read on every call, so it is kept short: the tensors that change from call to
+call (the queries, block tables, lengths, scales, output) by their metadata (shape, strides,
+dtype, device); the long-lived ones, the K/V pools and the workspace, by identity, held weakly
+(a plan made for one pool is never used for another, nor kept alive for it). What this does not
+notice: a pool or workspace whose metadata is changed in place (`resize_`, `set_`) between
+calls."""
 
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -99,41 +107,52 @@ class LaunchPlan(NamedTuple):
     workspace_strides: tuple  # its partial_out and partial_lse strides (() without one)
     split_options: dict  # constexprs and launch options of the split kernel
     reduce_options: dict  # constexprs of the reduce kernel (BLOCK_S comes per call)
+    device_index: int | None  # the CUDA device's index (None: not a CUDA device)
+    # split count -> its kernels' `kvlib.ops.direct_launch.KernelLaunch`es (split, reduce or None)
+    launches: dict
+    owners: tuple  # weak references to the pools and workspace tensors the plan was made for
 
 
-_PLANS: dict = {}  # metadata key -> LaunchPlan; bounded by _MAX_PLANS
+_PLANS: dict = {}  # key -> LaunchPlan; bounded by _MAX_PLANS
 
 
-_MAX_PLANS = 256
+_MAX_PLANS = 4096  # one plan per layer's pools and batch shape: a model's layers times its shapes
 
 
-def _metadata(t: torch.Tensor | None) -> tuple | None:
-    return None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device)
+def _owned(plan: LaunchPlan, k_cache, v_cache, workspace) -> bool:
+    """Whether `plan` was made for these very pools and workspace (their ids may have been reused
+    by new tensors since)."""
+    refs = plan.owners
+    return (
+        refs[0]() is k_cache
+        and refs[1]() is v_cache
+        and (workspace is None or (refs[2]() is workspace[0] and refs[3]() is workspace[1]))
+    )
 
 
 def launch_plan(
     q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, workspace, launch
 ) -> LaunchPlan:
-    """The launch plan of these inputs: from the cache when the same metadata (shapes, strides,
-    dtypes, devices) and launch options were seen before, else checked (`check_inputs`) and
-    computed."""
-    try:
+    """The launch plan of these inputs: from the cache when the same pools and workspace, the same
+    metadata (shapes, strides, dtypes, devices) of the other tensors and the same launch options
+    were seen before, else checked (`check_inputs`) and computed (see the module docstring)."""
+    try:  # written out: this runs every call
         key = (
-            _metadata(q),
-            _metadata(k_cache),
-            _metadata(v_cache),
-            _metadata(block_tables),
-            _metadata(seq_lens),
-            _metadata(k_scale),
-            _metadata(v_scale),
-            _metadata(out),
-            None if workspace is None else (type(workspace), *map(_metadata, workspace)),
+            id(k_cache), id(v_cache),
+            q.shape, q.stride(), q.dtype, q.device,
+            block_tables.shape, block_tables.stride(), block_tables.dtype, block_tables.device,
+            seq_lens.shape, seq_lens.stride(), seq_lens.dtype, seq_lens.device,
+            None if k_scale is None and v_scale is None else (
+                k_scale.shape, k_scale.stride(), k_scale.dtype, k_scale.device,
+                v_scale.shape, v_scale.stride(), v_scale.dtype, v_scale.device),
+            None if out is None else (out.shape, out.stride(), out.dtype, out.device),
+            None if workspace is None else (type(workspace), id(workspace[0]), id(workspace[1])),
             launch,
-        )
+        )  # fmt: skip
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors: check_inputs says which
         key = plan = None
-    if plan is not None:
+    if plan is not None and _owned(plan, k_cache, v_cache, workspace):
         return plan
     plan = _make_plan(
         q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, workspace, launch
@@ -253,4 +272,9 @@ def _make_plan(
         workspace_strides=workspace_strides,
         split_options=split_options,
         reduce_options=dict(HEAD_DIM=head_dim, BLOCK_D=block_d),
+        device_index=q.device.index if q.device.type == "cuda" else None,
+        launches={},
+        owners=tuple(
+            weakref.ref(t) for t in (k_cache, v_cache, *(() if workspace is None else workspace))
+        ),
     )

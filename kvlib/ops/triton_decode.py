@@ -31,6 +31,7 @@ def _decode_split_kernel(
     seq_lens_ptr,  # (B,) int32: tokens in each sequence
     partial_out_ptr,  # (B, H, num_splits, D) fp32: each split's normalised output
     partial_lse_ptr,  # (B, H, num_splits) fp32: each split's log2-sum-exp2 of its scores
+    out_ptr,  # (B, H, D) in q's dtype: the result, written here when SINGLE_SPLIT
     qk_scale,  # softmax scale * log2(e): scores come out in the log2 domain
     stride_qb,
     stride_qh,
@@ -45,6 +46,8 @@ def _decode_split_kernel(
     stride_os,
     stride_lb,
     stride_lh,
+    stride_outb,
+    stride_outh,
     num_splits,
     GROUP_SIZE: tl.constexpr,  # G = H / H_kv query heads per KV head
     HEAD_DIM: tl.constexpr,  # D
@@ -55,6 +58,7 @@ def _decode_split_kernel(
     COMPUTE_FP32: tl.constexpr,  # cast K/V to fp32 before the dots (fp32 inputs, the interpreter)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots (not TF32's 10-bit mantissa), else "tf32"
     QUANTIZED: tl.constexpr,  # K/V pools hold int8/fp8 codes with per-token scales
+    SINGLE_SPLIT: tl.constexpr,  # one split: write the output itself, no partials, no reduce
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,16 +138,25 @@ def _decode_split_kernel(
     # --- this split's partial result; an empty split writes lse = -inf (weight 0 in the reduce) ---
     has_tokens = l > 0
     out = acc / tl.where(has_tokens, l, 1.0)[:, None]
-    lse = tl.where(has_tokens, m + tl.log2(tl.where(has_tokens, l, 1.0)), float("-inf"))
-    out_ptrs = (
-        partial_out_ptr
-        + batch * stride_ob
-        + heads[:, None] * stride_oh
-        + split * stride_os
-        + dims[None, :]
-    )
-    tl.store(out_ptrs, out, mask=group_mask[:, None] & dim_mask[None, :])
-    tl.store(partial_lse_ptr + batch * stride_lb + heads * stride_lh + split, lse, mask=group_mask)
+    if SINGLE_SPLIT:  # the whole sequence in one split: this is the result (what the reduce gives)
+        result_ptrs = out_ptr + batch * stride_outb + heads[:, None] * stride_outh + dims[None, :]
+        tl.store(
+            result_ptrs,
+            out.to(out_ptr.dtype.element_ty),
+            mask=group_mask[:, None] & dim_mask[None, :],
+        )
+    else:
+        lse = tl.where(has_tokens, m + tl.log2(tl.where(has_tokens, l, 1.0)), float("-inf"))
+        out_ptrs = (
+            partial_out_ptr
+            + batch * stride_ob
+            + heads[:, None] * stride_oh
+            + split * stride_os
+            + dims[None, :]
+        )
+        tl.store(out_ptrs, out, mask=group_mask[:, None] & dim_mask[None, :])
+        lse_ptrs = partial_lse_ptr + batch * stride_lb + heads * stride_lh + split
+        tl.store(lse_ptrs, lse, mask=group_mask)
 
 
 @triton.jit
