@@ -96,18 +96,17 @@ def test_a_step_syncs_with_the_host_once(sync_counter):
 
 
 def test_the_engine_transfers_once_per_step_that_samples(monkeypatch):
-    from kvlib.engine import LLMEngine
-    from kvlib.engine import runner as runner_module
+    from kvlib.engine import LLMEngine, overlap
     from kvlib.loaders.course_model import load_course_model
 
     transfers = []
-    original = runner_module.to_host
+    original = overlap.to_host
 
     def counted(step):
         transfers.append(step.num_rows)
         return original(step)
 
-    monkeypatch.setattr(runner_module, "to_host", counted)
+    monkeypatch.setattr(overlap, "to_host", counted)
     engine = LLMEngine(load_course_model(), num_blocks=60, max_num_batched_tokens=16)
     for i, prompt in enumerate([list(range(5, 45)), [1, 2, 3], [7] * 9]):
         params = SamplingParams(temperature=0.8, seed=i, max_tokens=4, logprobs=2)

@@ -5,6 +5,7 @@ each prompt's tokens generated alone, without building chapter 12's padded `Batc
 import pytest
 import torch
 
+import kvlib.kernels  # noqa: F401  first: without CUDA it sets TRITON_INTERPRET before Triton loads
 from kvlib.engine import LLMEngine, SamplingParams
 from kvlib.engine import runner as runner_module
 from kvlib.engine.varlen import VarlenBatchKV
@@ -98,6 +99,79 @@ def test_paged_prefill_rejects_lengths_that_do_not_fit():
         )
 
 
+# --- the fused Triton kernel (issue 48, part 3), under the interpreter on a CPU ---------------
+
+
+def kernel_inputs(seq_lens, query_lens, dtype=torch.float32, **shape):
+    """`paged_inputs` in the kernel's convention: int32 tables, cu_seqlens_q and seq_lens."""
+    q, key_cache, value_cache, tables = paged_inputs(seq_lens, query_lens, **shape)
+    cu_seqlens = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return q.to(dtype), key_cache.to(dtype), value_cache.to(dtype), tables.int(), cu_seqlens, lens
+
+
+KERNEL_SHAPES = {
+    "blocks of 4, D = 8": dict(block_size=4, heads=4, kv_heads=2, dim=8),
+    "blocks of 16, D = 24, MQA": dict(block_size=16, heads=3, kv_heads=1, dim=24),
+}
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
+@pytest.mark.parametrize("name", CASES)
+def test_the_fused_kernel_matches_the_reference(name, shape):
+    pytest.importorskip("triton")
+    from kvlib.ops.varlen_attention import varlen_paged_attention, varlen_paged_attention_ref
+
+    seq_lens, query_lens = CASES[name]
+    inputs = kernel_inputs(seq_lens, query_lens, **KERNEL_SHAPES[shape])
+    want = varlen_paged_attention_ref(*inputs, max_query_len=max(query_lens))
+    got = varlen_paged_attention(*inputs, max_query_len=max(query_lens))
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    # a grid sized for more queries than any sequence has (what a captured graph launches)
+    padded = varlen_paged_attention(*inputs, max_query_len=max(query_lens) + 40)
+    assert torch.equal(padded, got)
+
+
+def test_the_fused_kernel_reads_bf16_and_quantized_pools():
+    pytest.importorskip("triton")
+    from kvlib.ops.varlen_attention import varlen_paged_attention, varlen_paged_attention_ref
+
+    seq_lens, query_lens = [23, 12, 40], [1, 12, 17]
+    bf16 = kernel_inputs(seq_lens, query_lens, torch.bfloat16, block_size=16, dim=16)
+    diff = (
+        varlen_paged_attention(*bf16, max_query_len=17)
+        - varlen_paged_attention_ref(*bf16, max_query_len=17)
+    ).abs()
+    assert diff.max() <= 2e-2, diff.max()  # bf16 outputs: a rounding step apart at most
+    q, key_cache, value_cache, tables, cu_seqlens, lens = kernel_inputs(seq_lens, query_lens)
+    g = torch.Generator().manual_seed(2)
+    codes = [torch.randint(-127, 128, key_cache.shape, generator=g, dtype=torch.int8) for _ in "kv"]
+    scales = [torch.rand(key_cache.shape[:3], generator=g) / 50 for _ in "kv"]
+    args = (q, *codes, tables, cu_seqlens, lens)
+    kwargs = dict(max_query_len=17, k_scale=scales[0], v_scale=scales[1])
+    got, want = varlen_paged_attention(*args, **kwargs), varlen_paged_attention_ref(*args, **kwargs)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+def test_the_fused_kernel_names_bad_inputs():
+    pytest.importorskip("triton")
+    from kvlib.ops.varlen_attention import varlen_paged_attention
+
+    q, key_cache, value_cache, tables, cu_seqlens, lens = kernel_inputs([5, 6], [5, 6])
+    with pytest.raises(ValueError, match="int32"):
+        varlen_paged_attention(q, key_cache, value_cache, tables.long(), cu_seqlens, lens,
+                               max_query_len=6)  # fmt: skip
+    with pytest.raises(ValueError, match="n \\+ 1"):
+        varlen_paged_attention(q, key_cache, value_cache, tables, cu_seqlens[:2], lens,
+                               max_query_len=6)  # fmt: skip
+    with pytest.raises(ValueError, match="max_query_len"):
+        varlen_paged_attention(q, key_cache, value_cache, tables, cu_seqlens, lens,
+                               max_query_len=0)  # fmt: skip
+    with pytest.raises(TypeError, match="one dtype"):
+        varlen_paged_attention(q.double(), key_cache, value_cache, tables, cu_seqlens, lens,
+                               max_query_len=6)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def course():
     from kvlib.loaders.course_model import load_course_model
@@ -156,3 +230,28 @@ def test_varlen_is_chosen_only_where_it_fits(course):
     grouped = LLMEngine(course, num_blocks=20, kv_scheme=QuantScheme("int4", group_size=8))
     grouped.runner.prefill_varlen = True
     assert not grouped.runner._use_varlen()  # packed codes, grouped scales: BatchKV's path
+
+
+def test_the_engine_attends_prefill_rows_through_the_fused_kernel(course, monkeypatch):
+    """`prefill_kernel=True` on a CPU runs the kernel under the interpreter: every row (the
+    decode kernel off) through one launch per layer, the tokens of each prompt alone."""
+    pytest.importorskip("triton")
+    from kvlib.ops import varlen_attention
+
+    launches = []
+    original = varlen_attention.varlen_paged_attention
+
+    def spy(q, *args, **kwargs):
+        launches.append((q.shape[0], args[4].shape[0] - 1))  # (rows, sequences)
+        return original(q, *args, **kwargs)
+
+    monkeypatch.setattr(varlen_attention, "varlen_paged_attention", spy)
+    prompts = COURSE_PROMPTS[:3]
+    engine = LLMEngine(course, num_blocks=40, max_num_batched_tokens=32)
+    engine.runner.prefill_varlen, engine.runner.decode_kernel = True, False
+    engine.runner.prefill_kernel = True
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert [o.output_token_ids for o in outputs] == alone(course, prompts, 4)
+    layers = course.config.num_hidden_layers
+    assert len(launches) == layers * len(engine.stats)  # one launch per layer and step
+    assert max(sequences for _, sequences in launches) >= 2  # several sequences per launch

@@ -108,26 +108,31 @@ class BlockManager:
         return covered
 
     def _hash_full_blocks(self, seq_id) -> None:
-        """Hash and cache every full block of the sequence not hashed yet (nothing to do with
-        prefix caching off: no lookup would read the hashes)."""
+        """Hash and cache every full block of the sequence not hashed yet, up to the first block
+        holding a token not known yet (nothing to do with prefix caching off: no lookup would
+        read the hashes)."""
         if not self.pool.enable_prefix_caching or seq_id in self.unhashed:
             return
         tokens, hashes = self.token_ids[seq_id], self.block_hashes[seq_id]
         table = self.block_tables[seq_id]
         while (len(hashes) + 1) * self.block_size <= len(tokens):
             i = len(hashes)
-            block_hash = hash_block_tokens(
-                hashes[-1] if hashes else None,
-                tokens[i * self.block_size : (i + 1) * self.block_size],
-            )
+            block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
+            if None in block_tokens:  # hashed by `set_token` once the token is known
+                return
+            block_hash = hash_block_tokens(hashes[-1] if hashes else None, block_tokens)
             hashes.append(block_hash)
             self.pool.cache_full_block(table[i], block_hash)
 
-    def append_slot(self, seq_id, token_id: int) -> int:
+    def append_slot(self, seq_id, token_id: int | None) -> int:
         """Add one token to a sequence; return its slot. Allocates a block when the last one is
         full. **Copy-on-write**: if the last block is partly filled and shared (ref_cnt > 1), the
         sequence gets a private copy first; the (src, dst) pair is appended to `copies`, for the
         cache to copy the K/V of the slots already written.
+
+        `token_id` None: a token whose id is not known yet (an engine that plans the next step
+        while this one's tokens are still on the device, chapter 12); its block is hashed for the
+        prefix cache only once `set_token` gives the id.
 
         Raises:
             OutOfBlocksError: a block is needed and none is free (the sequence is unchanged).
@@ -143,9 +148,25 @@ class BlockManager:
                 self.pool.free([last])
                 table[-1] = copy
                 self.copies.append((last, copy))
-        tokens.append(int(token_id))
+        tokens.append(None if token_id is None else int(token_id))
         self._hash_full_blocks(seq_id)
-        return self.slot(seq_id, position)
+        return table[-1] * self.block_size + position % self.block_size
+
+    def set_token(self, seq_id, position: int, token_id: int) -> None:
+        """Give the id of token `position`, appended as not known yet (`append_slot(seq_id,
+        None)`), and hash the blocks it completes.
+
+        Raises:
+            ValueError: the sequence does not hold that position, or its id is known already.
+        """
+        tokens = self.token_ids[seq_id]
+        if not 0 <= position < len(tokens) or tokens[position] is not None:
+            raise ValueError(
+                f"position: expected a token of sequence {seq_id!r} whose id is not known yet, "
+                f"got {position} ({len(tokens)} tokens)"
+            )
+        tokens[position] = int(token_id)
+        self._hash_full_blocks(seq_id)
 
     def fork(self, parent_id, child_id) -> None:
         """A new sequence sharing all of `parent_id`'s blocks (each `ref_cnt` + 1): parallel

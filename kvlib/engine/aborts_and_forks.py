@@ -2,8 +2,7 @@
 `abort_request` drops a request whose client left and frees its blocks; `add_parallel_requests`
 serves one prompt n times (OpenAI's `n`), forking the children from the first request's blocks
 once its prefill is done (copy-on-write, chapter 7, as vLLM's parallel sampling shares the
-prompt's blocks); the block copies copy-on-write owes are carried out before a step writes; the
-step's logprobs are looked up per request.
+prompt's blocks).
 
 The mixin uses the engine's `requests`, `scheduler`, `manager`, `storage`, `runner`, `config`,
 `_pending_forks` and `_computed_before` (set by `LLMEngine.__init__`).
@@ -106,6 +105,8 @@ class AbortsAndForks:
     def _fork_children(self, scheduled) -> None:
         """After the forward: fork the children of each parent whose prompt this step finished
         (the manager then holds exactly the prompt's tokens)."""
+        if not self._pending_forks:
+            return
         for request, num_new in scheduled:
             children = self._pending_forks.get(request.request_id)
             prompt_len = len(request.prompt_token_ids)
@@ -126,15 +127,3 @@ class AbortsAndForks:
                 child.status = RequestStatus.RUNNING
                 self.scheduler.running.append(child)
                 self._computed_before[child.request_id] = prompt_len - 1
-
-    def _apply_block_copies(self) -> None:
-        """Carry out the K/V block copies copy-on-write owes (`BlockManager.copies`), in every
-        layer's pools, before the step writes anything."""
-        for src, dst in self.manager.copies:
-            for pool in self.storage._pools():
-                pool[dst] = pool[src]
-        self.manager.copies.clear()
-
-    def _logprobs_of(self, request_id: str):
-        entry = self.runner.last_logprobs.get(request_id)
-        return None if entry is None else [entry]

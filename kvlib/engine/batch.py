@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import numpy as np
 import torch
 
 from kvlib.cache.block_manager import BlockManager
@@ -49,8 +50,10 @@ class ModelInput:
     block_tables: torch.Tensor  # (n, max_blocks) int64; 0 past a sequence's last block
     sample_indices: torch.Tensor  # (m,) int64
     sample_requests: list[Request]
-    query_lens: list[int] | None = None  # (n,) on the host: new tokens per sequence
-    seq_lens_host: list[int] | None = None  # (n,) on the host: `seq_lens`
+    query_lens: list[int] | np.ndarray | None = None  # (n,) on the host: new tokens per sequence
+    seq_lens_host: list[int] | np.ndarray | None = None  # (n,) on the host: `seq_lens`
+    max_query_len: int | None = None  # on the host: max(query_lens)
+    max_seq_len: int | None = None  # on the host: max(seq_lens)
 
 
 def prepare_inputs(
@@ -90,6 +93,8 @@ def prepare_inputs(
         sample_requests=sample_requests,
         query_lens=[num_new for _, num_new in scheduled],
         seq_lens_host=seq_lens,
+        max_query_len=max(num_new for _, num_new in scheduled),
+        max_seq_len=max(seq_lens),
     )
 
 
@@ -105,21 +110,29 @@ class BatchKV:
     def __init__(self, storage: PagedCache, batch: ModelInput):
         self.storage, self.batch = storage, batch
         self.num_layers = storage.num_layers
-        query_lens = batch.query_start_loc.diff()  # (n,)
-        n, device = len(query_lens), batch.input_ids.device
-        self.max_query_len = int(query_lens.max())
-        max_len = int(batch.seq_lens.max())
-        # each flattened row's sequence and its index among that sequence's new tokens
-        self.row_seq = torch.repeat_interleave(torch.arange(n, device=device), query_lens)
-        self.row_token = (
-            torch.arange(len(batch.input_ids), device=device)
-            - (batch.query_start_loc[:-1][self.row_seq])
-        )
+        n, device = len(batch.seq_lens), batch.input_ids.device
+        if batch.max_query_len is not None and batch.max_seq_len is not None:  # no host sync
+            self.max_query_len, max_len = batch.max_query_len, batch.max_seq_len
+        else:
+            query_lens = batch.query_start_loc.diff()
+            self.max_query_len, max_len = int(query_lens.max()), int(batch.seq_lens.max())
         key = torch.arange(max_len, device=device)  # (S,)
-        past = (batch.seq_lens - query_lens)[:, None]  # (n, 1): slots held before the step
-        query = torch.arange(self.max_query_len, device=device)[None]  # (1, T)
-        last = past + torch.minimum(query, query_lens[:, None] - 1)  # padding rows repeat the last
-        self.mask = key[None, None, :] <= last[:, :, None]  # (n, T, S)
+        if self.max_query_len == 1:  # decode only: row i is sequence i's one query
+            self.row_seq = torch.arange(n, device=device)
+            self.row_token = torch.zeros(n, dtype=torch.int64, device=device)
+            self.mask = key[None, None, :] < batch.seq_lens[:, None, None]  # (n, 1, S)
+        else:
+            query_lens = batch.query_start_loc.diff()  # (n,)
+            # each flattened row's sequence and its index among that sequence's new tokens
+            self.row_seq = torch.repeat_interleave(torch.arange(n, device=device), query_lens)
+            self.row_token = (
+                torch.arange(len(batch.input_ids), device=device)
+                - (batch.query_start_loc[:-1][self.row_seq])
+            )
+            past = (batch.seq_lens - query_lens)[:, None]  # (n, 1): slots held before the step
+            query = torch.arange(self.max_query_len, device=device)[None]  # (1, T)
+            last = past + torch.minimum(query, query_lens[:, None] - 1)  # padding rows: the last
+            self.mask = key[None, None, :] <= last[:, :, None]  # (n, T, S)
         positions = torch.minimum(key[None], batch.seq_lens[:, None] - 1)  # (n, S)
         self.handle = PagedKV(None, None, batch.block_tables, batch.seq_lens, positions)
 
@@ -142,27 +155,36 @@ class BatchKV:
         """Nothing to commit: the scheduler already counted the tokens."""
 
 
-def _subset(batch: ModelInput, seqs: list[int]) -> ModelInput:
-    """The rows and metadata of sequences `seqs` of `batch` (no sampling)."""
+def _subset(batch: ModelInput, seqs) -> ModelInput:
+    """The rows and metadata of sequences `seqs` of `batch` (no sampling), from the lengths known
+    on the host when the batch has them (no sync)."""
     device = batch.input_ids.device
-    starts = batch.query_start_loc.tolist()
-    rows = torch.tensor(
-        [r for i in seqs for r in range(starts[i], starts[i + 1])], dtype=torch.int64, device=device
+    query_lens = batch.query_lens
+    if query_lens is None:
+        query_lens = batch.query_start_loc.diff().tolist()
+    seq_lens = batch.seq_lens_host
+    if seq_lens is None:
+        seq_lens = batch.seq_lens.tolist()
+    starts = np.concatenate([[0], np.cumsum(query_lens)])
+    rows = device_tensor(
+        np.concatenate([np.arange(starts[i], starts[i + 1]) for i in seqs]), torch.int64, device
     )
-    lens = [starts[i + 1] - starts[i] for i in seqs]
-    index = torch.tensor(seqs, dtype=torch.int64, device=device)
+    lens = [int(query_lens[i]) for i in seqs]
+    held = [int(seq_lens[i]) for i in seqs]
+    index = device_tensor(seqs, torch.int64, device)
     return ModelInput(
         input_ids=batch.input_ids[rows],
         positions=batch.positions[rows],
         slot_mapping=batch.slot_mapping[rows],
-        query_start_loc=torch.tensor(
-            [0, *itertools.accumulate(lens)], dtype=torch.int64, device=device
-        ),
+        query_start_loc=device_tensor([0, *itertools.accumulate(lens)], torch.int64, device),
         seq_lens=batch.seq_lens[index],
         block_tables=batch.block_tables[index],
         sample_indices=rows[:0],
         sample_requests=[],
         query_lens=lens,
+        seq_lens_host=held,
+        max_query_len=max(lens),
+        max_seq_len=max(held),
     )
 
 
@@ -219,27 +241,29 @@ class KernelBatchKV(BatchKV):
         query_lens = batch.query_lens
         if query_lens is None:
             query_lens = batch.query_start_loc.diff().tolist()
+        query_lens = np.asarray(query_lens, dtype=np.int64)
         device = batch.input_ids.device
-        starts = [0, *itertools.accumulate(query_lens)]
         decode, prefill = self._split(query_lens)
         # what update hands the storage: it only writes through the slot mapping and returns the
         # layer's pools with these fields
         self.handle = PagedKV(None, None, batch.block_tables, batch.seq_lens, None)
-        self.decode_rows = device_tensor([starts[i] for i in decode], torch.int64, device)
+        self.prefill = self._make_prefill(batch, prefill) if len(prefill) else None
+        if not len(prefill):  # decode only: every row, in order (no index to build)
+            self.decode_rows = self.prefill_rows = None
+            self.decode_tables = batch.block_tables.to(torch.int32)  # the kernel's int32
+            self.decode_lens = batch.seq_lens.to(torch.int32)
+            return
+        starts = np.concatenate([[0], np.cumsum(query_lens)])
+        self.decode_rows = device_tensor(starts[decode], torch.int64, device)
         index = device_tensor(decode, torch.int64, device)
-        self.decode_tables = batch.block_tables[index].to(torch.int32)  # the kernel's int32
-        self.decode_lens = batch.seq_lens[index].to(torch.int32)
-        self.prefill = self._make_prefill(batch, prefill) if prefill else None
-        self.prefill_rows = device_tensor(
-            [r for i in prefill for r in range(starts[i], starts[i + 1])], torch.int64, device
-        )
+        self.decode_tables = batch.block_tables.index_select(0, index).to(torch.int32)
+        self.decode_lens = batch.seq_lens.index_select(0, index).to(torch.int32)
+        rows = [np.arange(starts[i], starts[i + 1]) for i in prefill]
+        self.prefill_rows = device_tensor(np.concatenate(rows), torch.int64, device)
 
-    def _split(self, query_lens: list[int]) -> tuple[list[int], list[int]]:
+    def _split(self, query_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The sequences whose rows the kernel decodes, and the others (prefilling)."""
-        return (
-            [i for i, n in enumerate(query_lens) if n == 1],
-            [i for i, n in enumerate(query_lens) if n > 1],
-        )
+        return np.flatnonzero(query_lens == 1), np.flatnonzero(query_lens > 1)
 
     def _make_prefill(self, batch: ModelInput, seqs: list[int]):
         """What attends the rows of sequences `seqs` (`_attend_prefill` uses it)."""
@@ -260,13 +284,12 @@ class KernelBatchKV(BatchKV):
 
         if weights_out is not None:
             raise ValueError("weights_out: the decode kernel never forms attention weights")
-        out = torch.empty_like(q)
-        if len(self.decode_rows):
-            scales = {}
-            if hasattr(kv, "key_scale"):  # a quantized cache: (num_blocks, block_size, H_kv, 1)
-                scales = dict(k_scale=kv.key_scale.squeeze(-1), v_scale=kv.value_scale.squeeze(-1))
+        scales = {}
+        if hasattr(kv, "key_scale"):  # a quantized cache: (num_blocks, block_size, H_kv, 1)
+            scales = dict(k_scale=kv.key_scale.squeeze(-1), v_scale=kv.value_scale.squeeze(-1))
+        if self.decode_rows is None:  # decode only: every row through the kernel
             decoded = paged_decode_attention(
-                q[0].index_select(1, self.decode_rows).transpose(0, 1),  # (n_decode, H, D)
+                q[0].transpose(0, 1),  # (n, H, D)
                 kv.key_cache,
                 kv.value_cache,
                 self.decode_tables,
@@ -276,9 +299,25 @@ class KernelBatchKV(BatchKV):
                 workspace=self.workspace,
                 **scales,
             )
-            out[0, :, self.decode_rows] = decoded.transpose(0, 1)
+            return decoded.transpose(0, 1)[None]
+        out = torch.empty_like(q)
+        if len(self.decode_rows):
+            decoded = paged_decode_attention(
+                q[0].index_select(1, self.decode_rows).transpose(0, 1),  # (n_decode, H, D)
+                kv.key_cache,
+                kv.value_cache,
+                self.decode_tables,
+                self.decode_lens,
+                num_splits=self.num_splits,
+                validate=False,
+                workspace=self.workspace,
+                **scales,
+            )
+            out[0].index_copy_(1, self.decode_rows, decoded.transpose(0, 1))
         if self.prefill is not None:
-            out[:, :, self.prefill_rows] = self._attend_prefill(
-                q[:, :, self.prefill_rows], kv, mask
+            out[0].index_copy_(
+                1,
+                self.prefill_rows,
+                self._attend_prefill(q[:, :, self.prefill_rows], kv, mask)[0],
             )
         return out

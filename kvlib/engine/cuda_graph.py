@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from kvlib.cache.paged import PagedCache, PagedKV
@@ -184,13 +185,13 @@ class DecodeGraphRunner:
             **launch,
         )
 
-    def can_run(self, query_lens: list[int], width: int) -> bool:
-        """Whether a step fits: every sequence computes one token, and its tables fit."""
+    def can_run(self, query_lens, width: int) -> bool:
+        """Whether a step fits: every sequence computes one token (`query_lens`, a host list or
+        array), and its tables fit."""
         return (
-            bool(query_lens)
-            and all(n == 1 for n in query_lens)
-            and len(query_lens) <= self.sizes[-1]
+            0 < len(query_lens) <= self.sizes[-1]
             and width <= self.buffers.block_tables.shape[1]
+            and int(np.max(query_lens)) == 1
         )
 
     def _fill(self, batch, n: int, size: int) -> None:

@@ -26,6 +26,14 @@ frees its blocks; `add_parallel_requests` serves one prompt n times, forking the
 the first request's blocks once its prefill is done (copy-on-write, chapter 7); a request with
 `SamplingParams(logprobs=k)` gets each token's log-probability and the top k in its outputs.
 
+**Overlap** (`async_scheduling=True`; SGLang's overlap scheduler, vLLM v1's async scheduling,
+`kvlib.engine.overlap`): `step()` launches step n + 1 before it waits for step n's tokens, so on a
+GPU the host plans and prepares a step while the device runs the previous one. The tokens are the
+synchronous engine's; what changes is when they are seen: a `step()` returns the outputs of the
+step launched by the call before, the first call returns none, and a request that finishes has
+already been launched once more (that extra token is dropped, the extra step is counted in
+`stats`). Not with static batching or eviction, which decide from tokens a step late.
+
 Sampling seeds: `SamplingParams(seed=None)` seeds a request's generator with 0, so two requests
 with the same prompt and no seed sample the same tokens, and a rerun repeats a run exactly. vLLM
 differs: there, no seed means fresh randomness per request; pass distinct seeds to get that here.
@@ -37,7 +45,9 @@ import dataclasses
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvlib._validate import check_positive_int
 from kvlib.cache.block_manager import BlockManager
@@ -45,13 +55,14 @@ from kvlib.cache.block_pool import BlockPool
 from kvlib.cache.paged import PagedCache
 from kvlib.cache.quantized import QuantizedPagedCache
 from kvlib.engine.aborts_and_forks import AbortsAndForks
+from kvlib.engine.overlap import StepHandle
 from kvlib.engine.request import (
     Request,
     RequestOutput,
     SamplingParams,
 )
 from kvlib.engine.runner import ModelRunner
-from kvlib.engine.scheduler import Scheduler, SchedulerConfig
+from kvlib.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvlib.errors import OutOfBlocksError
 from kvlib.quant import QuantScheme
 
@@ -68,17 +79,25 @@ class EngineConfig(SchedulerConfig):
     block_size: token slots per block.
     enable_prefix_caching: reuse cached full blocks of a prompt's prefix (chapter 7).
     kv_scheme: a per-token `kvlib.quant.QuantScheme` to store K/V quantized (chapter 10), or None.
+    async_scheduling: overlap the host with the device (see `LLMEngine`'s module docstring):
+        plan and launch a step before the previous one's tokens are back.
     """
 
     num_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = False
     kv_scheme: QuantScheme | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int("num_blocks", self.num_blocks)
         check_positive_int("block_size", self.block_size)
+        if self.async_scheduling and (self.policy == "static" or self.eviction is not None):
+            raise ValueError(
+                "async_scheduling: static batching and eviction decide from a step's tokens "
+                "before the next step is planned; use policy='continuous' without eviction"
+            )
         if self.kv_scheme is not None and not isinstance(self.kv_scheme, QuantScheme):
             raise TypeError(
                 f"kv_scheme: expected a kvlib.quant.QuantScheme or None, got "
@@ -110,6 +129,15 @@ class StepStats:
     preempted_hit_tokens: int
     preempted_query_tokens: int
     scheduled: tuple[tuple[str, int], ...] = ()
+
+
+class _LaunchedStep(NamedTuple):
+    """A step launched and not collected yet: its plan, its tokens' handle, and its (prefill,
+    decode, recomputed) token counts."""
+
+    plan: SchedulerOutput
+    handle: StepHandle
+    counts: tuple[int, int, int]
 
 
 class LLMEngine(AbortsAndForks):
@@ -163,6 +191,8 @@ class LLMEngine(AbortsAndForks):
         self.clock = 0.0
         self._computed_before: dict[str, int] = {}  # request id -> most tokens it ever had computed
         self._pending_forks: dict[str, list[Request]] = {}  # parent id -> children to fork
+        self._in_flight: deque[_LaunchedStep] = deque()  # launched, tokens not collected yet
+        self._unattributed_s = 0.0  # wall time of calls since the last collected step
 
     @property
     def block_bytes(self) -> int:
@@ -215,11 +245,12 @@ class LLMEngine(AbortsAndForks):
         self.scheduler.add_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests
+        return self.scheduler.has_unfinished_requests or bool(self._in_flight)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample one step; return the outputs of the requests that produced a
-        token in it.
+        """Schedule and launch one step; collect the tokens of the oldest step in flight (this
+        one, unless `async_scheduling`: the one before); return the outputs of the requests that
+        produced a token in it.
 
         Raises:
             OutOfBlocksError: nothing runs and the first waiting request cannot be admitted into
@@ -228,39 +259,62 @@ class LLMEngine(AbortsAndForks):
         """
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        if not plan.scheduled and not self.scheduler.running and self.scheduler.waiting:
-            request = self.scheduler.waiting[0]
-            raise OutOfBlocksError(
-                f"request {request.request_id!r}: its first chunk does not fit in an empty pool "
-                f"of {self.config.num_blocks} blocks; nothing can run"
-            )
+        if not plan.scheduled and not self._in_flight:
+            if not self.scheduler.running and self.scheduler.waiting:
+                request = self.scheduler.waiting[0]
+                raise OutOfBlocksError(
+                    f"request {request.request_id!r}: its first chunk does not fit in an empty "
+                    f"pool of {self.config.num_blocks} blocks; nothing can run"
+                )
+        if plan.scheduled or not self.config.async_scheduling:
+            self._in_flight.append(self._launch(plan))
+        ahead = 1 if self.config.async_scheduling and plan.scheduled else 0
+        if len(self._in_flight) <= ahead:  # the first overlapped step: nothing to collect yet
+            self._unattributed_s += time.perf_counter() - start
+            return []
+        return self._collect(self._in_flight.popleft(), start)
+
+    def _launch(self, plan: SchedulerOutput) -> _LaunchedStep:
+        """Launch a planned step: count its tokens, queue its device work (with the block copies
+        copy-on-write owes), fork the children of a parent whose prompt it completes, and advance
+        its requests (placeholders for the tokens it samples)."""
         counts = self._count_tokens(plan.scheduled)  # before the step advances the requests
-        self._apply_block_copies()
-        sampled = self.runner.execute(plan.scheduled)
+        copies, self.manager.copies = self.manager.copies, []
+        handle = self.runner.submit(plan.scheduled, copies)
         self._fork_children(plan.scheduled)
-        self.scheduler.update_from_output(plan, sampled)
-        seconds = time.perf_counter() - start + self._charged_seconds()
+        self.scheduler.advance(plan)
+        return _LaunchedStep(plan, handle, counts)
+
+    def _collect(self, launched: _LaunchedStep, start: float) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, record them (`Scheduler.record_sampled`), and
+        account the step: its time is the calls' since the last collected step."""
+        plan = launched.plan
+        sampled, logprobs = launched.handle.result()
+        appended = self.scheduler.record_sampled(plan, sampled)
+        seconds = self._unattributed_s + time.perf_counter() - start + self._charged_seconds()
+        self._unattributed_s = 0.0
         self.clock += seconds
         step = len(self.stats)
         outputs = []
-        for request_id, token in sampled.items():
-            request = self.requests[request_id]
+        for request in appended:
             if request.first_token_step is None:
                 request.first_token_step, request.first_token_time = step, self.clock
-            if request.is_finished:
+            finished = request.is_finished
+            if finished:
                 request.finish_step, request.finish_time = step, self.clock
+            entry = logprobs.get(request.request_id) if logprobs else None
             outputs.append(
                 RequestOutput(
-                    request_id,
+                    request.request_id,
                     request.prompt_token_ids,
                     list(request.output_token_ids),
-                    [token],
-                    request.is_finished,
+                    request.output_token_ids[-1:],
+                    finished,
                     request.finish_reason,
-                    self._logprobs_of(request_id),
+                    None if entry is None else [entry],
                 )
             )
-        prefill, decode, recomputed = counts
+        prefill, decode, recomputed = launched.counts
         self.stats.append(
             StepStats(
                 step=step,
@@ -277,7 +331,7 @@ class LLMEngine(AbortsAndForks):
                 prefix_query_tokens=plan.prefix_query_tokens,
                 preempted_hit_tokens=plan.preempted_hit_tokens,
                 preempted_query_tokens=plan.preempted_query_tokens,
-                scheduled=tuple((r.request_id, n) for r, n in plan.scheduled),
+                scheduled=tuple([(r.request_id, n) for r, n in plan.scheduled]),
             )
         )
         return outputs
@@ -292,16 +346,21 @@ class LLMEngine(AbortsAndForks):
         request is recomputed if the request had computed it before (it was since preempted),
         otherwise prefill if it is a prompt token, decode if it is a generated one."""
         prefill = decode = recomputed = 0
+        computed_before = self._computed_before
         for request, n in scheduled:
             start, end = request.num_computed_tokens, request.num_computed_tokens + n
-            before = self._computed_before.get(request.request_id, 0)
+            before = computed_before.get(request.request_id, 0)
+            if before <= start and start >= len(request.prompt_token_ids):  # plain decoding
+                decode += n
+                computed_before[request.request_id] = end
+                continue
             again = max(0, min(end, before) - start)
             fresh_start = start + again
             prompt_end = max(fresh_start, min(end, len(request.prompt_token_ids)))
             recomputed += again
             prefill += prompt_end - fresh_start
             decode += end - prompt_end
-            self._computed_before[request.request_id] = max(before, end)
+            computed_before[request.request_id] = max(before, end)
         return prefill, decode, recomputed
 
     def generate(

@@ -103,6 +103,9 @@ class Request:
     arrival_time: float = 0.0
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # tokens a step still in flight is sampling (the overlapped engine): counted in `num_tokens`,
+    # their ids not on the host yet (`token_ids` gives None for them)
+    num_output_placeholders: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache (prefix hits included)
     num_cached_tokens: int = 0  # of those, tokens first found in the prefix cache
     num_preemptions: int = 0
@@ -126,11 +129,36 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
+        """Prompt and generated token ids (placeholders excluded)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt, generated and placeholder tokens: what the scheduler plans over."""
+        return (
+            len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+        )
+
+    def token_id(self, index: int) -> int | None:
+        """Token `index` of prompt + output; None for a placeholder past the generated ones."""
+        k = index - len(self.prompt_token_ids)
+        if k < 0:
+            return self.prompt_token_ids[index]
+        return self.output_token_ids[k] if k < len(self.output_token_ids) else None
+
+    def token_ids(self, start: int, end: int) -> list[int | None]:
+        """Token ids `start .. end - 1` of prompt + output, None for placeholders past the
+        generated ones (without concatenating the whole sequence)."""
+        prompt, output = self.prompt_token_ids, self.output_token_ids
+        prompt_len = len(prompt)
+        if end <= prompt_len:
+            return prompt[start:end]
+        if start >= prompt_len:
+            ids = output[start - prompt_len : end - prompt_len]
+        else:
+            ids = prompt[start:] + output[: end - prompt_len]
+        missing = end - start - len(ids)
+        return ids + [None] * missing if missing else ids
 
     @property
     def is_finished(self) -> bool:
@@ -146,11 +174,13 @@ class Request:
             self.status, self.finish_reason = RequestStatus.FINISHED, FinishReason.LENGTH
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class RequestOutput:
     """What `LLMEngine.step` streams for a request that produced tokens (and what `generate`
     returns once it has finished): `new_token_ids` are this step's, `output_token_ids` all so
-    far; `logprobs`, when the request asked for them, one `TokenLogprobs` per new token."""
+    far; `logprobs`, when the request asked for them, one `TokenLogprobs` per new token. A
+    snapshot: the engine never changes one it has returned (not frozen only because a frozen
+    dataclass takes eight times as long to build, for every request at every step)."""
 
     request_id: str
     prompt_token_ids: Sequence[int]

@@ -1,11 +1,16 @@
 """The model runner (chapter 12): one batched forward for whatever the scheduler planned.
 
 The runner builds the step's flattened batch and its attention metadata (`kvlib.engine.batch`:
-`prepare_inputs`, `BatchKV`), runs the course's `LlamaModel`, unchanged, over it through the
-cache seam every cache of the course uses, and samples. On a GPU it sends decode rows through
-chapter 11's kernel (`KernelBatchKV`) and replays decode-only steps as CUDA graphs
+`ModelInput`, `BatchKV`; built with array operations over all sequences by
+`kvlib.engine.input_batch.InputBatch`), runs the course's `LlamaModel`, unchanged, over it
+through the cache seam every cache of the course uses, and samples. On a GPU it sends decode rows
+through chapter 11's kernel (`KernelBatchKV`) and replays decode-only steps as CUDA graphs
 (`kvlib.engine.cuda_graph`); prefill rows go through `BatchKV`'s padded batch, or on request
-through a varlen paged attention (`kvlib.engine.varlen`).
+through varlen paged attention (`kvlib.engine.varlen`).
+
+A step is launched (`submit`) and its tokens collected later (`StepHandle.result`): the device
+work is one job run by a device queue (`kvlib.engine.overlap`), so that the overlapped engine can
+plan step n + 1 while step n runs. `execute` does both at once.
 
 Sampling is per request, with the request's own generator, so a request's tokens do not depend on
 which others share its steps: `sample` is the readable one-request sampler, and the runner samples
@@ -15,13 +20,17 @@ the tokens to the host in one transfer.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.paged import PagedCache
-from kvlib.engine.batch import BatchKV, KernelBatchKV, ModelInput, kernel_supports, prepare_inputs
+from kvlib.engine.batch import BatchKV, KernelBatchKV, ModelInput, kernel_supports
+from kvlib.engine.input_batch import InputBatch, StagedInput
+from kvlib.engine.overlap import InlineDevice, StepHandle, start_transfer
 from kvlib.engine.request import Request, TokenLogprobs
-from kvlib.engine.sampler import sample, sample_step, to_host, token_logprobs
+from kvlib.engine.sampler import sample, sample_step, token_logprobs
 
 __all__ = ["ModelRunner", "sample", "token_logprobs"]
 
@@ -37,9 +46,11 @@ class ModelRunner:
     runs under Triton's interpreter: exact and slow, for tests), False never uses it.
     `prefill_varlen`: attend prefill rows (and decode rows the kernel does not take) through
     `kvlib.engine.varlen.VarlenBatchKV`, each sequence over its own blocks, where the storage's
-    layout suits it. Off by default: that reference loops over the sequences in Python, a few
-    dozen launches per sequence and layer, which on an H100 cost more than `BatchKV`'s one padded
-    batch at the course's sizes; a fused varlen kernel would change that.
+    layout suits it: with the fused Triton kernel (`prefill_kernel`: None, the default, uses it
+    where the decode kernel runs; True anywhere Triton is, under the interpreter on a CPU; False
+    never) or else the torch reference, which loops over the sequences (a few dozen launches per
+    sequence and layer). Off by default (`BatchKV`'s one padded batch, measured faster on an H100
+    than the reference at the course's sizes, `results/serving_gpu.csv`).
     `cuda_graphs`: run decode-only steps of up to `max_graph_batch` sequences through
     `kvlib.engine.cuda_graph.DecodeGraphRunner` (bucketed, static buffers): captured as CUDA
     graphs on a CUDA device with the kernel, eagerly through the same buffers elsewhere. It
@@ -48,6 +59,8 @@ class ModelRunner:
     `PagedCache` (measured on an H100 serving SmolLM2: `results/serving_gpu.csv`).
     `max_model_len`: the longest sequence a request may reach (the engine's `max_model_len`); it
     sizes the kernel's split count (`_kernel_splits`). None: the pool's capacity.
+    `device_queue`: what runs a step's device work (`kvlib.engine.overlap`): `InlineDevice` by
+    default; a `WorkerThreadDevice` makes a CPU behave as an asynchronous device.
     """
 
     def __init__(
@@ -58,13 +71,16 @@ class ModelRunner:
         *,
         decode_kernel: bool | None = None,
         prefill_varlen: bool = False,
+        prefill_kernel: bool | None = None,
         cuda_graphs: bool | None = None,
         max_graph_batch: int = 64,
         max_model_len: int | None = None,
+        device_queue=None,
     ):
         self.model, self.storage, self.manager = model, storage, manager
         self.device = model.lm_head.weight.device
         self.decode_kernel, self.prefill_varlen = decode_kernel, prefill_varlen
+        self.prefill_kernel = prefill_kernel
         if cuda_graphs is None:
             from kvlib.engine.cuda_graph import DecodeGraphRunner
 
@@ -79,7 +95,11 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.num_splits = 1
         self._workspace = None
-        self.last_logprobs: dict[str, TokenLogprobs] = {}  # the last step's, for `logprobs`
+        self.last_logprobs: dict[str, TokenLogprobs] = {}  # `execute`'s last step's
+        self.inputs = InputBatch(manager.block_size, self.device)
+        self.device_queue = InlineDevice() if device_queue is None else device_queue
+        self._previous_sampled: torch.Tensor | None = None  # device side: only jobs touch it
+        self._paths = None  # `_attention_paths`' cache
 
     def _use_kernel(self) -> bool:
         from kvlib.kernels import triton_available
@@ -96,12 +116,34 @@ class ModelRunner:
             return False
         return kernel_supports(self.storage, self.model.lm_head.weight.dtype)
 
+    def _use_prefill_kernel(self) -> bool:
+        """Varlen rows through the fused Triton kernel: on a CUDA device with Triton
+        (`prefill_kernel` None), anywhere Triton is (True), never (False)."""
+        from kvlib.kernels import triton_available
+
+        if self.prefill_kernel is False or not self._use_varlen():
+            return False
+        if self.prefill_kernel is None and self.device.type != "cuda":
+            return False
+        return triton_available()
+
+    def _attention_paths(self) -> tuple[bool, bool, bool]:
+        """(`_use_kernel()`, `_use_varlen()`, `_use_prefill_kernel()`), worked out again only
+        when `decode_kernel`, `prefill_varlen` or `prefill_kernel` changed."""
+        key = (self.decode_kernel, self.prefill_varlen, self.prefill_kernel)
+        if self._paths is None or self._paths[0] != key:
+            paths = self._use_kernel(), self._use_varlen(), self._use_prefill_kernel()
+            self._paths = key, paths
+        return self._paths[1]
+
     def _batch_kv(self, batch: ModelInput) -> BatchKV:
-        use_kernel, varlen = self._use_kernel(), self._use_varlen()
+        use_kernel, varlen, prefill_kernel = self._attention_paths()
         if varlen and not use_kernel:
             from kvlib.engine.varlen import VarlenBatchKV
 
-            return VarlenBatchKV(self.storage, batch, decode_kernel=False)
+            return VarlenBatchKV(
+                self.storage, batch, decode_kernel=False, prefill_kernel=prefill_kernel
+            )
         if not use_kernel:
             return BatchKV(self.storage, batch)
         from kvlib.ops.decode_plan import DecodeWorkspace
@@ -123,7 +165,9 @@ class ModelRunner:
         if varlen:
             from kvlib.engine.varlen import VarlenBatchKV
 
-            return VarlenBatchKV(self.storage, batch, decode_kernel=True, **kernel)
+            return VarlenBatchKV(
+                self.storage, batch, decode_kernel=True, prefill_kernel=prefill_kernel, **kernel
+            )
         return KernelBatchKV(self.storage, batch, **kernel)
 
     def _kernel_splits(self) -> int:
@@ -152,11 +196,46 @@ class ModelRunner:
             return None
         return self.graph_runner.run(batch)
 
-    @torch.no_grad()
-    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
-        if not scheduled:
-            return {}
-        batch = prepare_inputs(scheduled, self.manager, self.device)
+    def submit(
+        self, scheduled: list[tuple[Request, int]], block_copies: list[tuple[int, int]] = ()
+    ) -> StepHandle:
+        """Launch a step: stage its inputs on the host (`InputBatch.stage`), then queue its device
+        work (`_run_step`: the block copies copy-on-write owes, the forward, the sampling).
+        Returns the handle of its tokens. A token not sampled yet (a placeholder) is fed from the
+        previous submitted step's sampled ids."""
+        if not scheduled and not block_copies:
+            return StepHandle(None, [])
+        staged = self.inputs.stage(scheduled, self.manager) if scheduled else None
+        requests = staged.sample_requests if scheduled else []
+        params = [request.sampling_params for request in requests]
+        generators = [  # a greedy row draws nothing
+            request.generator_for(self.device) if p.temperature else None
+            for request, p in zip(requests, params)
+        ]
+        job = functools.partial(self._run_step, staged, params, generators, list(block_copies))
+        return StepHandle(self.device_queue.submit(job), [r.request_id for r in requests])
+
+    def _run_step(self, staged: StagedInput | None, params, generators, block_copies):
+        """A step's device work, run by the device queue in submission order."""
+        with torch.no_grad():
+            for src, dst in block_copies:  # copy-on-write, every layer, before anything writes
+                for pool in self.storage._pools():
+                    pool[dst] = pool[src]
+            if staged is None:
+                return None
+            batch = self.inputs.to_device(staged, self._previous_sampled)
+            logits = self.forward(batch)
+            if not params:  # a step of prefill chunks only: nothing to sample
+                return None
+            if len(params) != logits.shape[0]:
+                logits = logits.index_select(0, batch.sample_indices)  # (m, V)
+            step = sample_step(logits, params, generators)
+            self._previous_sampled = step.token_ids
+            return start_transfer(step)
+
+    def forward(self, batch: ModelInput) -> torch.Tensor:
+        """The step's logits `(N, V)`: through the graph runner if it takes the step, else one
+        forward of the model over the flattened batch."""
         logits = self._graph_logits(batch)
         if logits is None:
             logits = self.model(
@@ -165,18 +244,10 @@ class ModelRunner:
                 position_ids=batch.positions[None],
                 validate=False,  # the engine checked every prompt when it was added
             )[0]
-        logits = logits[batch.sample_indices]  # (m, V)
-        self.last_logprobs = {}
-        if not batch.sample_requests:  # a step of prefill chunks only: nothing to sample
-            return {}
-        step = sample_step(
-            logits,
-            [request.sampling_params for request in batch.sample_requests],
-            [request.generator_for(logits.device) for request in batch.sample_requests],
-        )
-        ids, logprobs = to_host(step)  # the step's one device-to-host transfer
-        sampled = {request.request_id: t for request, t in zip(batch.sample_requests, ids)}
-        self.last_logprobs = {
-            batch.sample_requests[row].request_id: entry for row, entry in logprobs.items()
-        }
+        return logits
+
+    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, int]:
+        """Run a step now (`submit`, then wait): {request id: token}; `last_logprobs` holds the
+        logprobs the requests asked for."""
+        sampled, self.last_logprobs = self.submit(scheduled).result()
         return sampled

@@ -29,10 +29,12 @@ __all__ = ["StepSample", "device_tensor", "sample", "sample_step", "to_host", "t
 
 @dataclasses.dataclass
 class StepSample:
-    """A step's samples, still on the device: `packed` is one float64 vector holding the m token
-    ids, then, for the rows that asked for logprobs, the sampled tokens' log-probabilities and the
-    top-k ids and values (`layout` says where)."""
+    """A step's samples, still on the device: `token_ids (m,)` int64 (what the next step's
+    placeholders read), and `packed`, what goes to the host in one transfer: the token ids
+    themselves, or, when some rows asked for logprobs, one float64 vector holding the m token ids,
+    then for those rows the sampled tokens' log-probabilities and the top-k ids and values."""
 
+    token_ids: torch.Tensor
     packed: torch.Tensor
     num_rows: int
     logprob_rows: list[int]  # rows that asked for logprobs
@@ -61,7 +63,8 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     scaled = torch.empty(logits.shape, dtype=torch.float32, device=device)
     for t in sorted({p.temperature for p in params}):  # one division per distinct temperature
         rows = _index([i for i, p in enumerate(params) if p.temperature == t], device)
-        scaled[rows] = logits[rows].float() / t  # a Python scalar divisor, as `sample` divides
+        # a Python scalar divisor, as `sample` divides
+        scaled.index_copy_(0, rows, logits.index_select(0, rows).float() / t)
     if any(p.top_k is not None for p in params):
         ks = [vocab if p.top_k is None else min(p.top_k, vocab) for p in params]
         kth = scaled.sort(dim=-1, descending=True).values.gather(1, _index(ks, device)[:, None] - 1)
@@ -87,38 +90,44 @@ def sample_step(
     (`SamplingParams.logprobs`: under the model's distribution, as `token_logprobs` computes).
     Returns a `StepSample` for `to_host`."""
     m, device = len(params), logits.device
-    ids = torch.empty(m, dtype=torch.int64, device=device)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
     drawn = [i for i, p in enumerate(params) if p.temperature != 0]
-    if greedy:
+    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if len(greedy) == m:  # every row greedy: one argmax
+        ids = logits.argmax(dim=-1)
+    else:
+        ids = torch.empty(m, dtype=torch.int64, device=device)
+    if greedy and drawn:
         rows = _index(greedy, device)
-        ids[rows] = logits[rows].argmax(dim=-1)
+        ids.index_copy_(0, rows, logits.index_select(0, rows).argmax(dim=-1))
     if drawn:
         rows = _index(drawn, device)
-        probs = _probs(logits[rows], [params[i] for i in drawn])
+        probs = _probs(logits.index_select(0, rows), [params[i] for i in drawn])
         # torch.multinomial(p, 1, generator=g)'s draw, one request's generator per row
         noise = torch.stack(
             [torch.empty_like(probs[0]).exponential_(1, generator=generators[i]) for i in drawn]
         )
-        ids[rows] = (probs / noise).argmax(dim=-1)
+        ids.index_copy_(0, rows, (probs / noise).argmax(dim=-1))
+    if not asked:
+        return StepSample(ids, ids, m, [], [], 0)
     pieces = [ids.double()]
-    asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     num_top = [params[i].logprobs for i in asked]
     width = min(max(num_top, default=0), logits.shape[-1])
-    if asked:
-        rows = _index(asked, device)
-        logprobs = logits[rows].float().log_softmax(dim=-1)  # (r, V)
-        pieces.append(logprobs.gather(1, ids[rows][:, None])[:, 0].double())
-        if width:
-            top = logprobs.topk(width, dim=-1)
-            pieces += [top.indices.double().flatten(), top.values.double().flatten()]
-    return StepSample(torch.cat(pieces), m, asked, num_top, width)
+    rows = _index(asked, device)
+    logprobs = logits.index_select(0, rows).float().log_softmax(dim=-1)  # (r, V)
+    pieces.append(logprobs.gather(1, ids.index_select(0, rows)[:, None])[:, 0].double())
+    if width:
+        top = logprobs.topk(width, dim=-1)
+        pieces += [top.indices.double().flatten(), top.values.double().flatten()]
+    return StepSample(ids, torch.cat(pieces), m, asked, num_top, width)
 
 
 def to_host(step: StepSample) -> tuple[list[int], dict[int, TokenLogprobs]]:
     """The step's one device-to-host transfer: (token ids, {row: TokenLogprobs} for the rows
     that asked for logprobs)."""
     values = step.packed.tolist()  # the single sync
+    if not step.logprob_rows:
+        return values, {}
     m, r, w = step.num_rows, len(step.logprob_rows), step.width
     ids = [int(v) for v in values[:m]]
     chosen = values[m : m + r]

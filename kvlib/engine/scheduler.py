@@ -234,12 +234,17 @@ class Scheduler:
     def _blocks_needed(self, request: Request, num_new: int) -> int:
         """Free blocks `num_new` more tokens of a running request take."""
         table = self.manager.block_tables[request.request_id]
-        held = self.manager.num_tokens(request.request_id)
+        held = len(self.manager.token_ids[request.request_id])
         return -(-(held + num_new) // self.block_size) - len(table)
 
     def _append_slots(self, request: Request, num_new: int) -> None:
+        """Slots for the request's next `num_new` tokens (a placeholder's id is not known yet:
+        the manager hashes its block once `record_sampled` gives it)."""
         start = request.num_computed_tokens
-        for token in request.all_token_ids[start : start + num_new]:
+        if num_new == 1:  # decoding: the common case, kept short
+            self.manager.append_slot(request.request_id, request.token_id(start))
+            return
+        for token in request.token_ids(start, start + num_new):
             self.manager.append_slot(request.request_id, token)
 
     def _preempt(self, request: Request) -> None:
@@ -253,17 +258,46 @@ class Scheduler:
     # --- after the forward -----------------------------------------------------------------------
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Record the step: each scheduled request has computed its new tokens; those in
-        `sampled` (request id -> token) append their token and may finish. Finished requests
-        leave the running queue and free their blocks (static: when the whole batch has
-        finished); eviction then drops blocks. Returns the requests that finished."""
-        finished = []
+        """Record the step: each scheduled request has computed its new tokens (`advance`);
+        those in `sampled` (request id -> token) append their token and may finish
+        (`record_sampled`). Returns the requests that finished."""
+        self.advance(out)
+        return [r for r in self.record_sampled(out, sampled) if r.is_finished]
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """The plan's requests have computed their new tokens: `num_computed_tokens` grows, and a
+        request whose last token was computed gets a **placeholder** for the token the step
+        samples (`num_output_placeholders`). The overlapped engine calls this as soon as the step
+        is launched, so that the next plan, made while the step runs, counts that token and
+        feeds it (its id is taken on the device); vLLM v1 advances its requests at scheduling
+        time the same way."""
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new
-            if request.request_id in sampled:
-                request.append_output(sampled[request.request_id])
-                if request.is_finished:
-                    finished.append(request)
+            if request.num_computed_tokens == request.num_tokens:
+                request.num_output_placeholders += 1
+
+    def record_sampled(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """The step's tokens (request id -> token) replace the placeholders `advance` made, in
+        order. A request finished (or aborted) since the step was launched drops its token: only
+        the overlapped engine launches such a step, one step ahead of its stop check. Finished
+        requests leave the queues and free their blocks (static: when the whole batch has
+        finished); eviction then drops blocks. Returns the requests that appended a token, in
+        plan order."""
+        appended, finished = [], []
+        for request, _ in out.scheduled:
+            token = sampled.get(request.request_id)
+            if token is None:  # a prefill chunk: nothing sampled
+                continue
+            request.num_output_placeholders -= 1
+            if request.is_finished:
+                continue
+            position = len(request.prompt_token_ids) + len(request.output_token_ids)
+            request.append_output(token)
+            if request.num_output_placeholders:  # the next step already feeds it: name it
+                self.manager.set_token(request.request_id, position, token)
+            appended.append(request)
+            if request.is_finished:
+                finished.append(request)
         if self.config.policy == "static":
             if all(r.is_finished for r in self.running):
                 for request in self.running:
@@ -272,12 +306,15 @@ class Scheduler:
                 self.running.clear()
         else:
             for request in finished:
-                self.running.remove(request)
-                self.manager.free(request.request_id)
+                if request in self.running:
+                    self.running.remove(request)
+                    self.manager.free(request.request_id)
+                else:  # preempted while its last step ran: waiting, its blocks freed already
+                    self.waiting.remove(request)
         if self.config.eviction is not None:
             for request in self.running:
                 self._evict(request)
-        return finished
+        return appended
 
     def _evict(self, request: Request) -> None:
         table = self.manager.block_tables[request.request_id]
