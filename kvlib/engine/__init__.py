@@ -6,7 +6,11 @@ Modules, named as vLLM v1 and nano-vllm name theirs:
 - `request`: `SamplingParams`, `Request` (token ids, computed tokens, status), `RequestOutput`;
 - `scheduler`: waiting and running queues, the per-step token budget, preemption, eviction;
 - `runner`: the flattened batch and its attention metadata (positions, slot mapping, block tables,
-  sequence lengths), one forward of the course's model, sampling;
+  sequence lengths: `batch`, built with array operations over persistent rows by `input_batch`),
+  one forward of the course's model, sampling (`sampler`); decode-only steps through static
+  buffers for CUDA graphs (`cuda_graph`), steps with prompt tokens too on request (`mixed_graph`);
+- `overlap`: where a step's device work runs and how its tokens come back, so that the engine can
+  plan step n + 1 while step n runs (`async_scheduling`);
 - `llm_engine`: `LLMEngine` (`add_request`, `step`, `generate`) and its metrics;
 - `workload`: a synthetic serving workload and the configurations chapter 12 compares
   (`python -m kvlib.experiments.serving` records the comparison, `results/serving.csv`).

@@ -185,12 +185,13 @@ class DecodeGraphRunner:
             **launch,
         )
 
-    def can_run(self, query_lens, width: int) -> bool:
-        """Whether a step fits: every sequence computes one token (`query_lens`, a host list or
-        array), and its tables fit."""
+    def can_run(self, batch) -> bool:
+        """Whether a step (a `ModelInput`) fits: every sequence computes one token, and its
+        tables fit."""
+        query_lens = batch.query_lens
         return (
             0 < len(query_lens) <= self.sizes[-1]
-            and width <= self.buffers.block_tables.shape[1]
+            and batch.block_tables.shape[1] <= self.buffers.block_tables.shape[1]
             and int(np.max(query_lens)) == 1
         )
 
@@ -237,8 +238,9 @@ class DecodeGraphRunner:
         return graph, logits
 
     def run(self, batch) -> torch.Tensor:
-        """Logits `(n, V)` of a decode-only step (`can_run`) of n sequences, in batch order."""
-        n = len(batch.seq_lens)
+        """Logits `(N, V)` of a step that fits (`can_run`), one row per token, in batch order (a
+        decode-only step's N tokens are its N sequences)."""
+        n = len(batch.input_ids)
         size = bucket_for(n, self.sizes)
         self._fill(batch, n, size)
         self.steps_by_bucket[size] = self.steps_by_bucket.get(size, 0) + 1

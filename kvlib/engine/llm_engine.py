@@ -184,7 +184,12 @@ class LLMEngine(AbortsAndForks):
             self.config, self.manager
         )  # an EngineConfig is a SchedulerConfig
         self.runner = ModelRunner(
-            model, self.storage, self.manager, max_model_len=self.config.max_model_len
+            model,
+            self.storage,
+            self.manager,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.config.max_model_len,
         )
         self.requests: dict[str, Request] = {}
         self.stats: list[StepStats] = []
@@ -280,7 +285,9 @@ class LLMEngine(AbortsAndForks):
         its requests (placeholders for the tokens it samples)."""
         counts = self._count_tokens(plan.scheduled)  # before the step advances the requests
         copies, self.manager.copies = self.manager.copies, []
-        handle = self.runner.submit(plan.scheduled, copies)
+        handle = self.runner.submit(
+            plan.scheduled, copies, non_blocking=self.config.async_scheduling
+        )
         self._fork_children(plan.scheduled)
         self.scheduler.advance(plan)
         return _LaunchedStep(plan, handle, counts)

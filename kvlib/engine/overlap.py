@@ -16,8 +16,9 @@ finishes at step n has already been launched in step n + 1: that extra token is 
 The device work of a step is one job, run in order by a **device queue**:
 
 - `InlineDevice` runs the job at once on the calling thread. On a CUDA device that only *queues*
-  kernels (the stream runs them in order, later), and the job's tokens travel to pinned host
-  memory with a non-blocking copy and an event: `StepHandle.result` waits on the event only.
+  kernels (the stream runs them in order, later), and for the overlapped engine the job's
+  tokens travel to pinned host memory with a non-blocking copy and an event
+  (`start_transfer`): `StepHandle.result` waits on the event only.
   On a CPU the job computes before returning, so nothing overlaps, but the engine's data flow is
   the same.
 - `WorkerThreadDevice` runs the jobs on one worker thread, in submission order, as a CUDA stream

@@ -57,6 +57,11 @@ class ModelRunner:
     grows the storage's pools by one scratch block for padding rows, so it is chosen here, before
     anything is stored. None (the default): on where the kernel runs on a CUDA device over a plain
     `PagedCache` (measured on an H100 serving SmolLM2: `results/serving_gpu.csv`).
+    `mixed_graphs`: run steps that carry prompt tokens through `kvlib.engine.mixed_graph`'s
+    static buffers, every row attending through the fused varlen kernel, bucketed by token count
+    (up to `max_num_batched_tokens` tokens of up to `max_num_seqs` sequences): captured as CUDA
+    graphs on a CUDA device over a plain `PagedCache`, eagerly elsewhere (on a CPU under Triton's
+    interpreter). Off by default; it needs Triton.
     `max_model_len`: the longest sequence a request may reach (the engine's `max_model_len`); it
     sizes the kernel's split count (`_kernel_splits`). None: the pool's capacity.
     `device_queue`: what runs a step's device work (`kvlib.engine.overlap`): `InlineDevice` by
@@ -74,6 +79,9 @@ class ModelRunner:
         prefill_kernel: bool | None = None,
         cuda_graphs: bool | None = None,
         max_graph_batch: int = 64,
+        mixed_graphs: bool = False,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         device_queue=None,
     ):
@@ -90,7 +98,9 @@ class ModelRunner:
             max_graph_batch,
             None,
         )
-        if cuda_graphs:  # a scratch block past the pool's last one, for padding rows
+        self.mixed_graphs, self.mixed_runner = mixed_graphs, None
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        if cuda_graphs or mixed_graphs:  # a scratch block past the pool's last, for padding rows
             storage._make_pools(manager.pool.num_blocks + 1, self.device)
         self.max_model_len = max_model_len
         self.num_splits = 1
@@ -100,6 +110,9 @@ class ModelRunner:
         self.device_queue = InlineDevice() if device_queue is None else device_queue
         self._previous_sampled: torch.Tensor | None = None  # device side: only jobs touch it
         self._paths = None  # `_attention_paths`' cache
+        # a list to record (decode only, start, end) CUDA events around each step's device work
+        # (a benchmark's GPU time per step); None: nothing recorded
+        self.gpu_events: list | None = None
 
     def _use_kernel(self) -> bool:
         from kvlib.kernels import triton_available
@@ -184,25 +197,38 @@ class ModelRunner:
         return default_num_splits(1, heads, longest, self.device)
 
     def _graph_logits(self, batch: ModelInput):
-        """A decode-only step's logits `(n, V)` through the graph runner, or None when graphs are
-        off or the step does not fit."""
-        if not self.cuda_graphs:
-            return None
-        if self.graph_runner is None:
-            from kvlib.engine.cuda_graph import DecodeGraphRunner
+        """A step's logits `(N, V)` through static buffers: a decode-only step through the
+        decode graph runner (`cuda_graphs`), another through the mixed-step runner
+        (`mixed_graphs`); None when they are off or the step does not fit."""
+        if self.cuda_graphs:
+            if self.graph_runner is None:
+                from kvlib.engine.cuda_graph import DecodeGraphRunner
 
-            self.graph_runner = DecodeGraphRunner.for_runner(self)
-        if not self.graph_runner.can_run(batch.query_lens, batch.block_tables.shape[1]):
-            return None
-        return self.graph_runner.run(batch)
+                self.graph_runner = DecodeGraphRunner.for_runner(self)
+            if self.graph_runner.can_run(batch):
+                return self.graph_runner.run(batch)
+        if self.mixed_graphs:
+            from kvlib.engine.mixed_graph import MixedGraphRunner
+
+            if self.mixed_runner is None and MixedGraphRunner.supports(self):
+                self.mixed_runner = MixedGraphRunner.for_runner(self)
+            if self.mixed_runner is not None and self.mixed_runner.can_run(batch):
+                return self.mixed_runner.run(batch)
+        return None
 
     def submit(
-        self, scheduled: list[tuple[Request, int]], block_copies: list[tuple[int, int]] = ()
+        self,
+        scheduled: list[tuple[Request, int]],
+        block_copies: list[tuple[int, int]] = (),
+        *,
+        non_blocking: bool = False,
     ) -> StepHandle:
         """Launch a step: stage its inputs on the host (`InputBatch.stage`), then queue its device
         work (`_run_step`: the block copies copy-on-write owes, the forward, the sampling).
         Returns the handle of its tokens. A token not sampled yet (a placeholder) is fed from the
-        previous submitted step's sampled ids."""
+        previous submitted step's sampled ids. `non_blocking`: queue the tokens' copy to pinned
+        host memory behind the step, with an event (the overlapped engine collects them a step
+        later); otherwise `result()` copies them, the step's one blocking transfer."""
         if not scheduled and not block_copies:
             return StepHandle(None, [])
         staged = self.inputs.stage(scheduled, self.manager) if scheduled else None
@@ -212,11 +238,19 @@ class ModelRunner:
             request.generator_for(self.device) if p.temperature else None
             for request, p in zip(requests, params)
         ]
-        job = functools.partial(self._run_step, staged, params, generators, list(block_copies))
+        job = functools.partial(
+            self._run_step, staged, params, generators, list(block_copies), non_blocking
+        )
         return StepHandle(self.device_queue.submit(job), [r.request_id for r in requests])
 
-    def _run_step(self, staged: StagedInput | None, params, generators, block_copies):
+    def _run_step(
+        self, staged: StagedInput | None, params, generators, block_copies, non_blocking=False
+    ):
         """A step's device work, run by the device queue in submission order."""
+        events = self.gpu_events is not None and self.device.type == "cuda" and staged is not None
+        if events:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         with torch.no_grad():
             for src, dst in block_copies:  # copy-on-write, every layer, before anything writes
                 for pool in self.storage._pools():
@@ -225,13 +259,18 @@ class ModelRunner:
                 return None
             batch = self.inputs.to_device(staged, self._previous_sampled)
             logits = self.forward(batch)
-            if not params:  # a step of prefill chunks only: nothing to sample
-                return None
-            if len(params) != logits.shape[0]:
-                logits = logits.index_select(0, batch.sample_indices)  # (m, V)
-            step = sample_step(logits, params, generators)
-            self._previous_sampled = step.token_ids
-            return start_transfer(step)
+            result = None
+            if params:  # (a step of prefill chunks only samples nothing)
+                if len(params) != logits.shape[0]:
+                    logits = logits.index_select(0, batch.sample_indices)  # (m, V)
+                step = sample_step(logits, params, generators)
+                self._previous_sampled = step.token_ids
+                result = start_transfer(step) if non_blocking else (step, None)
+        if events:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.gpu_events.append((staged.max_query_len == 1, start, end))
+        return result
 
     def forward(self, batch: ModelInput) -> torch.Tensor:
         """The step's logits `(N, V)`: through the graph runner if it takes the step, else one
