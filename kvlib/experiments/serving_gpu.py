@@ -6,19 +6,29 @@ The workload (issue 36): 64 requests, prompts of uniform random length in [64, 5
 ids (seeded), 128 output tokens each (no stop token), greedy. Contenders, each in its own process
 (so one that fails or hangs costs only its own row):
 
-- kvlib's engine three ways: `eager` (attention through the torch reference, which gathers each
+- kvlib's engine five ways: `eager` (attention through the torch reference, which gathers each
   sequence's K/V), `kernel` (decode rows through chapter 11's Triton kernel, prefill rows through
   `BatchKV`'s padded batch), `graphs` (the kernel, and decode-only steps replayed as CUDA graphs
-  at bucketed batch sizes: the engine's default on a GPU);
+  at bucketed batch sizes: the engine's default on a GPU), `overlap` (graphs, and the host
+  planning step n + 1 while the GPU runs step n: `async_scheduling`), `mixed` (overlap, and
+  steps with prompt tokens through the fused varlen kernel, replayed as graphs too:
+  `kvlib.engine.mixed_graph`);
 - transformers' `generate` on one left-padded batch, with its dynamic cache and with its static
   cache (`cache_implementation="static"`, which `generate` compiles with `torch.compile`);
-- transformers' `generate_batch` (its continuous-batching engine).
+- transformers' `generate_batch` (its continuous-batching engine), where the installed
+  transformers has it.
 
 Each is run once to warm up (compilation, graph capture) and once timed; output tok/s = output
-tokens / wall seconds of the timed run. The kvlib variants are also served under wall-clock
-Poisson arrivals at three rates (TTFT and TPOT percentiles). Every row records the device, the
-versions and the commit. `match16` counts the requests whose first 16 tokens equal kvlib eager's
-(bf16 arithmetic differs between implementations, so equality is reported, not required).
+tokens / wall seconds of the timed run. For the kvlib variants the timed run also records, for
+each decode-only step, its host time (the wall time of `LLMEngine.step`) and its GPU time (CUDA
+events around the step's device work, on the stream: the span from the first kernel to the
+sampled tokens, idle gaps between kernels included, which is what a host-bound step shows):
+`decode_host_ms`, `decode_gpu_ms` are their medians. The kvlib variants are also served under
+wall-clock Poisson arrivals at three rates (TTFT and TPOT percentiles). Every row records the
+device, the versions and the commit. `match16` counts the requests whose first 16 tokens equal
+kvlib eager's (bf16 arithmetic differs between implementations, so equality is reported, not
+required). A contender that cannot run here (its transformers API missing) or fails is left out of
+the CSV and named on stderr and in the summary line; the others are recorded.
 """
 
 from __future__ import annotations
@@ -35,10 +45,16 @@ from kvlib.serve.load import latency_percentiles, poisson_arrival_times
 
 NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, SEED = 64, (64, 512), 128, 0
 POISSON_RATES = (16.0, 48.0, 128.0)  # requests per second, wall clock
-KVLIB = {  # ModelRunner options of each kvlib contender
-    "kvlib_graphs": dict(decode_kernel=True, prefill_varlen=False, cuda_graphs=True),
-    "kvlib_kernel": dict(decode_kernel=True, prefill_varlen=False, cuda_graphs=False),
-    "kvlib_eager": dict(decode_kernel=False, prefill_varlen=False, cuda_graphs=False),
+_GRAPHS = dict(decode_kernel=True, prefill_varlen=False, cuda_graphs=True)
+KVLIB = {  # (ModelRunner options, LLMEngine options) of each kvlib contender
+    "kvlib_mixed": (
+        dict(decode_kernel=True, prefill_varlen=True, cuda_graphs=True, mixed_graphs=True),
+        dict(async_scheduling=True),
+    ),
+    "kvlib_overlap": (_GRAPHS, dict(async_scheduling=True)),
+    "kvlib_graphs": (_GRAPHS, {}),
+    "kvlib_kernel": (dict(decode_kernel=True, prefill_varlen=False, cuda_graphs=False), {}),
+    "kvlib_eager": (dict(decode_kernel=False, prefill_varlen=False, cuda_graphs=False), {}),
 }
 TRANSFORMERS = ("hf_generate_dynamic", "hf_generate_batch", "hf_generate_static_compiled")
 CONTENDERS = (*KVLIB, *TRANSFORMERS)
@@ -54,11 +70,15 @@ def workload_prompts(
     return [rng.integers(256, vocab_size, int(n)).tolist() for n in lengths]
 
 
+MAX_NUM_BATCHED_TOKENS = 8192
+
+
 def kvlib_engine(model, variant: str, prompts: list[list[int]]):
-    """An `LLMEngine` for the workload whose runner is `KVLIB[variant]`'s."""
+    """An `LLMEngine` for the workload whose runner and engine options are `KVLIB[variant]`'s."""
     from kvlib.engine import LLMEngine
     from kvlib.engine.runner import ModelRunner
 
+    runner_options, engine_options = KVLIB[variant]
     longest = max(map(len, prompts)) + OUTPUT_LEN
     blocks = sum(-(-(len(p) + OUTPUT_LEN) // 16) for p in prompts) + 16
     engine = LLMEngine(
@@ -66,32 +86,53 @@ def kvlib_engine(model, variant: str, prompts: list[list[int]]):
         num_blocks=blocks,
         block_size=16,
         max_num_seqs=len(prompts),
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_model_len=longest,
+        **engine_options,
     )
     engine.runner = ModelRunner(
         model,
         engine.storage,
         engine.manager,
         max_graph_batch=len(prompts),
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_model_len=longest,
-        **KVLIB[variant],
+        **runner_options,
     )
     return engine
 
 
-def serve_offline(engine, prompts) -> tuple[float, list[list[int]]]:
-    """All prompts at once: (wall seconds, output ids per prompt)."""
+def serve_offline(engine, prompts) -> tuple[float, list[list[int]], dict]:
+    """All prompts at once: (wall seconds, output ids per prompt, the decode-only steps' median
+    host and GPU milliseconds: `decode_step_times_ms`)."""
     import torch
 
     from kvlib.engine import SamplingParams
 
     params = SamplingParams(max_tokens=OUTPUT_LEN)
+    engine.runner.gpu_events = []
+    first_step = len(engine.stats)
     torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = engine.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
-    return time.perf_counter() - start, [list(o.output_token_ids) for o in outputs]
+    seconds = time.perf_counter() - start
+    times = decode_step_times_ms(engine.stats[first_step:], engine.runner.gpu_events)
+    engine.runner.gpu_events = None
+    return seconds, [list(o.output_token_ids) for o in outputs], times
+
+
+def decode_step_times_ms(stats, gpu_events) -> dict:
+    """Median host ms (`StepStats.seconds`) of the decode-only steps among `stats`, and median GPU
+    ms of the decode-only steps' events (`ModelRunner.gpu_events`: (decode only, start, end)
+    CUDA events, synchronized already)."""
+    decode = [s.seconds * 1e3 for s in stats if s.num_prefill_tokens + s.num_recomputed_tokens == 0]
+    gpu = [start.elapsed_time(end) for only, start, end in gpu_events if only]
+    return dict(
+        decode_host_ms=float(np.median(decode)) if decode else float("nan"),
+        decode_gpu_ms=float(np.median(gpu)) if gpu else float("nan"),
+    )
 
 
 def serve_poisson(engine, prompts, rate: float, seed: int = SEED) -> dict:
@@ -150,6 +191,11 @@ def run_hf(hf, contender: str, prompts) -> tuple[float, list[list[int]]]:
         eos_token_id=None,
     )
     if contender == "hf_generate_batch":
+        if not hasattr(hf, "generate_batch"):
+            raise ContenderUnavailable(
+                f"hf_generate_batch: transformers {transformers.__version__} has no "
+                "generate_batch (continuous batching): this contender is left out"
+            )
 
         def once():
             out = hf.generate_batch(inputs=prompts, generation_config=config)
@@ -176,6 +222,13 @@ def run_hf(hf, contender: str, prompts) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, outputs
 
 
+class ContenderUnavailable(RuntimeError):
+    """A contender this installation cannot run (an API its library lacks): left out, named."""
+
+
+UNAVAILABLE_EXIT = 3  # the exit status of `--one` for an unavailable contender
+
+
 def run_contender(contender: str) -> dict:
     """Load SmolLM2 on the GPU and run one contender: offline, and (kvlib) Poisson rates."""
     import torch
@@ -188,8 +241,8 @@ def run_contender(contender: str) -> dict:
     if contender in KVLIB:
         engine = kvlib_engine(model, contender, prompts)
         serve_offline(engine, prompts)  # warm-up: kernels compiled, graphs captured
-        seconds, outputs = serve_offline(engine, prompts)
-        result["runs"].append(dict(scenario="offline", seconds=seconds, outputs=outputs))
+        seconds, outputs, times = serve_offline(engine, prompts)
+        result["runs"].append(dict(scenario="offline", seconds=seconds, outputs=outputs, **times))
         for rate in POISSON_RATES:
             run = serve_poisson(engine, prompts, rate)
             result["runs"].append(dict(scenario=f"poisson_{rate:g}_per_s", **run))
@@ -224,13 +277,20 @@ def rows_of(results: dict, facts: dict) -> list[dict]:
                     "ttft_p99_ms": round(1e3 * ttft[99], 2),
                     "tpot_p50_ms": round(1e3 * tpot[50], 2),
                     "tpot_p99_ms": round(1e3 * tpot[99], 2),
+                    "decode_host_ms": _rounded(run.get("decode_host_ms")),
+                    "decode_gpu_ms": _rounded(run.get("decode_gpu_ms")),
                     "match16": match,
                 }
             )
     return rows
 
 
-def record(out_csv: str, timeout_s: int = 150) -> str:
+def _rounded(value) -> float | str:
+    """A per-step time for the CSV: rounded ms, or "" where the contender has none."""
+    return "" if value is None or value != value else round(value, 3)
+
+
+def record(out_csv: str, timeout_s: int = 150, contenders=CONTENDERS) -> str:
     """Run every contender in its own process with a time limit (a progress bar counts them);
     the CSV is rewritten after each, so an interrupted run keeps what finished."""
     import datetime
@@ -248,7 +308,7 @@ def record(out_csv: str, timeout_s: int = 150) -> str:
         "date": datetime.date.today().isoformat(),
     }
     results, errors = {}, {}
-    for contender in tqdm(CONTENDERS, desc="contenders", unit="contender"):
+    for contender in tqdm(contenders, desc="contenders", unit="contender"):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             command = [sys.executable, "-m", "kvlib.experiments.serving_gpu", "--one", contender]
             try:
@@ -257,6 +317,8 @@ def record(out_csv: str, timeout_s: int = 150) -> str:
                 )
                 if done.returncode == 0:
                     results[contender] = json.load(open(f.name))
+                elif done.returncode == UNAVAILABLE_EXIT:
+                    errors[contender] = "unavailable: " + done.stderr.strip().splitlines()[-1]
                 else:
                     errors[contender] = done.stderr[-3000:]
             except subprocess.TimeoutExpired:
@@ -266,6 +328,8 @@ def record(out_csv: str, timeout_s: int = 150) -> str:
         elif results:
             write_rows(out_csv, rows_of(results, facts))
     failed = sorted(errors) or "none"
+    if not results:
+        return f"wrote nothing: every contender failed ({failed})"
     return f"wrote {len(rows_of(results, facts))} rows to {out_csv}; failed: {failed}"
 
 
@@ -282,17 +346,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one", choices=CONTENDERS, help="run one contender only")
     parser.add_argument("--json", help="with --one: where to write its result")
     parser.add_argument("--timeout-s", type=int, default=150, help="per contender (default 150)")
+    parser.add_argument(
+        "--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS, help="a subset to run"
+    )
     args = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         parser.error("the GPU serving benchmark needs a CUDA GPU")
     if args.one:
-        result = run_contender(args.one)
+        try:
+            result = run_contender(args.one)
+        except ContenderUnavailable as error:
+            print(error, file=sys.stderr)
+            return UNAVAILABLE_EXIT
         with open(args.json, "w") as f:
             json.dump(result, f)
         return 0
-    print(record(args.out, args.timeout_s))
+    print(record(args.out, args.timeout_s, args.contenders))
     return 0
 
 
