@@ -130,10 +130,10 @@ def test_an_unavailable_or_failing_contender_is_left_out_and_named(tmp_path, mon
     import subprocess
     import types
 
-    import kvlib.experiments.decode_bench as decode_bench
+    import kvlib.experiments.timing as timing
 
-    monkeypatch.setattr(decode_bench, "device_facts", lambda: {"device": "test GPU"})
-    monkeypatch.setattr(decode_bench, "commit_label", lambda: "abc1234")
+    monkeypatch.setattr(timing, "device_facts", lambda: {"device": "test GPU"})
+    monkeypatch.setattr(timing, "commit_label", lambda: "abc1234")
     ran = []
 
     def fake_run(command, capture_output, text, timeout):

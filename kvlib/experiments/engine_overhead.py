@@ -105,7 +105,7 @@ def measure(model, batch_sizes=BATCH_SIZES, engines=ENGINES, *, repeats=REPEATS,
 def record(out_csv: str, engines=ENGINES) -> list[dict]:
     import numpy
 
-    from kvlib.experiments.decode_bench import commit_label
+    from kvlib.experiments.timing import commit_label
     from kvlib.loaders.course_model import load_course_model
 
     times = measure(load_course_model(), engines=engines)
