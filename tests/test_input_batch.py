@@ -37,7 +37,7 @@ def checked_engine(model, **options):
     compared = [0]
     submit = engine.runner.submit
 
-    def compare_then_submit(scheduled, block_copies=()):
+    def compare_then_submit(scheduled, block_copies=(), **options):
         expected = prepare_inputs(scheduled, engine.manager)
         batch = check.prepare(scheduled, engine.manager)
         for field in FIELDS:
@@ -51,7 +51,7 @@ def checked_engine(model, **options):
             max(expected.seq_lens_host),
         )
         compared[0] += 1
-        return submit(scheduled, block_copies)
+        return submit(scheduled, block_copies, **options)
 
     engine.runner.submit = compare_then_submit
     return engine, compared
