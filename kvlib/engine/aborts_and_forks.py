@@ -105,8 +105,6 @@ class AbortsAndForks:
     def _fork_children(self, scheduled) -> None:
         """After the forward: fork the children of each parent whose prompt this step finished
         (the manager then holds exactly the prompt's tokens)."""
-        if not self._pending_forks:
-            return
         for request, num_new in scheduled:
             children = self._pending_forks.get(request.request_id)
             prompt_len = len(request.prompt_token_ids)

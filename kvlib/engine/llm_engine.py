@@ -288,7 +288,8 @@ class LLMEngine(AbortsAndForks):
         handle = self.runner.submit(
             plan.scheduled, copies, non_blocking=self.config.async_scheduling
         )
-        self._fork_children(plan.scheduled)
+        if self._pending_forks:  # (a parent waiting for its prompt: parallel sampling)
+            self._fork_children(plan.scheduled)
         self.scheduler.advance(plan)
         return _LaunchedStep(plan, handle, counts)
 
