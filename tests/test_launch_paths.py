@@ -215,3 +215,23 @@ def test_relabel_refreshes_a_label_in_place_and_reports_a_new_one(tmp_path, monk
     newly = [t.split(": ", 1)[1] for t in R.relabel(gqa)]
     names = ("gqa_uptraining.csv", "gqa_smollm2.json")
     assert newly == [f"{name} is newly stale; re-execute it" for name in names]
+
+
+def test_stamp_starts_the_entry_of_a_file_recorded_for_the_first_time(tmp_path, monkeypatch):
+    """A results file without an entry (chapter 15's GPU benchmark, before a GPU records it) gets
+    one from its experiment's PROVENANCE_SOURCES; a file with no such experiment is refused."""
+    from kvlib.experiments import sparse_bench
+
+    monkeypatch.setattr(R, "_PACKAGE_ROOT", tmp_path)
+    fake_layout(tmp_path, repo=True, source_text="v1\n")
+    for source in sparse_bench.PROVENANCE_SOURCES:
+        (tmp_path / source).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / source).write_text(source)
+    (tmp_path / "results" / "sparse_bench.csv").write_text("x\n1\n")
+    entry = R.stamp("sparse_bench.csv", commit="fed4321")
+    assert entry["command"] == "python -m kvlib.experiments.sparse_bench"
+    assert sorted(entry["sources"]) == sorted(sparse_bench.PROVENANCE_SOURCES)
+    state = R.staleness("sparse_bench.csv")
+    assert not state.stale and state.recorded_at == "fed4321"
+    with pytest.raises(KeyError, match="no PROVENANCE_SOURCES"):
+        R.stamp("unknown.csv")

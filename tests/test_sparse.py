@@ -357,3 +357,66 @@ def test_gathered_bounds_follow_the_block_table():
     low, high = gather_page_bounds(key_min, key_min + 1, torch.tensor([[3, 1]]))
     assert low[0, :, 0, 0].tolist() == [3.0, 1.0] and high[0, :, 0, 0].tolist() == [4.0, 2.0]
     assert np.isclose(float(high.sum() - low.sum()), 4.0)
+
+
+# --- the GPU benchmark's code path, on the CPU ----------------------------------------------------
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
+def test_the_sparse_benchmark_runs_its_code_path_on_tiny_shapes(tmp_path):
+    """`python -m kvlib.experiments.sparse_bench --tiny`: every case checks its sparse output
+    against the kernel's reference before timing; the rows say what ran and what was read."""
+    import csv
+
+    from kvlib.experiments.sparse_bench import main
+
+    out = tmp_path / "sparse_bench.csv"
+    assert main(["--tiny", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [float(r["fraction"]) for r in rows] == [0.125, 0.25, 0.5, 1.0]
+    for row in rows:
+        budget, pages = int(row["budget"]), int(row["pages"])
+        assert int(row["compact_tokens"]) == budget * 16  # every page of 512 tokens is full
+        per_token = 2 * int(row["heads_kv"]) * int(row["head_dim"]) * 4
+        read = (budget * 16 + (pages if budget < pages else 0)) * per_token
+        assert int(row["sparse_bytes"]) == read and int(row["dense_bytes"]) == 512 * per_token
+        assert all(float(row[f"{t}_us"]) > 0 for t in ("dense", "select", "attend", "sparse"))
+    assert row["device"] == "cpu (Triton interpreter)" and row["commit"] and row["date"]
+
+
+def test_the_sweeps_eviction_baseline_is_chapter_8s_best_per_task():
+    """BEST_EVICTION names, for each task, the policy of results/eviction_sweep.csv with the
+    highest mean recall, the most passkeys, the lowest mean KL on the essay."""
+    import csv
+    from collections import defaultdict
+
+    from kvlib.course.recorded import recorded_file
+    from kvlib.experiments.sparse_sweep import BEST_EVICTION
+
+    totals = defaultdict(list)
+    for row in csv.DictReader(recorded_file("eviction_sweep.csv").open()):
+        if row["policy"] != "full" and row["metric"] in ("recall", "correct", "mean_kl"):
+            totals[row["task"], row["policy"]].append(float(row["value"]))
+    best = {
+        task: pick((np.mean(v), policy) for (t, policy), v in totals.items() if t == task)[1]
+        for task, pick in (("recall", max), ("passkey", max), ("text", min))
+    }
+    assert best == BEST_EVICTION
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_compiled_kernel_reads_the_compacted_tables_on_a_gpu(course_model):
+    """On a GPU the kernel is compiled: the course model decoding through it at a sparse budget
+    matches the same tables read by the torch path, and a budget of every page matches dense."""
+    model = load_course_model().to("cuda")
+    ids = course_ids(3, 80).to("cuda")
+    dense = streamed_logits(model, ids, PagedCache.for_model(model, 3, 80))
+    logits = {}
+    for path, budget in (("kernel", 3), ("torch", 3), ("kernel", 5)):
+        cache = SparsePagedCache.for_model(
+            model, 3, 80, budget_pages=budget, dense_layers=1, decode_attention=path
+        )
+        logits[path, budget] = streamed_logits(model, ids, cache)
+    torch.testing.assert_close(logits["kernel", 3], logits["torch", 3], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits["kernel", 5], dense, rtol=1e-4, atol=1e-4)

@@ -137,9 +137,29 @@ def recorded_file(name: str) -> Path:
 
 def stamp(name: str, *, commit: str | None = None) -> dict:
     """Store the current hashes of `name`'s sources in results/provenance.json (run after
-    re-recording it), with `commit` (default: the repository's HEAD) as where it was recorded."""
+    re-recording it), with `commit` (default: the repository's HEAD) as where it was recorded.
+
+    A file recorded for the first time has no entry yet: it gets one from the experiment that
+    writes it, `kvlib.experiments.<the file's stem>`, whose `PROVENANCE_SOURCES` lists its
+    sources (the command is `python -m` that module).
+
+    Raises:
+        KeyError: no entry, and no such experiment or no `PROVENANCE_SOURCES` in it.
+    """
+    import importlib
+
     folder = _PACKAGE_ROOT / "results"
     table = _provenance(folder)
+    if name not in table:
+        module = f"kvlib.experiments.{Path(name).stem}"
+        try:
+            sources = importlib.import_module(module).PROVENANCE_SOURCES
+        except (ImportError, AttributeError):
+            raise KeyError(
+                f"{name}: no entry in {PROVENANCE}, and {module} has no PROVENANCE_SOURCES "
+                "to start one from"
+            ) from None
+        table[name] = {"command": f"python -m {module}", "sources": dict.fromkeys(sources)}
     entry = table[name]
     if commit is None:
         commit = subprocess.run(
