@@ -24,7 +24,7 @@ NOTEBOOKS = sorted(
 
 
 def test_every_notebook_starts_with_the_rendered_install_lines():
-    assert len(NOTEBOOKS) == 42
+    assert len(NOTEBOOKS) == 45
     differ = [p.name for p in NOTEBOOKS if rewrite_install_lines(p, check=True)]
     assert not differ, "run `make install-cells`: " + ", ".join(differ)
     url = repository_url()
@@ -45,6 +45,7 @@ def test_every_notebook_starts_with_the_rendered_install_lines():
             "12_serving_engine",
             "13_server",
             "14_offload",
+            "15_sparse_attention",
         )
     ]
 

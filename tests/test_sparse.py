@@ -420,3 +420,89 @@ def test_the_compiled_kernel_reads_the_compacted_tables_on_a_gpu(course_model):
         logits[path, budget] = streamed_logits(model, ids, cache)
     torch.testing.assert_close(logits["kernel", 3], logits["torch", 3], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits["kernel", 5], dense, rtol=1e-4, atol=1e-4)
+
+
+def test_the_traces_page_mass_is_the_oracles_through_a_block_table():
+    """`trace.page_mass` (keys in order) == `baselines.attention_mass_per_page` (keys through a
+    PageBoundsCache's block table), summed over KV heads, for every 3rd query from 10."""
+    from kvlib.sparse.trace import page_mass
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(9, 100, 64, generator=g), torch.randn(3, 100, 64, generator=g)
+    cache = PageBoundsCache(1, 3, 64, num_blocks=7, block_size=16)
+    cache.update(0, k[None], k[None])
+    rows = torch.arange(10, 100, 3)
+    table = torch.tensor(cache.manager.block_tables[0]).expand(len(rows), -1)
+    oracle = attention_mass_per_page(
+        q[:, rows].transpose(0, 1), cache.key_cache[0], table, rows + 1
+    )
+    torch.testing.assert_close(page_mass(q, k, 16, 10, 3), oracle.sum(dim=1))
+
+
+# --- the recorded sweep, spot-checked ------------------------------------------------------------
+
+SWEEP = "sparse_sweep.csv"
+
+
+def sweep_rows(task, policy, budget, dense_layers, metric) -> dict:
+    """{x: value} of one run's rows in results/sparse_sweep.csv."""
+    import csv
+
+    from kvlib.course.recorded import recorded_file
+
+    return {
+        row["x"]: float(row["value"])
+        for row in csv.DictReader(recorded_file(SWEEP).open())
+        if (row["task"], row["policy"], row["budget"], row["dense_layers"], row["metric"])
+        == (task, policy, str(budget), str(dense_layers), metric)
+    }
+
+
+def test_recorded_sparse_sweep_spot_check_recall(course_model):
+    """Quest at 4 pages on the course model's recall at the shortest and longest distances, and
+    the matched eviction budgets, as recorded (a flipped argmax moves a cell by 1/128)."""
+    from kvlib.experiments import sparse_sweep as S
+    from kvlib.metrics.recall import recall_by_distance
+
+    recorded = sweep_rows("recall", "quest", 4, 1, "recall")
+    got = recall_by_distance(course_model, (8, 240), cache_factory=S.sparse_factory("quest", 4, 1))
+    for distance, value in got.items():
+        assert abs(value - recorded[str(distance)]) <= 0.02, (distance, value, recorded)
+    config, lengths = S.hf_config(course_model), list(range(1, 257))
+    for pages in S.SPARSE_BUDGETS["recall"]:
+        budget = S.matched_eviction_budget(config, lengths, pages, 1)
+        assert sweep_rows("recall", S.BEST_EVICTION["recall"], budget, 0, "recall"), budget
+
+
+@pytest.mark.slow
+def test_recorded_sparse_sweep_spot_check_smollm2(smollm2):
+    """SmolLM2: Quest at 8 pages on the essay (streamed a token at a time) within 5% of the
+    recorded metrics, and the recorded passkey trial at depth 0.5, answered alike."""
+    from kvlib.experiments import sparse_sweep as S
+    from kvlib.experiments.sweep import EVICTION_CHUNK, EVICTION_PASSKEY_FILLER
+    from kvlib.metrics.passkey import passkey_trial
+    from kvlib.metrics.quality import course_text
+
+    model, tokenizer = smollm2
+    essay = torch.tensor([tokenizer.encode(course_text())])
+    with torch.no_grad():
+        reference = model(essay)
+    factory = S.sparse_factory("quest", 8, 2)
+    got = S.streamed_essay_metrics(model, essay, factory, reference)
+    for metric in ("perplexity", "top1_agreement", "mean_kl"):
+        (value,) = sweep_rows("text", "quest", 8, 2, metric).values()
+        assert abs(got[metric] - value) <= 0.05 * abs(value) + 0.01, (metric, got, value)
+    key = dict(
+        zip((0.1, 0.3, 0.5, 0.7, 0.9), np.random.default_rng(0).integers(10_000, 100_000, 5))
+    )
+    correct, _ = passkey_trial(
+        model,
+        tokenizer,
+        EVICTION_PASSKEY_FILLER,
+        0.5,
+        int(key[0.5]),
+        cache_factory=factory,
+        max_new_tokens=S.PASSKEY_NEW_TOKENS,
+        prefill_chunk_size=EVICTION_CHUNK,
+    )
+    assert int(correct) == sweep_rows("passkey", "quest", 8, 2, "correct")["0.5"]

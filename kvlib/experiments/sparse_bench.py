@@ -28,6 +28,7 @@ SPARSE_BENCH_BATCHES = (1, 8)
 SPARSE_BENCH_FRACTIONS = (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
 SPARSE_BENCH_HEADS = (32, 8, 128)  # (H, H_kv, D): Llama 3 8B
 TINY_CASES = dict(contexts=(512,), batches=(1,), fractions=(1 / 8, 1 / 4, 1 / 2, 1.0))
+QUICK_CASES = dict(contexts=(32768, 131072), batches=(1,), fractions=(1 / 64, 1 / 16, 1 / 4, 1.0))
 TINY_HEADS = (4, 2, 16)
 BLOCK_SIZE = 16
 # what `python -m kvlib.course.recorded stamp results/sparse_bench.csv` hashes (a source that
@@ -48,14 +49,16 @@ PROVENANCE_SOURCES = (
 )
 
 
-def bench_cases(tiny: bool = False) -> list[dict]:
+def bench_cases(tiny: bool = False, quick: bool = False) -> list[dict]:
     """Every (batch, context, fraction) case, with its pages and budget (>= 2: the sink and the
-    newest page are always read)."""
-    grid = TINY_CASES if tiny else dict(
+    newest page are always read); `quick`: batch 1 at 32k and 128k, four fractions (a notebook's
+    live run); `tiny`: one small context for the interpreter."""
+    full = dict(
         contexts=SPARSE_BENCH_CONTEXTS,
         batches=SPARSE_BENCH_BATCHES,
         fractions=SPARSE_BENCH_FRACTIONS,
-    )  # fmt: skip
+    )
+    grid = TINY_CASES if tiny else QUICK_CASES if quick else full
     cases = []
     for batch in grid["batches"]:
         for context in grid["contexts"]:
@@ -166,10 +169,10 @@ def device_row(device) -> dict:
     return {**facts, "date": datetime.date.today().isoformat(), "commit": commit_label()}
 
 
-def sparse_bench(out_csv: str | None, *, tiny: bool = False) -> list[dict]:
-    """Time dense and sparse decode steps on every case of `bench_cases(tiny)` on the kernel's
-    device (`--tiny`: float32, small heads); write the rows to `out_csv` (None: only return
-    them). Raises TritonUnavailableError without Triton."""
+def sparse_bench(out_csv: str | None, *, tiny: bool = False, quick: bool = False) -> list[dict]:
+    """Time dense and sparse decode steps on every case of `bench_cases(tiny, quick)` on the
+    kernel's device (`tiny`: float32, small heads); write the rows to `out_csv` (None: only
+    return them). Raises TritonUnavailableError without Triton."""
     import torch
 
     from kvlib.experiments.cli import write_rows
@@ -181,7 +184,7 @@ def sparse_bench(out_csv: str | None, *, tiny: bool = False) -> list[dict]:
     dtype, heads = (torch.float32, TINY_HEADS) if tiny else (torch.bfloat16, SPARSE_BENCH_HEADS)
     timer, facts = _timer(device), device_row(device)
     rows, inputs = [], None
-    for case in bench_cases(tiny):
+    for case in bench_cases(tiny, quick):
         key = (case["batch"], case["context"])
         if inputs is None or inputs["key"] != key:
             inputs = dict(bench_inputs(*key, heads, dtype, device), key=key)
@@ -258,12 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tiny", action="store_true", help="small float32 cases (the interpreter on a CPU)"
     )
+    parser.add_argument("--quick", action="store_true", help="batch 1, 32k and 128k, 4 fractions")
     args = parser.parse_args(argv)
     import torch
 
     if not args.tiny and not torch.cuda.is_available():
         parser.error("the benchmark needs a CUDA GPU (--tiny runs small cases on the CPU)")
-    rows = sparse_bench(args.out, tiny=args.tiny)
+    rows = sparse_bench(args.out, tiny=args.tiny, quick=args.quick)
     print(f"wrote {len(rows)} rows to {args.out}")
     return 0
 

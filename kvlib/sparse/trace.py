@@ -21,10 +21,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from kvlib.cache.paged_bounds import PageBoundsCache
 from kvlib.layers.llama import apply_rope
-from kvlib.sparse.baselines import attention_mass_per_page, random_page_scores
+from kvlib.sparse.baselines import random_page_scores
 from kvlib.sparse.bounds import quest_page_scores
 from kvlib.sparse.selection import select_pages
 
@@ -89,17 +90,24 @@ def _pool(keys: torch.Tensor, block_size: int) -> PageBoundsCache:
 
 
 def page_mass(
-    queries: torch.Tensor, keys: torch.Tensor, block_size: int, first_query: int = 0
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    block_size: int,
+    first_query: int = 0,
+    every: int = 1,
 ) -> torch.Tensor:
-    """(T', P) float32: the attention mass each page gets from queries `first_query`.. T - 1,
-    causally (query t sees keys 0..t), summed over all heads (each row sums to H)."""
-    cache = _pool(keys, block_size)
-    rows = torch.arange(first_query, queries.shape[1])
-    table = torch.tensor(cache.manager.block_tables[0]).expand(len(rows), -1)  # (T', P)
-    mass = attention_mass_per_page(
-        queries[:, rows].transpose(0, 1), cache.key_cache[0], table, rows + 1
-    )  # (T', H_kv, P)
-    return mass.sum(dim=1)
+    """(T', P) float32: the attention mass each page gets from queries `first_query`,
+    `first_query + every`, ... < T, causally (query t sees keys 0..t), summed over all heads (each
+    row sums to H). The softmax of `kvlib.sparse.baselines.attention_mass_per_page`, over the
+    keys in order rather than through a block table."""
+    num_heads, length, head_dim = queries.shape
+    rows = torch.arange(first_query, length, every)
+    keys = keys.float().repeat_interleave(num_heads // keys.shape[0], dim=0)  # (H, T, D)
+    scores = queries[:, rows].float() @ keys.transpose(1, 2) * head_dim**-0.5  # (H, T', T)
+    scores = scores.masked_fill(torch.arange(length) > rows[:, None], float("-inf"))
+    pages = -(-length // block_size)
+    weights = F.pad(scores.softmax(dim=-1), (0, pages * block_size - length))  # (H, T', P · bs)
+    return weights.view(num_heads, len(rows), pages, block_size).sum(dim=(0, 3))  # (T', P)
 
 
 def captured_mass(
@@ -110,20 +118,23 @@ def captured_mass(
     *,
     selector: str = "quest",
     first_query: int = 0,
+    every: int = 1,
     bound_queries: torch.Tensor | None = None,
+    recent_pages: int = 1,
     seed: int = 0,
 ) -> torch.Tensor:
-    """(T',) float32: for each query t >= `first_query`, the share of its attention mass (all
-    heads) in the `budget_pages` pages `selector` ("quest", "oracle" or "random") picks, the sink
-    and the query's own page forced in (see the module docstring).
+    """(T',) float32: for each query t = `first_query`, `first_query + every`, ..., the share of
+    its attention mass (all heads) in the `budget_pages` pages `selector` ("quest", "oracle" or
+    "random") picks, the sink and the query's own page forced in (see the module docstring).
 
     Args:
         queries: (H, T, D) after RoPE; keys: (H_kv, T, D) after RoPE.
         bound_queries: (H, T, D), the queries Quest's bound is computed from (default
             `queries`; chapter 15's pitfall passes them before RoPE).
+        recent_pages: pages always read at the end (chapter 15's pitfall passes 0).
     """
-    mass = page_mass(queries, keys, block_size, first_query)  # (T', P)
-    rows = torch.arange(first_query, queries.shape[1])
+    mass = page_mass(queries, keys, block_size, first_query, every)  # (T', P)
+    rows = torch.arange(first_query, queries.shape[1], every)
     num_pages = rows // block_size + 1  # pages up to the query's own
     if selector == "oracle":
         scores = mass
@@ -134,5 +145,5 @@ def captured_mass(
         table = torch.tensor(cache.manager.block_tables[0]).expand(len(rows), -1)
         source = (queries if bound_queries is None else bound_queries)[:, rows].transpose(0, 1)
         scores = quest_page_scores(source, cache.key_min[0], cache.key_max[0], table)
-    selected = select_pages(scores, num_pages, budget_pages)  # (T', P)
+    selected = select_pages(scores, num_pages, budget_pages, recent_pages=recent_pages)
     return (mass * selected).sum(dim=1) / mass.sum(dim=1)
