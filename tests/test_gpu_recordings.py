@@ -18,7 +18,7 @@ GPU_SECTIONS = ["notebooks/11_triton_decode.ipynb", "notebooks/12_serving_engine
 
 # Notebooks whose code branches on a GPU (`gpu_branches()`, `torch.cuda.is_available()`): each is
 # run on the CPU by `make gpu-branches` (KVLIB_GPU_BRANCHES=cpu), or listed in CPU_UNREACHABLE.
-GPU_BRANCH_NOTEBOOKS = ["notebooks/11_triton_decode.ipynb"]
+GPU_BRANCH_NOTEBOOKS = ["notebooks/11_triton_decode.ipynb", "notebooks/15_sparse_attention.ipynb"]
 CPU_UNREACHABLE: dict[str, str] = {}  # notebook -> why its GPU branch cannot run on a CPU
 
 

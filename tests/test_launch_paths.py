@@ -236,3 +236,15 @@ def test_stamp_starts_the_entry_of_a_file_recorded_for_the_first_time(tmp_path, 
     assert not state.stale and state.recorded_at == "fed4321"
     with pytest.raises(KeyError, match="no PROVENANCE_SOURCES"):
         R.stamp("unknown.csv")
+
+
+def test_is_recorded_says_whether_a_file_is_there_to_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "_PACKAGE_ROOT", tmp_path)
+    monkeypatch.delenv(R.RECORDINGS_ENV, raising=False)
+    fake_layout(tmp_path, repo=True, source_text="v1\n")
+    assert R.is_recorded("sweep.csv") and not R.is_recorded("sparse_bench.csv")
+    elsewhere = tmp_path / "mine"
+    elsewhere.mkdir()
+    (elsewhere / "sparse_bench.csv").write_text("x\n1\n")
+    monkeypatch.setenv(R.RECORDINGS_ENV, str(elsewhere))
+    assert R.is_recorded("sparse_bench.csv")

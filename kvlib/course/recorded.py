@@ -31,6 +31,7 @@ import kvlib
 __all__ = [
     "PROVENANCE",
     "Staleness",
+    "is_recorded",
     "recorded_file",
     "recorded_dir",
     "source_sha256",
@@ -133,6 +134,14 @@ def recorded_file(name: str) -> Path:
     if state.stale:
         print(state.label())
     return path
+
+
+def is_recorded(name: str) -> bool:
+    """Whether recorded results file `name` is there for `recorded_file` to read (in
+    `KVLIB_RECORDINGS`, the repository's `results/` or kvlib's installed copy). A GPU result not
+    recorded yet is absent: a notebook then shows what it can measure instead, and says so."""
+    other = os.environ.get(RECORDINGS_ENV)
+    return bool(other and (Path(other) / name).is_file()) or (recorded_dir() / name).is_file()
 
 
 def stamp(name: str, *, commit: str | None = None) -> dict:

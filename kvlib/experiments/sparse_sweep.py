@@ -2,7 +2,8 @@
 oracle's true attention mass, random pages) at several budgets of pages read per decode step,
 against chapter 8's best eviction policy at the same bytes read, on chapter 8's and 10's tasks:
 the course model's recall by distance, SmolLM2's passkey and SmolLM2 on the course essay streamed
-one token at a time (CPU, 1 thread, about 15 minutes); writes `results/sparse_sweep.csv`.
+one token at a time (CPU, 1 thread: 44 minutes on a busy 2-core machine); writes
+`results/sparse_sweep.csv`.
 
 Bytes read per decode step are chapter 3's equation extended (`kvlib.memory.sparse`): a sparse
 layer reads its selected pages' K/V and every page's bounds, a dense layer (the first
@@ -204,7 +205,7 @@ def decode_lengths(task: str, models, prompt_tokens: int | None = None) -> list[
 
 
 def sparse_sweep(out_csv: str, *, seed: int = 0) -> list[dict]:
-    """Chapter 15's sweep (`sparse_jobs`, about 15 minutes on 2 CPU cores): every row of every
+    """Chapter 15's sweep (`sparse_jobs`, 37 runs on one CPU thread): every row of every
     run written to `out_csv` as it comes (the committed `results/sparse_sweep.csv`, which a test
     spot-checks)."""
     import csv
