@@ -202,6 +202,8 @@ def relabel(path: Path) -> list[str]:
         if cell.cell_type != "code":
             continue
         for name in re.findall(r'recorded_file\("([^"]+)"\)', cell.source):
+            if not is_recorded(name):  # not recorded yet (a GPU result): no label to show
+                continue
             state, prefix, found = staleness(name), f"{_LABEL_START}{name} ", False
             for output in cell.outputs:
                 if output.output_type != "stream":
