@@ -3526,6 +3526,27 @@ VALID_VARIANTS = [
      "    return torch.cat([scores.double(), torch.zeros(h_kv, t, dtype=torch.float64)], 1) + "
      "received\n",
      "the scores' dtype"),
+    ("15_sparse_attention.ipynb", "page_bound",
+     "def page_bound(q, key_min, key_max, scale):  # q+ · max + q- · min, as two products\n"
+     "    return (q.clamp(min=0) @ key_max.T + q.clamp(max=0) @ key_min.T).amax(dim=0) * scale\n",
+     None),
+    ("15_sparse_attention.ipynb", "pages_to_read",
+     "def pages_to_read(head_bounds, group_size, num_pages, budget):  # topk, forced at +inf\n"
+     "    h, p = head_bounds.shape\n"
+     "    scores = head_bounds.view(h // group_size, group_size, p).amax(1).sum(0)[:num_pages]\n"
+     "    scores = scores.clone()\n"
+     "    scores[0] = scores[num_pages - 1] = float('inf')\n"
+     "    top = scores.topk(min(budget, num_pages)).indices\n"
+     "    return sorted(int(i) for i in top)\n",
+     None),
+    ("15_sparse_attention.ipynb", "compact_table",
+     "def compact_table(block_table, seq_len, pages, block_size):  # token by token\n"
+     "    blocks, length = [], 0\n"
+     "    for page in sorted(pages):\n"
+     "        blocks.append(block_table[page])\n"
+     "        length += min(block_size, seq_len - page * block_size)\n"
+     "    return blocks, length\n",
+     None),
 ]  # fmt: skip
 
 # From chapters 5-12: answers the earlier red team found passing.
