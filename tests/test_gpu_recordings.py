@@ -18,7 +18,7 @@ GPU_SECTIONS = ["notebooks/11_triton_decode.ipynb", "notebooks/12_serving_engine
 
 # Notebooks whose code branches on a GPU (`gpu_branches()`, `torch.cuda.is_available()`): each is
 # run on the CPU by `make gpu-branches` (KVLIB_GPU_BRANCHES=cpu), or listed in CPU_UNREACHABLE.
-GPU_BRANCH_NOTEBOOKS = ["notebooks/11_triton_decode.ipynb"]
+GPU_BRANCH_NOTEBOOKS = ["notebooks/11_triton_decode.ipynb", "notebooks/15_sparse_attention.ipynb"]
 CPU_UNREACHABLE: dict[str, str] = {}  # notebook -> why its GPU branch cannot run on a CPU
 
 
@@ -62,6 +62,20 @@ def test_chapter_11s_live_branch_runs_on_the_cpu_with_tiny_shapes():
     out = run_tagged(GPU_BRANCH_NOTEBOOKS[0], KVLIB_GPU_BRANCHES="cpu")
     assert "measured live on CPU (Triton interpreter)" in out
     assert "no such case in these rows" in out  # the targets' groups are empty, and reported
+
+
+def test_chapter_15s_gpu_section_runs_live_on_the_cpu_and_without_a_recording():
+    """Chapter 15's sparse benchmark: its live branch on the CPU with tiny shapes, and, with no
+    results/sparse_bench.csv recorded yet, the interpreter's measurement, labelled as such."""
+    from kvlib.course.recorded import is_recorded
+
+    live = run_tagged(GPU_BRANCH_NOTEBOOKS[1], KVLIB_GPU_BRANCHES="cpu")
+    assert "measured live on CPU (Triton interpreter)" in live
+    out = run_tagged(GPU_BRANCH_NOTEBOOKS[1], KVLIB_RECORDINGS="")
+    if is_recorded("sparse_bench.csv"):
+        assert "recorded on" in out
+    else:
+        assert "no GPU result recorded yet: Triton's CPU interpreter (NOT GPU times)" in out
 
 
 def test_every_gpu_branch_is_run_on_the_cpu_or_says_why_not():

@@ -1764,6 +1764,273 @@ def break_even_gbps(config, num_tokens, flops_per_s):  # GiB/s, not GB/s
 """,
         "GB/s = 1e9 bytes/s",
     ),
+    (
+        "15_sparse_attention.ipynb",
+        "page_bound",
+        """
+def page_bound(q, key_min, key_max, scale):  # q · max, whatever the sign of q
+    return (q[:, None, :] * key_max).sum(dim=-1).amax(dim=0) * scale
+""",
+        "not an upper bound",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "page_bound",
+        """
+def page_bound(q, key_min, key_max, scale):  # the box's centre
+    return (q[:, None, :] * (key_min + key_max) / 2).sum(dim=-1).amax(dim=0) * scale
+""",
+        "not an upper bound",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "page_bound",
+        """
+def page_bound(q, key_min, key_max, scale):  # a true bound, but looser than Quest's
+    corner = torch.maximum(key_min.abs(), key_max.abs())
+    return (q.abs()[:, None, :] * corner).sum(dim=-1).amax(dim=0) * scale
+""",
+        "Quest's bound is",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "page_bound",
+        """
+def page_bound(q, key_min, key_max, scale):  # the group's mean query (not a bound)
+    mean = q.mean(dim=0)
+    return torch.maximum(mean * key_min, mean * key_max).sum(dim=-1) * scale
+""",
+        "opposite ways",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "page_bound",
+        """
+def page_bound(q, key_min, key_max, scale):  # summed over the group's heads
+    per_head = torch.maximum(q[:, None, :] * key_min, q[:, None, :] * key_max).sum(dim=-1)
+    return per_head.sum(dim=0) * scale
+""",
+        "not an upper bound",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "page_bound",
+        """
+def page_bound(q, key_min, key_max, scale):  # the scale forgotten
+    return torch.maximum(q[:, None, :] * key_min, q[:, None, :] * key_max).sum(-1).amax(0)
+""",
+        "scale ·",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "pages_to_read",
+        """
+def pages_to_read(head_bounds, group_size, num_pages, budget):  # the largest over every head
+    scores = head_bounds.amax(dim=0)
+    forced = {0, num_pages - 1}
+    rest = sorted(set(range(num_pages)) - forced, key=lambda p: -float(scores[p]))
+    return sorted(forced | set(rest[: max(0, budget - len(forced))]))
+""",
+        "sum them",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "pages_to_read",
+        """
+def pages_to_read(head_bounds, group_size, num_pages, budget):  # summed over every query head
+    scores = head_bounds.sum(dim=0)
+    forced = {0, num_pages - 1}
+    rest = sorted(set(range(num_pages)) - forced, key=lambda p: -float(scores[p]))
+    return sorted(forced | set(rest[: max(0, budget - len(forced))]))
+""",
+        "not its sum",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "pages_to_read",
+        """
+def pages_to_read(head_bounds, group_size, num_pages, budget):  # no sink page
+    h, p = head_bounds.shape
+    scores = head_bounds.view(h // group_size, group_size, p).amax(dim=1).sum(dim=0)
+    rest = sorted(range(num_pages - 1), key=lambda q: -float(scores[q]))
+    return sorted({num_pages - 1} | set(rest[: budget - 1]))
+""",
+        "always read",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "pages_to_read",
+        """
+def pages_to_read(head_bounds, group_size, num_pages, budget):  # the table's last column
+    h, p = head_bounds.shape
+    scores = head_bounds.view(h // group_size, group_size, p).amax(dim=1).sum(dim=0)
+    forced = {0, p - 1}
+    rest = sorted(set(range(p)) - forced, key=lambda q: -float(scores[q]))
+    return sorted(forced | set(rest[: max(0, budget - len(forced))]))
+""",
+        "not the last column",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "pages_to_read",
+        """
+def pages_to_read(head_bounds, group_size, num_pages, budget):  # budget pages besides the forced
+    h, p = head_bounds.shape
+    scores = head_bounds.view(h // group_size, group_size, p).amax(dim=1).sum(dim=0)
+    forced = {0, num_pages - 1}
+    rest = sorted(set(range(num_pages)) - forced, key=lambda q: -float(scores[q]))
+    return sorted(forced | set(rest[:budget]))
+""",
+        "count towards the budget",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "pages_to_read",
+        """
+def pages_to_read(head_bounds, group_size, num_pages, budget):  # each KV head's own top pages
+    h, p = head_bounds.shape
+    per_kv_head = head_bounds.view(h // group_size, group_size, p).amax(dim=1)
+    chosen = {0, num_pages - 1}
+    for scores in per_kv_head:  # read per KV head: the union
+        rest = sorted(set(range(num_pages)) - {0, num_pages - 1}, key=lambda q: -float(scores[q]))
+        chosen |= set(rest[: max(0, budget - 2)])
+    return sorted(chosen)
+""",
+        "sum them",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "pages_to_read",
+        """
+def pages_to_read(head_bounds, group_size, num_pages, budget):  # in order of score
+    h, p = head_bounds.shape
+    scores = head_bounds.view(h // group_size, group_size, p).amax(dim=1).sum(dim=0)
+    forced = [0] if num_pages == 1 else [0, num_pages - 1]
+    rest = sorted(set(range(num_pages)) - set(forced), key=lambda q: -float(scores[q]))
+    return forced + rest[: max(0, budget - len(forced))]
+""",
+        "in ascending order",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "compact_table",
+        """
+def compact_table(block_table, seq_len, pages, block_size):  # every page counted full
+    chosen = sorted(pages)
+    return [block_table[p] for p in chosen], len(chosen) * block_size
+""",
+        "newest, which holds 5",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "compact_table",
+        """
+def compact_table(block_table, seq_len, pages, block_size):  # the newest page's fill as S % size
+    chosen = sorted(pages)
+    return [block_table[p] for p in chosen], (len(chosen) - 1) * block_size + seq_len % block_size
+""",
+        "not 64 % 16 = 0",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "compact_table",
+        """
+def compact_table(block_table, seq_len, pages, block_size):  # in the order the pages came
+    fill = seq_len - (seq_len - 1) // block_size * block_size
+    return [block_table[p] for p in pages], (len(pages) - 1) * block_size + fill
+""",
+        "in logical order",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "compact_table",
+        """
+def compact_table(block_table, seq_len, pages, block_size):  # logical pages, not blocks
+    fill = seq_len - (seq_len - 1) // block_size * block_size
+    return sorted(pages), (len(pages) - 1) * block_size + fill
+""",
+        "physical blocks",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "decode_read_bytes",
+        """
+def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):  # no bounds read
+    per_token, pages = 2 * H_kv * D * b, -(-S // block_size)
+    if pages <= budget:
+        return L * S * per_token
+    sparse = (budget - 1) * block_size + S - (pages - 1) * block_size
+    return (dense * S + (L - dense) * sparse) * per_token
+""",
+        "every page's bounds",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "decode_read_bytes",
+        """
+def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):  # bounds read even when
+    per_token, pages = 2 * H_kv * D * b, -(-S // block_size)  # every page is read anyway
+    fill = S - (pages - 1) * block_size
+    sparse = (min(budget, pages) - 1) * block_size + fill + pages
+    return (dense * S + (L - dense) * sparse) * per_token
+""",
+        "no bounds",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "decode_read_bytes",
+        """
+def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):  # the newest page full
+    per_token, pages = 2 * H_kv * D * b, -(-S // block_size)
+    if pages <= budget:
+        return L * S * per_token
+    sparse = budget * block_size + pages
+    return (dense * S + (L - dense) * sparse) * per_token
+""",
+        "partial newest page",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "decode_read_bytes",
+        """
+def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):  # no dense layers
+    per_token, pages = 2 * H_kv * D * b, -(-S // block_size)
+    if pages <= budget:
+        return L * S * per_token
+    return L * ((budget - 1) * block_size + S - (pages - 1) * block_size + pages) * per_token
+""",
+        "a dense layer",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "decode_read_bytes",
+        """
+def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):  # bounds: D per KV head
+    per_token, pages = 2 * H_kv * D * b, -(-S // block_size)
+    if pages <= budget:
+        return L * S * per_token
+    tokens = (budget - 1) * block_size + S - (pages - 1) * block_size
+    return dense * S * per_token + (L - dense) * (tokens * per_token + pages * H_kv * D * b)
+""",
+        "2 · D per KV head",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "decode_read_bytes",
+        """
+import math
+
+
+def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):  # a float
+    per_token, pages = 2 * H_kv * D * b, S / block_size
+    if pages <= budget:
+        return L * S * per_token
+    fill = S - (math.ceil(pages) - 1) * block_size
+    sparse = (budget - 1) * block_size + fill + math.ceil(pages)
+    return (dense * S + (L - dense) * sparse) * per_token * 1.0
+""",
+        "should return an int",
+    ),
 ]
 
 
@@ -2194,6 +2461,61 @@ BLOCKED_ANSWERS = [
         "def break_even_gbps(config, num_tokens, flops_per_s):  # chapter 3's function for bytes\n"
         "    c = dict(config, model_type='llama', torch_dtype='bfloat16')\n"
         "    return kv_bytes_per_token(c) * num_tokens * flops_per_s / 1e9\n",
+        "unavailable",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "page_bound",
+        "from kvlib.sparse.bounds import page_upper_bounds\n\n"
+        "def page_bound(q, key_min, key_max, scale):\n"
+        "    return page_upper_bounds(q[None], key_min[None, :, None], key_max[None, :, None],\n"
+        "                             scale=scale)[0, 0]\n",
+        "unavailable",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "pages_to_read",
+        "from kvlib.sparse.selection import select_pages\n\n"
+        "def pages_to_read(head_bounds, group_size, num_pages, budget):\n"
+        "    h, p = head_bounds.shape\n"
+        "    scores = head_bounds.view(h // group_size, group_size, p).amax(1).sum(0)[None]\n"
+        "    chosen = select_pages(scores, torch.tensor([num_pages]), budget)[0]\n"
+        "    return chosen.nonzero()[:, 0].tolist()\n",
+        "unavailable",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "compact_table",
+        "from kvlib.sparse.selection import compact_block_tables\n\n"
+        "def compact_table(block_table, seq_len, pages, block_size):\n"
+        "    selected = torch.zeros(1, len(block_table), dtype=torch.bool)\n"
+        "    selected[0, list(pages)] = True\n"
+        "    tables, lens = compact_block_tables(torch.tensor([block_table]),\n"
+        "        torch.tensor([seq_len]), selected, block_size, len(pages))\n"
+        "    return tables[0].tolist(), int(lens[0])\n",
+        "unavailable",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "decode_read_bytes",
+        "from kvlib.memory import sparse_decode_read_bytes\n\n"
+        "def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):\n"
+        "    config = dict(model_type='llama', num_hidden_layers=L, num_attention_heads=H_kv,\n"
+        "                  num_key_value_heads=H_kv, head_dim=D, hidden_size=H_kv * D,\n"
+        "                  torch_dtype={1: 'int8', 2: 'bfloat16', 4: 'float32'}[b])\n"
+        "    return sparse_decode_read_bytes(config, S, budget, block_size=block_size,\n"
+        "                                    dense_layers=dense)\n",
+        "unavailable",
+    ),
+    (
+        "15_sparse_attention.ipynb",
+        "decode_read_bytes",
+        "from kvlib.memory import kv_cache_bytes\n\n"
+        "def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):  # chapter 3's bytes\n"
+        "    config = dict(model_type='llama', num_hidden_layers=L, num_attention_heads=H_kv,\n"
+        "                  num_key_value_heads=H_kv, head_dim=D, hidden_size=H_kv * D,\n"
+        "                  torch_dtype={1: 'int8', 2: 'bfloat16', 4: 'float32'}[b])\n"
+        "    return kv_cache_bytes(config, S)\n",
         "unavailable",
     ),
 ]
@@ -3204,6 +3526,27 @@ VALID_VARIANTS = [
      "    return torch.cat([scores.double(), torch.zeros(h_kv, t, dtype=torch.float64)], 1) + "
      "received\n",
      "the scores' dtype"),
+    ("15_sparse_attention.ipynb", "page_bound",
+     "def page_bound(q, key_min, key_max, scale):  # q+ · max + q- · min, as two products\n"
+     "    return (q.clamp(min=0) @ key_max.T + q.clamp(max=0) @ key_min.T).amax(dim=0) * scale\n",
+     None),
+    ("15_sparse_attention.ipynb", "pages_to_read",
+     "def pages_to_read(head_bounds, group_size, num_pages, budget):  # topk, forced at +inf\n"
+     "    h, p = head_bounds.shape\n"
+     "    scores = head_bounds.view(h // group_size, group_size, p).amax(1).sum(0)[:num_pages]\n"
+     "    scores = scores.clone()\n"
+     "    scores[0] = scores[num_pages - 1] = float('inf')\n"
+     "    top = scores.topk(min(budget, num_pages)).indices\n"
+     "    return sorted(int(i) for i in top)\n",
+     None),
+    ("15_sparse_attention.ipynb", "compact_table",
+     "def compact_table(block_table, seq_len, pages, block_size):  # token by token\n"
+     "    blocks, length = [], 0\n"
+     "    for page in sorted(pages):\n"
+     "        blocks.append(block_table[page])\n"
+     "        length += min(block_size, seq_len - page * block_size)\n"
+     "    return blocks, length\n",
+     None),
 ]  # fmt: skip
 
 # From chapters 5-12: answers the earlier red team found passing.

@@ -24,7 +24,7 @@ NOTEBOOKS = sorted(
 
 
 def test_every_notebook_starts_with_the_rendered_install_lines():
-    assert len(NOTEBOOKS) == 42
+    assert len(NOTEBOOKS) == 45
     differ = [p.name for p in NOTEBOOKS if rewrite_install_lines(p, check=True)]
     assert not differ, "run `make install-cells`: " + ", ".join(differ)
     url = repository_url()
@@ -45,6 +45,7 @@ def test_every_notebook_starts_with_the_rendered_install_lines():
             "12_serving_engine",
             "13_server",
             "14_offload",
+            "15_sparse_attention",
         )
     ]
 
@@ -165,6 +166,8 @@ def test_each_notebook_shows_the_current_label_of_the_recorded_files_it_reads():
                 "".join(o.get("text", "")) for o in cell["outputs"] if o["output_type"] == "stream"
             )
             for name in names:
+                if not R.is_recorded(name):  # not recorded yet: the cell says so, no label
+                    continue
                 state = R.staleness(name)
                 shown = f"recorded with an earlier version: results/{name} "
                 assert (state.label() in text) if state.stale else (shown not in text), (
@@ -217,3 +220,35 @@ def test_relabel_refreshes_a_label_in_place_and_reports_a_new_one(tmp_path, monk
     newly = [t.split(": ", 1)[1] for t in R.relabel(gqa)]
     names = ("gqa_uptraining.csv", "gqa_smollm2.json")
     assert newly == [f"{name} is newly stale; re-execute it" for name in names]
+
+
+def test_stamp_starts_the_entry_of_a_file_recorded_for_the_first_time(tmp_path, monkeypatch):
+    """A results file without an entry (chapter 15's GPU benchmark, before a GPU records it) gets
+    one from its experiment's PROVENANCE_SOURCES; a file with no such experiment is refused."""
+    from kvlib.experiments import sparse_bench
+
+    monkeypatch.setattr(R, "_PACKAGE_ROOT", tmp_path)
+    fake_layout(tmp_path, repo=True, source_text="v1\n")
+    for source in sparse_bench.PROVENANCE_SOURCES:
+        (tmp_path / source).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / source).write_text(source)
+    (tmp_path / "results" / "sparse_bench.csv").write_text("x\n1\n")
+    entry = R.stamp("sparse_bench.csv", commit="fed4321")
+    assert entry["command"] == "python -m kvlib.experiments.sparse_bench"
+    assert sorted(entry["sources"]) == sorted(sparse_bench.PROVENANCE_SOURCES)
+    state = R.staleness("sparse_bench.csv")
+    assert not state.stale and state.recorded_at == "fed4321"
+    with pytest.raises(KeyError, match="no PROVENANCE_SOURCES"):
+        R.stamp("unknown.csv")
+
+
+def test_is_recorded_says_whether_a_file_is_there_to_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "_PACKAGE_ROOT", tmp_path)
+    monkeypatch.delenv(R.RECORDINGS_ENV, raising=False)
+    fake_layout(tmp_path, repo=True, source_text="v1\n")
+    assert R.is_recorded("sweep.csv") and not R.is_recorded("sparse_bench.csv")
+    elsewhere = tmp_path / "mine"
+    elsewhere.mkdir()
+    (elsewhere / "sparse_bench.csv").write_text("x\n1\n")
+    monkeypatch.setenv(R.RECORDINGS_ENV, str(elsewhere))
+    assert R.is_recorded("sparse_bench.csv")

@@ -20,7 +20,9 @@
   with a full-precision residual (KIVI) or paged with per-token scales, dequantized next to
   attention (chapter 10);
 - `block_table.shuffled_block_tables`: block tables scattered by a busy allocator, for the paged
-  decode kernel of chapter 11.
+  decode kernel of chapter 11;
+- `paged_bounds.PageBoundsCache`: the paged cache with each block's key minima and maxima kept as
+  blocks fill, the page metadata of query-aware sparse attention (`kvlib.sparse`, chapter 15).
 
 Each chapter adds a module here and plugs it in; the model's layers do not change.
 """

@@ -31,6 +31,7 @@ import kvlib
 __all__ = [
     "PROVENANCE",
     "Staleness",
+    "is_recorded",
     "recorded_file",
     "recorded_dir",
     "source_sha256",
@@ -135,11 +136,39 @@ def recorded_file(name: str) -> Path:
     return path
 
 
+def is_recorded(name: str) -> bool:
+    """Whether recorded results file `name` is there for `recorded_file` to read (in
+    `KVLIB_RECORDINGS`, the repository's `results/` or kvlib's installed copy). A GPU result not
+    recorded yet is absent: a notebook then shows what it can measure instead, and says so."""
+    other = os.environ.get(RECORDINGS_ENV)
+    return bool(other and (Path(other) / name).is_file()) or (recorded_dir() / name).is_file()
+
+
 def stamp(name: str, *, commit: str | None = None) -> dict:
     """Store the current hashes of `name`'s sources in results/provenance.json (run after
-    re-recording it), with `commit` (default: the repository's HEAD) as where it was recorded."""
+    re-recording it), with `commit` (default: the repository's HEAD) as where it was recorded.
+
+    A file recorded for the first time has no entry yet: it gets one from the experiment that
+    writes it, `kvlib.experiments.<the file's stem>`, whose `PROVENANCE_SOURCES` lists its
+    sources (the command is `python -m` that module).
+
+    Raises:
+        KeyError: no entry, and no such experiment or no `PROVENANCE_SOURCES` in it.
+    """
+    import importlib
+
     folder = _PACKAGE_ROOT / "results"
     table = _provenance(folder)
+    if name not in table:
+        module = f"kvlib.experiments.{Path(name).stem}"
+        try:
+            sources = importlib.import_module(module).PROVENANCE_SOURCES
+        except (ImportError, AttributeError):
+            raise KeyError(
+                f"{name}: no entry in {PROVENANCE}, and {module} has no PROVENANCE_SOURCES "
+                "to start one from"
+            ) from None
+        table[name] = {"command": f"python -m {module}", "sources": dict.fromkeys(sources)}
     entry = table[name]
     if commit is None:
         commit = subprocess.run(
@@ -173,6 +202,8 @@ def relabel(path: Path) -> list[str]:
         if cell.cell_type != "code":
             continue
         for name in re.findall(r'recorded_file\("([^"]+)"\)', cell.source):
+            if not is_recorded(name):  # not recorded yet (a GPU result): no label to show
+                continue
             state, prefix, found = staleness(name), f"{_LABEL_START}{name} ", False
             for output in cell.outputs:
                 if output.output_type != "stream":

@@ -6,6 +6,8 @@ One concept per module, in the order they depend on each other:
   `config.json` through `kvlib.config`;
 - `equation`: the cache-size equation over those layers (`kv_cache_bytes`, `cache_report`);
 - `budget`: the whole-VRAM budget and the sequences that fit (`memory_budget`);
+- `sparse`: the per-page key bounds of query-aware sparse attention, stored and read per decode
+  step (`page_bounds_bytes`, `sparse_decode_read_bytes`; chapter 15);
 - `cli`: `python -m kvlib.memory CONFIG.json --seq-len N`.
 
 Everything public is re-exported here, so `kvlib.memory.kv_cache_bytes` is the name to use.
@@ -37,6 +39,7 @@ from kvlib.memory.layers import (
     LayerSpec,
     layer_specs,
 )
+from kvlib.memory.sparse import page_bounds_bytes, sparse_decode_read_bytes
 
 __all__ = [
     "DEFAULT_DTYPE",
@@ -60,7 +63,9 @@ __all__ = [
     "max_concurrent_sequences",
     "memory_budget",
     "normalize_dtype",
+    "page_bounds_bytes",
     "prefill_activation_bytes",
     "quantized_kv_cache_bytes",
     "shipped_configs",
+    "sparse_decode_read_bytes",
 ]

@@ -1,0 +1,149 @@
+"""What a page selector would capture, measured offline from one forward pass (chapter 15).
+
+- `attention_inputs`: run a model once over a text and keep, per layer, the queries before and
+  after RoPE and the keys after RoPE (the keys a cache holds);
+- `captured_mass`: for every query of a layer from `first_query` on, the share of the layer's
+  attention mass (summed over heads) that falls in the pages a selector picks, the selection made
+  as a decode step would make it: the query's own page forced in as the newest, the first page as
+  the sink, and only pages up to the query's own counted.
+
+Selecting with every key already known is safe here for one reason: the only page whose bounds
+would include keys after the query is the query's own page, which is always read, so its score
+never matters. Chapter 15 uses this to show how concentrated attention is, how far the bound falls
+short of the oracle per layer, and two pitfalls (page size; queries before RoPE), without decoding
+token by token. Decoding through `kvlib.sparse.SparsePagedCache` is what the quality sweeps measure.
+
+Layouts: queries (H, T, D), keys (H_kv, T, D), one sequence; page masses (T, P).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from kvlib.cache.paged_bounds import PageBoundsCache
+from kvlib.layers.llama import apply_rope
+from kvlib.sparse.baselines import random_page_scores
+from kvlib.sparse.bounds import quest_page_scores
+from kvlib.sparse.selection import select_pages
+
+__all__ = ["LayerInputs", "attention_inputs", "captured_mass", "page_mass"]
+
+
+@dataclasses.dataclass
+class LayerInputs:
+    """One layer's attention inputs over a text: `queries_before_rope` and `queries` (H, T, D),
+    `keys` (H_kv, T, D) after RoPE, as cached."""
+
+    queries_before_rope: torch.Tensor
+    queries: torch.Tensor
+    keys: torch.Tensor
+
+
+@torch.no_grad()
+def attention_inputs(model, ids: torch.Tensor) -> list[LayerInputs]:
+    """One forward of `model` (a `kvlib.model.LlamaModel`, not MLA) over `ids` (1, T), keeping
+    each layer's queries (before and after RoPE) and keys (after RoPE).
+
+    Raises:
+        ValueError: ids that are not (1, T), or an MLA model.
+    """
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"ids: expected a (1, T) tensor, got {tuple(ids.shape)}")
+    if model.config.is_mla:
+        raise ValueError("model: an MLA model caches latents, not K/V heads per page")
+    c, captured = model.config, []
+
+    def keep(attention, args):  # args: (x, cos, sin, mask, cache, backend, weights_out)
+        x, cos, sin = args[:3]
+        _, t, _ = x.shape
+        q = attention.q_proj(x).view(1, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = attention.k_proj(x).view(1, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        captured.append(LayerInputs(q[0], apply_rope(q, cos, sin)[0], apply_rope(k, cos, sin)[0]))
+
+    hooks = [layer.self_attn.register_forward_pre_hook(keep) for layer in model.model.layers]
+    try:
+        model(ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return captured
+
+
+def _pool(keys: torch.Tensor, block_size: int) -> PageBoundsCache:
+    """The keys (H_kv, T, D) written to a one-layer `PageBoundsCache` (values: the keys again),
+    through its interface: its pools, block table and bounds are what a decode step reads."""
+    num_kv_heads, length, head_dim = keys.shape
+    cache = PageBoundsCache(
+        1,
+        num_kv_heads,
+        head_dim,
+        num_blocks=-(-length // block_size),
+        block_size=block_size,
+        dtype=keys.dtype,
+    )
+    cache.update(0, keys[None], keys[None])
+    cache.advance(length)
+    return cache
+
+
+def page_mass(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    block_size: int,
+    first_query: int = 0,
+    every: int = 1,
+) -> torch.Tensor:
+    """(T', P) float32: the attention mass each page gets from queries `first_query`,
+    `first_query + every`, ... < T, causally (query t sees keys 0..t), summed over all heads (each
+    row sums to H). The softmax of `kvlib.sparse.baselines.attention_mass_per_page`, over the
+    keys in order rather than through a block table."""
+    num_heads, length, head_dim = queries.shape
+    rows = torch.arange(first_query, length, every)
+    keys = keys.float().repeat_interleave(num_heads // keys.shape[0], dim=0)  # (H, T, D)
+    scores = queries[:, rows].float() @ keys.transpose(1, 2) * head_dim**-0.5  # (H, T', T)
+    scores = scores.masked_fill(torch.arange(length) > rows[:, None], float("-inf"))
+    pages = -(-length // block_size)
+    weights = F.pad(scores.softmax(dim=-1), (0, pages * block_size - length))  # (H, T', P · bs)
+    return weights.view(num_heads, len(rows), pages, block_size).sum(dim=(0, 3))  # (T', P)
+
+
+def captured_mass(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    block_size: int,
+    budget_pages: int,
+    *,
+    selector: str = "quest",
+    first_query: int = 0,
+    every: int = 1,
+    bound_queries: torch.Tensor | None = None,
+    recent_pages: int = 1,
+    seed: int = 0,
+) -> torch.Tensor:
+    """(T',) float32: for each query t = `first_query`, `first_query + every`, ..., the share of
+    its attention mass (all heads) in the `budget_pages` pages `selector` ("quest", "oracle" or
+    "random") picks, the sink and the query's own page forced in (see the module docstring).
+
+    Args:
+        queries: (H, T, D) after RoPE; keys: (H_kv, T, D) after RoPE.
+        bound_queries: (H, T, D), the queries Quest's bound is computed from (default
+            `queries`; chapter 15's pitfall passes them before RoPE).
+        recent_pages: pages always read at the end (chapter 15's pitfall passes 0).
+    """
+    mass = page_mass(queries, keys, block_size, first_query, every)  # (T', P)
+    rows = torch.arange(first_query, queries.shape[1], every)
+    num_pages = rows // block_size + 1  # pages up to the query's own
+    if selector == "oracle":
+        scores = mass
+    elif selector == "random":
+        scores = random_page_scores(len(rows), mass.shape[1], torch.Generator().manual_seed(seed))
+    else:
+        cache = _pool(keys, block_size)
+        table = torch.tensor(cache.manager.block_tables[0]).expand(len(rows), -1)
+        source = (queries if bound_queries is None else bound_queries)[:, rows].transpose(0, 1)
+        scores = quest_page_scores(source, cache.key_min[0], cache.key_max[0], table)
+    selected = select_pages(scores, num_pages, budget_pages, recent_pages=recent_pages)
+    return (mass * selected).sum(dim=1) / mass.sum(dim=1)
