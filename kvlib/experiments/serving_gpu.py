@@ -1,6 +1,7 @@
 """`python -m kvlib.experiments.serving_gpu`: chapter 12's engine on a CUDA GPU against
-transformers, serving SmolLM2-135M-Instruct in bf16; writes `results/serving_gpu.csv` (chapter 12,
-"On a GPU").
+transformers, serving SmolLM2-135M-Instruct in bf16 (fp16 on a GPU older than compute capability
+8.0, `kvlib.ops.devices.kernel_dtype`); writes `results/serving_gpu.csv` (chapter 12, "On a
+GPU").
 
 The workload (issue 36): 64 requests, prompts of uniform random length in [64, 512] tokens of random
 ids (seeded), 128 output tokens each (no stop token), greedy. Contenders, each in its own process
@@ -234,8 +235,10 @@ def run_contender(contender: str) -> dict:
     import torch
 
     from kvlib.loaders.smollm2 import load_smollm2
+    from kvlib.ops.devices import kernel_dtype
 
-    model, _ = load_smollm2(dtype=torch.bfloat16, device="cuda")
+    # bf16, or fp16 on a GPU without bf16 tensor cores (a T4): what the kernel can run in there
+    model, _ = load_smollm2(dtype=kernel_dtype(torch.device("cuda")), device="cuda")
     prompts = workload_prompts(model.config.vocab_size)
     result = {"contender": contender, "runs": []}
     if contender in KVLIB:
