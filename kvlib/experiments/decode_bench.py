@@ -269,7 +269,9 @@ def decode_benchmark(
             )
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return write_rows(out_csv, rows)
+        if rows:  # after every case: a stopped run keeps what it measured
+            write_rows(out_csv, rows)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
