@@ -55,3 +55,16 @@ def test_an_old_interpreter_fails_a_runtime_loop_bound_and_the_patch_fixes_it():
     unpatched = run("plain")
     assert unpatched.startswith("raised") and "Conversion of an array" in unpatched
     assert run("patched") == "sum 780.0"  # 0 + 1 + ... + 39
+
+
+def test_the_grader_leaves_the_interpreter_set_up_unguarded():
+    # on Triton < 3.7 the patch runs inside every interpreted launch of a learner's kernel, which
+    # the grader's default-deny would otherwise stop (seen on an H200 with Triton 3.6: chapter 11's
+    # two kernel questions failed with "patch_scalar_index.<locals>.patched is unavailable")
+    import kvlib.ops.interpreter
+    from kvlib.course import guards
+
+    assert guards._module_name(kvlib.ops.interpreter.__file__) is None
+    assert guards._module_name(guards.__file__.replace("course/guards", "ops/launch")) == (
+        "kvlib.ops.launch"
+    )

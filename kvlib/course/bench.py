@@ -270,8 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    fake = decode_host_time_us("cpu", fake_launch=True, calls=args.calls)
-    print(f"wrapper's Python path, launches faked, CPU: {fake:.1f} us per call")
+    from kvlib.ops.devices import kernel_device
+
+    # the kernel's own device: where it is compiled, the wrapper refuses CPU tensors
+    device = kernel_device()
+    fake = decode_host_time_us(str(device), fake_launch=True, calls=args.calls)
+    print(f"wrapper's Python path, launches faked, {device.type} tensors: {fake:.1f} us per call")
     if torch.cuda.is_available():
         real = decode_host_time_us("cuda", calls=args.calls)
         print(f"host time per call on {torch.cuda.get_device_name()}: {real:.1f} us")

@@ -46,10 +46,13 @@ def device_tensor(values, dtype: torch.dtype, device) -> torch.Tensor:
     """`torch.tensor(values, dtype=dtype, device=device)` without waiting for the device: on CUDA
     a plain copy from pageable host memory blocks until the stream has run everything queued
     before it; a copy from pinned memory with `non_blocking` only queues (the caching host
-    allocator keeps the pinned buffer alive until the copy has run)."""
+    allocator keeps the pinned buffer alive until the copy has run). `values`: a list or a numpy
+    array (`torch.tensor(array, pin_memory=True)` is refused: "Can't pin tensor constructed from
+    numpy", so the host tensor is made first and then pinned)."""
     if torch.device(device).type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    host = torch.as_tensor(values, dtype=dtype).pin_memory()  # a pinned copy: safe to reuse values
+    return host.to(device, non_blocking=True)
 
 
 def _index(rows: list[int], device) -> torch.Tensor:
