@@ -1,7 +1,7 @@
-"""Chapters 11 and 12's GPU sections work from any GPU's recording (issue 51): their cells that read
-a recording (tagged `gpu-recording`) run against the committed one and against the H200 recording
-at a78bb4c kept in tests/fixtures/recordings/ (through `KVLIB_RECORDINGS`), and chapter 11's live
-branch runs on the CPU with `KVLIB_GPU_BRANCHES=cpu`. Every GPU-only branch of a notebook is listed
+"""Chapters 7, 11 and 12's GPU sections work from any GPU's recording (issue 51): their cells that
+read a recording (tagged `gpu-recording`) run against the committed one and against the H100 and
+H200 recordings kept in tests/fixtures/recordings/ (through `KVLIB_RECORDINGS`), and chapter 11's
+live branch runs on the CPU with `KVLIB_GPU_BRANCHES=cpu`. Every GPU-only branch of a notebook is listed
 here, with how CI runs it on a CPU (`make gpu-branches`) or why it cannot."""
 
 import json
@@ -14,7 +14,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "recordings"
-GPU_SECTIONS = ["notebooks/11_triton_decode.ipynb", "notebooks/12_serving_engine.ipynb"]
+# the notebooks with GPU sections, and the recordings each reads
+GPU_SECTIONS = {
+    "notebooks/07_paged_cache.ipynb": {"decode_bench.csv"},
+    "notebooks/11_triton_decode.ipynb": {"decode_bench.csv"},
+    "notebooks/12_serving_engine.ipynb": {"serving_gpu.csv"},
+}
+# (notebook, recording folder): every fixture recording against every notebook that reads it
+CASES = [
+    (notebook, folder.name)
+    for notebook, reads in GPU_SECTIONS.items()
+    for folder in sorted(FIXTURES.iterdir())
+    if any((folder / name).is_file() for name in reads)
+]
 
 # Notebooks whose code branches on a GPU (`gpu_branches()`, `torch.cuda.is_available()`): each is
 # run on the CPU by `make gpu-branches` (KVLIB_GPU_BRANCHES=cpu), or listed in CPU_UNREACHABLE.
@@ -42,13 +54,13 @@ def run_tagged(notebook: str, **env) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize("notebook", GPU_SECTIONS, ids=lambda p: Path(p).stem)
-@pytest.mark.parametrize("recording", sorted(p.name for p in FIXTURES.iterdir()))
+@pytest.mark.parametrize(("notebook", "recording"), CASES, ids=lambda v: Path(v).stem)
 def test_gpu_sections_run_on_another_gpus_recording(notebook, recording):
     folder = FIXTURES / recording
     out = run_tagged(notebook, KVLIB_RECORDINGS=str(folder))
-    used = [name for name in ("decode_bench.csv", "serving_gpu.csv") if (folder / name).is_file()]
-    assert any(f"{name}: the recording in KVLIB_RECORDINGS={folder}" in out for name in used)
+    for name in GPU_SECTIONS[notebook]:
+        if (folder / name).is_file():
+            assert f"{name}: the recording in KVLIB_RECORDINGS={folder}" in out
     assert "code cells ran" in out
 
 
