@@ -1,8 +1,8 @@
 """Chapters 7, 11 and 12's GPU sections work from any GPU's recording (issue 51): their cells that
 read a recording (tagged `gpu-recording`) run against the committed one and against the H100 and
 H200 recordings kept in tests/fixtures/recordings/ (through `KVLIB_RECORDINGS`), and chapter 11's
-live branch runs on the CPU with `KVLIB_GPU_BRANCHES=cpu`. Every GPU-only branch of a notebook is listed
-here, with how CI runs it on a CPU (`make gpu-branches`) or why it cannot."""
+live branch runs on the CPU with `KVLIB_GPU_BRANCHES=cpu`. Every GPU-only branch of a notebook is
+listed here, with how CI runs it on a CPU (`make gpu-branches`) or why it cannot."""
 
 import json
 import os
