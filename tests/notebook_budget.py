@@ -30,7 +30,9 @@ def _budget(path: str) -> float:
 def pytest_terminal_summary(terminalreporter) -> None:
     if not _seconds:
         return
-    terminalreporter.section("notebook time against budget (2 CPU cores)")
+    workers = getattr(terminalreporter.config.option, "numprocesses", None)  # pytest-xdist's -n
+    how = f"{workers} notebooks at a time" if workers and workers != 1 else "one at a time"
+    terminalreporter.section(f"notebook time against budget (2 CPU cores, {how})")
     for path, seconds in sorted(_seconds.items()):
         budget = _budget(path)
         verdict = "ok" if seconds <= budget else f"OVER BUDGET ({seconds / budget:.1f}x)"

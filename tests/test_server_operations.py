@@ -380,12 +380,19 @@ def test_a_failing_step_is_a_500_or_an_error_event_once_streaming(fresh):
     loop = fresh.app.state.loop
     holder = threading.Thread(target=lambda: loop.call(lambda e: gate.wait(20)))
     holder.start()  # hold the engine thread so that the stream starts before the step fails
+    breaker = threading.Thread(target=break_next_step, args=(fresh, "injected in a stream"))
     try:
         stream = client.completions.create(model="course", prompt=PROMPT, max_tokens=4, stream=True)
-        break_next_step(fresh, "injected in a stream")
+        breaker.start()  # queued behind the request: the engine takes both before its next step
+        deadline = time.monotonic() + 10
+        while loop.inbox.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert loop.inbox.qsize() == 2, "the request and the broken step are queued"
     finally:
         gate.set()
         holder.join()
+        if breaker.ident is not None:  # started
+            breaker.join()
     with pytest.raises(openai.APIError, match="injected in a stream"):
         list(stream)
     break_next_step(fresh, "injected, not streamed")
