@@ -46,9 +46,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
+# (tests/test_gpu_recordings.py runs with `make gpu-branches`, in CI: the notebooks' GPU sections)
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests -m "not gpu" --ignore=tests/test_grading.py \
-		--ignore=tests/test_grading_draws.py
+		--ignore=tests/test_grading_draws.py --ignore=tests/test_gpu_recordings.py
 
 # The solutions' outputs are compared by nbval-portable (CI); `make test` grades them instead, which
 # executes each one question by question, so comparing them here too would run them twice.
@@ -89,12 +90,15 @@ gpu-check:
 
 # The notebooks' GPU-only branches, run on the CPU (issue 46): KVLIB_GPU_BRANCHES=cpu makes
 # kvlib.course.devices.gpu_branches() true without CUDA, so those cells run with the kernel under
-# Triton's interpreter and tiny shapes (no stored outputs compared: --plain). tests/
-# test_gpu_recordings.py lists every notebook with such a branch; CI (.ci/run) runs this target.
+# Triton's interpreter and tiny shapes (no stored outputs compared: --plain). Then tests/
+# test_gpu_recordings.py (about 70 s, kept out of `make test`'s 15 minutes): it lists every notebook
+# with such a branch, and runs chapters 7, 11 and 12's GPU sections against the committed recording
+# and the other GPUs' in tests/fixtures/recordings/. CI (.ci/run) runs this target.
 GPU_BRANCH_NOTEBOOKS := notebooks/11_triton_decode.ipynb notebooks/15_sparse_attention.ipynb
 gpu-branches: $(STAMP)
 	KVLIB_GPU_BRANCHES=cpu MPLBACKEND=Agg $(BIN)/python -m kvlib.course.notebook --plain \
 		$(GPU_BRANCH_NOTEBOOKS)
+	$(BIN)/python -m pytest tests/test_gpu_recordings.py
 
 # Which recorded results (results/) were recorded with an earlier version of their sources.
 recorded: $(STAMP)
