@@ -1,6 +1,6 @@
 # KV Cache from Scratch: set-up, tests and the book.
 #   make install    creates .venv: the pinned requirements, SmolLM2's weights, kvlib (editable)
-#   make notebooks  opens the notebooks in JupyterLab (after make install)
+#   make notebooks  JupyterLab on the repository (chapters, exercises, solutions), opening chapter 1
 #   make book       builds the HTML book into _build/html (warnings are errors)
 #   make test       lint, kvlib's unit tests, nbval on every chapter notebook, and the grading tests
 #                   (which execute and grade every solution notebook)
@@ -37,8 +37,14 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 
+# JupyterLab serving the repository root, so that exercises/ and solutions/ (and each chapter's
+# link to its exercises) are reachable beside notebooks/, opening chapter 1. --allow-root: containers
+# and many cloud machines run as root, where JupyterLab otherwise refuses to start. JUPYTER_ARGS adds
+# options (tests/test_launch_jupyter.py: --no-browser, a port and a token).
+JUPYTER_ARGS ?=
 notebooks: $(STAMP)
-	$(BIN)/jupyter lab notebooks
+	$(BIN)/jupyter lab --allow-root --ServerApp.root_dir=. $(JUPYTER_ARGS) \
+		notebooks/01_naive_vs_cached.ipynb
 
 test: lint unit nbval grading
 
