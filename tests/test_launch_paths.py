@@ -60,8 +60,14 @@ def test_no_notebook_reads_the_repository_outside_its_own_folder():
 def test_the_wheel_lists_every_package_and_ships_the_recorded_results():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    # every folder Python could import (setuptools warns "Package would be ignored" for one missing)
+    folders = [ROOT / "kvlib", *(ROOT / "kvlib").rglob("*")]
     packages = {
-        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "kvlib").rglob("__init__.py")
+        ".".join(p.relative_to(ROOT).parts)
+        for p in folders
+        if p.is_dir()
+        and all(part.isidentifier() for part in p.relative_to(ROOT).parts)
+        and p.name != "__pycache__"
     }
     assert set(setuptools["packages"]) == packages | {"kvlib._results"}
     assert setuptools["package-dir"] == {"kvlib._results": "results"}
