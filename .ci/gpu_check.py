@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET_S = {"chapter": 60.0, "exercise": 20.0, "solution": 20.0, "grade": 60.0}  # on 2 CPU cores
 GPU_FACTOR = 2.0  # a notebook must run within twice its CPU budget on the GPU machine
-# module -> the distribution that provides it (pinned in requirements.txt, or named with its pin)
+# module -> the distribution that provides it (pinned in requirements*.txt, or named with its pin)
 MODULES = {
     "numpy": "numpy",
     "matplotlib": "matplotlib",
@@ -78,10 +78,12 @@ class Step:
 
 
 def pinned(distribution: str) -> str:
-    """`distribution` with its pin from requirements.txt (`name==version`), if it has one."""
+    """`distribution` with its pin from requirements.txt or requirements-dev.txt (`name==version`),
+    if it has one."""
     if "==" in distribution:
         return distribution
-    for line in (ROOT / "requirements.txt").read_text().splitlines():
+    files = ("requirements.txt", "requirements-dev.txt")
+    for line in "\n".join((ROOT / f).read_text() for f in files).splitlines():
         requirement = line.split("#")[0].split(";")[0].strip()
         name = requirement.split("==")[0].replace("_", "-")
         if "==" in requirement and name.lower() == distribution.replace("_", "-").lower():
