@@ -4,6 +4,8 @@
 #   make dev        adds the developers' tools (requirements-dev.txt: tests, lint, the book, browser)
 #   make notebooks  JupyterLab on the repository (chapters, exercises, solutions), opening chapter 1
 #   make book       builds the HTML book into _build/html (warnings are errors)
+#   make book-check checks the built book in headless Chromium (no box cut off sideways at 1,400 px,
+#                   math rendered offline); make browser installs Debian's chromium for it
 #   make test       lint, kvlib's unit tests, nbval on every chapter notebook, and the grading tests
 #                   (which execute and grade every solution notebook)
 # Each target creates .venv and installs the pinned requirements first (once; again when they
@@ -30,7 +32,8 @@ PORTABLE_ENV := ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 OPENBLAS_NUM_THREA
                 NPY_DISABLE_CPU_FEATURES="AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL"
 
 .PHONY: install dev notebooks test test-gpu gpu-check gpu-branches lint unit nbval nbval-portable \
-        grading book outputs install-cells recorded clean
+        grading book browser book-check outputs install-cells recorded \
+        clean
 
 install: $(STAMP)
 
@@ -68,7 +71,7 @@ lint: $(DEV_STAMP)
 
 # (tests/test_gpu_recordings.py runs with `make gpu-branches`, in CI: the notebooks' GPU sections)
 unit: $(DEV_STAMP)
-	$(BIN)/python -m pytest tests -m "not gpu" --ignore=tests/test_grading.py \
+	$(BIN)/python -m pytest tests -m "not gpu and not book" --ignore=tests/test_grading.py \
 		--ignore=tests/test_grading_draws.py --ignore=tests/test_gpu_recordings.py
 
 # The solutions' outputs are compared by nbval-portable (CI); `make test` grades them instead, which
@@ -132,6 +135,24 @@ install-cells: $(STAMP)
 # (_config.yml: execute_notebooks: off), so CI executes each notebook once, not twice.
 book: $(DEV_STAMP)
 	$(BIN)/jupyter-book build . -W --keep-going
+
+# Debian's Chromium and its WebDriver, for `make book-check` (where missing; as root, or with
+# sudo). The fonts fix the code boxes' character width that the check measures.
+BROWSER_PACKAGES := chromium chromium-driver fonts-dejavu-core
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+		echo "chromium and chromedriver: present"; \
+	else \
+		$$([ "$$(id -u)" = 0 ] || echo sudo) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$([ "$$(id -u)" = 0 ] || echo sudo) \
+			apt-get install -y -qq $(BROWSER_PACKAGES); \
+	fi
+
+# The built book in headless Chromium with no network (tests/test_book_browser.py, about a
+# minute): every page at 1,400 px, no code, output or prose box cut off sideways, every formula
+# typeset by the bundled MathJax. Run after `make book` (CI: .ci/run).
+book-check: $(DEV_STAMP) browser
+	$(BIN)/python -m pytest -p no:cacheprovider -m book tests/test_book_browser.py
 
 # Re-execute the chapter and solution notebooks in place, refreshing their stored outputs
 # (run after editing a notebook or kvlib; nbval then checks those outputs in CI).
