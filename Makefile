@@ -32,7 +32,7 @@ PORTABLE_ENV := ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 OPENBLAS_NUM_THREA
                 NPY_DISABLE_CPU_FEATURES="AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL"
 
 .PHONY: install dev notebooks test test-gpu gpu-check gpu-branches lint unit nbval nbval-portable \
-        grading book browser book-check outputs install-cells recorded \
+        grading book browser book-check chapter-times outputs install-cells recorded \
         clean
 
 install: $(STAMP)
@@ -81,6 +81,15 @@ unit: $(DEV_STAMP)
 # runs with torch's default) so that outputs depending on it fail here.
 nbval: $(DEV_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(NBVAL_FLAGS) -n 2 --dist loadfile notebooks
+
+# Each chapter's run time, measured as `make nbval` runs it (two notebooks at a time, one thread
+# each), into book/chapter_times.csv; then every chapter's header is regenerated from it
+# (kvlib.course.path: prerequisites, reading and run time, what the learner can do after it).
+CHAPTERS := $(filter-out notebooks/15_%,$(sort $(wildcard notebooks/[01][0-9]_*.ipynb)))  # 1-14
+chapter-times: $(DEV_STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(NBVAL_FLAGS) -n 2 --dist loadfile \
+		-p tests.notebook_times --record-notebook-times book/chapter_times.csv $(CHAPTERS)
+	$(BIN)/python -m kvlib.course.path write
 
 # The launch paths (issue 35) in the same run: .ci/standalone.py builds kvlib's wheel, installs it
 # into a fresh virtual environment that holds only its declared dependencies, the notebook runner
