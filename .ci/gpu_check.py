@@ -284,7 +284,7 @@ def test_rows(junit_xml: str) -> list[dict]:
 
 def times_table(path: str) -> str:
     """A recording's seconds per chapter (its notebook, exercise, solution and grading) as a
-    markdown table, with the device and commit it ran on: what book/setup.md shows."""
+    markdown table, with the device and commit it ran on: what book/instructors.md shows."""
     rows = list(csv.DictReader(open(path)))
     first = rows[0]
     kinds = ("chapter", "exercise", "solution", "grade")
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--table",
         action="store_true",
-        help="print --out's per-notebook times as book/setup.md's markdown table, and exit",
+        help="print --out's per-notebook times as book/instructors.md's markdown table, and exit",
     )
     parser.add_argument(
         "--deadline-s",

