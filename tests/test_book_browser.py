@@ -1,7 +1,8 @@
 """The built book in a real browser (issue 54): Debian's Chromium, headless, with no network,
 loads every page of `_build/html` in a 1,400-px window and reports each box whose content is
-cut off sideways (scrollWidth > clientWidth): code, outputs and prose must be 0; and every formula
-is typeset by the bundled MathJax (nothing fetched from a CDN).
+cut off sideways (scrollWidth > clientWidth): code, outputs and prose must be 0; every formula
+is typeset by the bundled MathJax (nothing fetched from a CDN); and a recorded result's staleness
+label is shown folded (_static/stale-labels.js), never as a raw output line.
 
 Run by `make book-check` after `make book` (CI: .ci/run), about a minute; `make browser` installs
 chromium and chromium-driver from Debian where they are missing. Skipped when the book is not
@@ -45,6 +46,14 @@ for (const [kind, selector] of Object.entries(kinds)) {
   }
 }
 return found;
+"""
+
+# A recorded result's staleness label still shown as a raw output line (_static/stale-labels.js
+# folds it into a short note)
+RAW_LABELS_JS = """
+return [...document.querySelectorAll('div.cell_output pre')].filter(
+  pre => pre.offsetParent !== null && pre.innerText.includes('recorded with an earlier version: ')
+).length;
 """
 
 # Wait for MathJax to typeset; return [formulas, typeset, the MathJax script's source]
@@ -108,6 +117,9 @@ def test_no_box_is_cut_off_sideways_and_math_renders_offline(browser):
         name = page.relative_to(HTML).as_posix()
         for box in browser.execute_script(OVERFLOWS_JS):
             overflows.append(f"{name}: {box['kind']} +{box['excess_px']} px: {box['text'][:90]}")
+        raw_labels = browser.execute_script(RAW_LABELS_JS)
+        if raw_labels:
+            overflows.append(f"{name}: {raw_labels} staleness labels shown raw, not folded")
         math, typeset, source = browser.execute_async_script(MATH_JS)
         if math:
             formulas += math
