@@ -1,0 +1,450 @@
+"""The checks name a learner's numeric mistake (issue 54, item 10): each mistaken answer below
+fails its question with the mistake's hint in the message, and the official solution still passes
+(the verdicts are unchanged: a diagnostic only adds words to a failure). The answers run in this
+process, through the sandbox's own request handler (as in tests/test_grading_draws.py)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvlib.course.checks.mistakes import matching_mistake, naming_mistakes
+from kvlib.course.grading import _QUESTIONS, chapter_questions, run_question
+from tests.test_grading_draws import LocalSide, solution_namespace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@functools.cache
+def _solution(chapter: str) -> dict:
+    """The solution notebook's definitions (check() and show() silent while it runs)."""
+    (path,) = (ROOT / "solutions").glob(f"{chapter}_*.ipynb")
+
+    class _Env:  # solution_namespace's monkeypatch, for a cached namespace
+        def setenv(self, name, value):
+            os.environ[name] = value
+
+    previous = os.environ.get("KVLIB_GRADING")
+    try:
+        namespace = solution_namespace(path, _Env())
+    finally:
+        if previous is None:
+            os.environ.pop("KVLIB_GRADING", None)
+        else:
+            os.environ["KVLIB_GRADING"] = previous
+    chapter_questions(chapter)
+    return namespace
+
+
+def _grade(chapter: str, question: str, source: str | None, seed: int = 0) -> tuple[bool, str]:
+    namespace = dict(_solution(chapter))
+    if source is not None:
+        exec(textwrap.dedent(source), namespace)
+    return run_question(_QUESTIONS[question], LocalSide(namespace), [], seed)
+
+
+# (chapter, question, a mistaken answer, the hint its failure must carry)
+MISTAKES = [
+    (
+        "01",
+        "stable_softmax",
+        """
+def stable_softmax(x):
+    e = np.exp(x - np.max(x, axis=0, keepdims=True))
+    return e / np.sum(e, axis=0, keepdims=True)
+""",
+        "the softmax over the first axis instead of the last",
+    ),
+    (
+        "01",
+        "stable_softmax",
+        """
+def stable_softmax(x):
+    return np.exp(x - np.max(x, axis=-1, keepdims=True))
+""",
+        "left undivided",
+    ),
+    (
+        "01",
+        "cached_attention_step",
+        """
+def cached_attention_step(q, k_new, v_new, k_cache, v_cache):
+    k_cache = np.concatenate([k_cache, k_new[None]])
+    v_cache = np.concatenate([v_cache, v_new[None]])
+    s = k_cache @ q
+    w = np.exp(s - s.max())
+    return (w / w.sum()) @ v_cache, k_cache, v_cache
+""",
+        "scores not scaled by 1/√D",
+    ),
+    (
+        "01",
+        "cached_attention_step",
+        """
+def cached_attention_step(q, k_new, v_new, k_cache, v_cache):
+    s = k_cache @ q / np.sqrt(q.shape[0])
+    out = np.zeros(v_new.shape)
+    if len(s):
+        w = np.exp(s - s.max())
+        out = (w / w.sum()) @ v_cache
+    k_cache = np.concatenate([k_cache, k_new[None]])
+    v_cache = np.concatenate([v_cache, v_new[None]])
+    return out, k_cache, v_cache
+""",
+        "the new token's own key and value are left out",
+    ),
+    (
+        "01",
+        "predict_score_entries",
+        """
+def predict_score_entries(prompt_len, max_new_tokens, num_layers, cached):
+    if cached:
+        return prompt_len**2 + sum(prompt_len + i for i in range(1, max_new_tokens))
+    return sum((prompt_len + i) ** 2 for i in range(max_new_tokens))
+""",
+        "the count of one layer",
+    ),
+    (
+        "01",
+        "kv_cache_bytes",
+        """
+def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):
+    return num_layers * num_heads * head_dim * bytes_per_element * seq_len
+""",
+        "K only",
+    ),
+    (
+        "01",
+        "kv_cache_bytes",
+        """
+def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):
+    return 2 * num_layers * num_heads * head_dim * bytes_per_element * seq_len * 8
+""",
+        "bits, not bytes",
+    ),
+    (
+        "01",
+        "kv_cache_bytes",
+        """
+def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):
+    return 2 * num_heads * head_dim * bytes_per_element * seq_len
+""",
+        "one layer's cache",
+    ),
+    (
+        "02",
+        "rope_at_offset",
+        """
+def rope_at_offset(x, offset, theta):
+    t, d = x.shape
+    inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.arange(t, dtype=torch.float32)[:, None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * angles.cos() + torch.cat([-x2, x1], dim=-1) * angles.sin()
+""",
+        "the offset ignored",
+    ),
+    (
+        "02",
+        "rope_at_offset",
+        """
+def rope_at_offset(x, offset, theta):
+    t, d = x.shape
+    inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.arange(offset, offset + t, dtype=torch.float32)[:, None] * inv_freq
+    angles = angles.repeat_interleave(2, dim=-1)
+    rotated = torch.stack([-x[:, 1::2], x[:, 0::2]], dim=-1).flatten(-2)
+    return x * angles.cos() + rotated * angles.sin()
+""",
+        "GPT-J's interleaved pairs",
+    ),
+    (
+        "02",
+        "reorder_for_beams",
+        """
+def reorder_for_beams(layer_caches, beam_indices):
+    return [(keys[beam_indices], values) for keys, values in layer_caches]
+""",
+        "the values left as they were",
+    ),
+    (
+        "03",
+        "gqa_bytes_per_token",
+        """
+def gqa_bytes_per_token(config):
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    b = BYTES_PER_ELEMENT[config["torch_dtype"]]
+    return 2 * config["num_hidden_layers"] * config["num_attention_heads"] * head_dim * b
+""",
+        "only num_key_value_heads are cached",
+    ),
+    (
+        "03",
+        "gqa_bytes_per_token",
+        """
+def gqa_bytes_per_token(config):
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    b = BYTES_PER_ELEMENT[config["torch_dtype"]]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * b
+""",
+        "use the config's head_dim",
+    ),
+    (
+        "03",
+        "mla_cache_bytes",
+        """
+def mla_cache_bytes(num_layers, kv_lora_rank, qk_rope_head_dim, seq_len, bytes_per_element):
+    return num_layers * kv_lora_rank * seq_len * bytes_per_element
+""",
+        "the shared rotary key (qk_rope_head_dim) is cached too",
+    ),
+    (
+        "03",
+        "mla_cache_bytes",
+        """
+def mla_cache_bytes(num_layers, kv_lora_rank, qk_rope_head_dim, seq_len, bytes_per_element):
+    return (kv_lora_rank + qk_rope_head_dim) * seq_len * bytes_per_element
+""",
+        "the latent is cached per layer",
+    ),
+    (
+        "03",
+        "max_batch",
+        """
+def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):
+    return max(0, (gpu_memory_bytes - weight_bytes) // (kv_bytes_per_token * seq_len))
+""",
+        "the overhead not subtracted",
+    ),
+    (
+        "03",
+        "max_batch",
+        """
+def max_batch(gpu_memory_bytes, weight_bytes, overhead_bytes, kv_bytes_per_token, seq_len):
+    free = gpu_memory_bytes - weight_bytes - overhead_bytes
+    return max(0, -(-free // (kv_bytes_per_token * seq_len)))
+""",
+        "rounded up",
+    ),
+    (
+        "04",
+        "online_softmax_update",
+        """
+def online_softmax_update(m, l, block):
+    m_new = max(m, float(np.max(block)))
+    return m_new, l + float(np.sum(np.exp(block - m_new)))
+""",
+        "l not rescaled when the maximum rises",
+    ),
+    (
+        "04",
+        "merge_two",
+        """
+def merge_two(out_a, lse_a, out_b, lse_b):
+    return (out_a + out_b) / 2, np.logaddexp(lse_a, lse_b)
+""",
+        "the plain average of the two partial outputs",
+    ),
+    (
+        "04",
+        "merge_two",
+        """
+def merge_two(out_a, lse_a, out_b, lse_b):
+    top = np.maximum(lse_a, lse_b)
+    w_a, w_b = np.exp(lse_a - top), np.exp(lse_b - top)
+    out = (w_a[:, None] * out_a + w_b[:, None] * out_b) / (w_a + w_b)[:, None]
+    return out, top
+""",
+        "the larger lse",
+    ),
+    (
+        "04",
+        "tiled_attention",
+        """
+def tiled_attention(q, k, v, tile_size):
+    t, s = q.shape[0], k.shape[0]
+    m, l, acc = np.full(t, -np.inf), np.zeros(t), np.zeros((t, v.shape[1]))
+    for start in range(0, s, tile_size):
+        scores = q @ k[start : start + tile_size].T / math.sqrt(q.shape[1])
+        m_new = np.maximum(m, scores.max(axis=1))
+        p = np.exp(scores - m_new[:, None])
+        l = l * np.exp(m - m_new) + p.sum(axis=1)
+        acc = acc + p @ v[start : start + tile_size]
+        m = m_new
+    return acc / l[:, None]
+""",
+        "the accumulator not rescaled",
+    ),
+    (
+        "04",
+        "tiled_attention",
+        """
+def tiled_attention(q, k, v, tile_size):
+    t, s = q.shape[0], k.shape[0]
+    m, l, acc = np.full(t, -np.inf), np.zeros(t), np.zeros((t, v.shape[1]))
+    for start in range(0, s, tile_size):
+        scores = q @ k[start : start + tile_size].T
+        m_new = np.maximum(m, scores.max(axis=1))
+        p, c = np.exp(scores - m_new[:, None]), np.exp(m - m_new)
+        l = l * c + p.sum(axis=1)
+        acc = acc * c[:, None] + p @ v[start : start + tile_size]
+        m = m_new
+    return acc / l[:, None]
+""",
+        "scores not scaled by 1/√D",
+    ),
+    (
+        "05",
+        "grouped_attention",
+        """
+def grouped_attention(q, k, v, mask):
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    k, v = k.repeat(1, G, 1, 1), v.repeat(1, G, 1, 1)  # head h reads KV head h % H_kv
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+""",
+        "strided groups",
+    ),
+    (
+        "05",
+        "grouped_attention",
+        """
+def grouped_attention(q, k, v, mask):
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    scores = (q @ k.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+""",
+        "scores not scaled by 1/√D",
+    ),
+    (
+        "05",
+        "mean_pool_kv",
+        """
+def mean_pool_kv(weight, num_kv_heads, head_dim):
+    old = weight.shape[0] // head_dim
+    heads = weight.reshape(old // num_kv_heads, num_kv_heads, head_dim, weight.shape[1])
+    return heads.mean(dim=0).reshape(num_kv_heads * head_dim, weight.shape[1])
+""",
+        "strided heads pooled",
+    ),
+    (
+        "05",
+        "mean_pool_kv",
+        """
+def mean_pool_kv(weight, num_kv_heads, head_dim):
+    old = weight.shape[0] // head_dim
+    heads = weight.reshape(num_kv_heads, old // num_kv_heads, head_dim, weight.shape[1])
+    return heads.sum(dim=1).reshape(num_kv_heads * head_dim, weight.shape[1])
+""",
+        "the group's sum, not its mean",
+    ),
+    (
+        "05",
+        "kv_heads_for_budget",
+        """
+def kv_heads_for_budget(config, seq_len, batch_size, budget_bytes):
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per = 2 * config["num_hidden_layers"] * head_dim * BYTES_PER_ELEMENT[config["torch_dtype"]]
+    return min(heads, budget_bytes // (per * seq_len * batch_size))
+""",
+        "whether or not it divides num_attention_heads",
+    ),
+    (
+        "06",
+        "absorbed_scores",
+        """
+def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):
+    q_latent = torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk)
+    content = q_latent @ latent[:, None].transpose(-1, -2)
+    rotary = q_rope @ rope_key[:, None].transpose(-1, -2)
+    return (content + rotary) / math.sqrt(q_nope.shape[-1])
+""",
+        "scaled by 1/sqrt(d_h)",
+    ),
+    (
+        "06",
+        "absorbed_scores",
+        """
+def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):
+    q_latent = torch.einsum("bhtd,hdc->bhtc", q_nope, w_uk)
+    content = q_latent @ latent[:, None].transpose(-1, -2)
+    return content / math.sqrt(q_nope.shape[-1] + q_rope.shape[-1])
+""",
+        "the rotary part q_R · k_R left out",
+    ),
+    (
+        "06",
+        "latent_cache_bytes",
+        """
+def latent_cache_bytes(config, seq_len, batch_size):
+    b = BYTES_PER_ELEMENT[config["torch_dtype"]]
+    return (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b * seq_len * batch_size
+""",
+        "the latent is cached per layer",
+    ),
+    (
+        "06",
+        "shared_rotary_key",
+        """
+def shared_rotary_key(x, w_kr, positions, theta):
+    d_r = w_kr.shape[0]
+    k = (x @ w_kr.T)[:, None]
+    inv_freq = theta ** (-torch.arange(0, d_r, 2, dtype=torch.float32) / 128)
+    angles = positions.float()[:, None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    k1, k2 = k.chunk(2, dim=-1)
+    return k * angles.cos() + torch.cat([-k2, k1], dim=-1) * angles.sin()
+""",
+        "frequencies of a 128-wide head",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "chapter, question, source, hint",
+    MISTAKES,
+    ids=[f"{c}-{q}-{i}" for i, (c, q, _, _) in enumerate(MISTAKES)],
+)
+def test_a_mistaken_answer_gets_its_hint(chapter, question, source, hint):
+    passed, message = _grade(chapter, question, source)
+    assert not passed, f"the mistaken {question} passed"
+    assert "your answer matches a common mistake" in message and hint in message, message
+
+
+@pytest.mark.parametrize("question", sorted({(c, q) for c, q, _, _ in MISTAKES}),
+                         ids=lambda q: f"{q[0]}-{q[1]}")  # fmt: skip
+def test_the_official_solution_still_passes(question):
+    chapter, question_id = question
+    for seed in range(3):
+        passed, message = _grade(chapter, question_id, None, seed)
+        assert passed, message
+
+
+def test_a_diagnostic_only_extends_a_failure():
+    """No failure: nothing computed; a failure matching no mistake: the message unchanged."""
+    computed = []
+    with naming_mistakes(1, {"never": lambda: computed.append(1)}):
+        assert 1 == 1
+    assert not computed
+    with pytest.raises(AssertionError, match=r"^the check's own$"):
+        with naming_mistakes(3, {"two": lambda: 2}):
+            raise AssertionError("the check's own")
+    with pytest.raises(AssertionError, match=r"^your answer matches a common mistake: two\. own"):
+        with naming_mistakes(np.int64(2), {"two": lambda: 2}):
+            raise AssertionError("own")
+    # a mistake that cannot be computed for these inputs is skipped, not raised
+    assert matching_mistake(np.ones(2), {"broken": lambda: 1 / 0, "ones": np.ones(2).copy}) == (
+        "ones"
+    )
+    assert matching_mistake(np.ones(3), {"shape": lambda: np.ones(2)}) is None
+    assert matching_mistake(True, {"one": lambda: 1}) is None  # a bool is not an int answer
