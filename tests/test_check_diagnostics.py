@@ -448,3 +448,86 @@ def test_a_diagnostic_only_extends_a_failure():
     )
     assert matching_mistake(np.ones(3), {"shape": lambda: np.ones(2)}) is None
     assert matching_mistake(True, {"one": lambda: 1}) is None  # a bool is not an int answer
+
+
+# issue 57, item 4: chapter 15's fixed cases hold a group size > 1 with more than one KV head
+_INTERLEAVED = """
+def pages_to_read(head_bounds, group_size, num_pages, budget):  # KV head j: heads j, j + H_kv
+    h, p = head_bounds.shape
+    scores = head_bounds.view(group_size, h // group_size, p).amax(dim=0).sum(dim=0)
+    forced = {0, num_pages - 1}
+    rest = sorted(set(range(num_pages)) - forced, key=lambda q: -float(scores[q]))
+    return sorted(forced | set(rest[: max(0, budget - len(forced))]))
+"""
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_interleaved_gqa_grouping_fails_on_every_seed(seed):
+    passed, message = _grade("15", "pages_to_read", _INTERLEAVED, seed)
+    assert not passed and "interleaved groups" in message, message
+
+
+# numpy integers count as ints wherever a question asks for one (expect_int, is_int)
+NUMPY_INTS = [
+    (
+        "01",
+        "kv_cache_bytes",
+        """
+def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):
+    return np.int64(2 * num_layers * num_heads * head_dim * bytes_per_element * seq_len)
+""",
+    ),
+    (
+        "07",
+        "slot_mapping",
+        """
+def slot_mapping(block_table, positions, block_size):
+    table = np.array(block_table, dtype=np.int64)
+    return [table[t // block_size] * block_size + np.int64(t % block_size) for t in positions]
+""",
+    ),
+    (
+        "09",
+        "blocks_freeable",
+        """
+_solved_blocks_freeable = blocks_freeable
+def blocks_freeable(live, block_size):
+    return np.int64(_solved_blocks_freeable(live, block_size))
+""",
+    ),
+    (
+        "15",
+        "pages_to_read",
+        """
+_solved_pages_to_read = pages_to_read
+def pages_to_read(head_bounds, group_size, num_pages, budget):
+    return [np.int64(p) for p in _solved_pages_to_read(head_bounds, group_size, num_pages, budget)]
+""",
+    ),
+    (
+        "15",
+        "compact_table",
+        """
+_solved_compact_table = compact_table
+def compact_table(block_table, seq_len, pages, block_size):
+    blocks, length = _solved_compact_table(block_table, seq_len, pages, block_size)
+    return [np.int64(b) for b in blocks], np.int64(length)
+""",
+    ),
+    (
+        "15",
+        "decode_read_bytes",
+        """
+_solved_decode_read_bytes = decode_read_bytes
+def decode_read_bytes(*args):
+    return np.int64(_solved_decode_read_bytes(*args))
+""",
+    ),
+]
+
+
+@pytest.mark.parametrize("chapter, question, source", NUMPY_INTS,
+                         ids=[f"{c}-{q}" for c, q, _ in NUMPY_INTS])  # fmt: skip
+def test_numpy_integers_count_as_ints(chapter, question, source):
+    passed, message = _grade(chapter, question, "import numpy as np\n" + source.strip() + "\n")
+    assert passed, message

@@ -8,7 +8,7 @@ import copy
 
 from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.block_pool import BlockPool, hash_block_tokens
-from kvlib.course.grading import Submission, expect_int, expect_list, question
+from kvlib.course.grading import Submission, expect_int, expect_list, is_int, question
 
 
 def _slots(block_table, positions, block_size):
@@ -35,7 +35,7 @@ def test_slot_mapping(submission: Submission) -> None:
     for block_table, positions, block_size in [*submission.fixed(fixed), *random_cases]:
         got = slot_mapping(list(block_table), list(positions), block_size)
         expected = _slots(block_table, positions, block_size)
-        expect_list(got, lambda s: isinstance(s, int), "slot_mapping should return a list of ints")
+        expect_list(got, is_int, "slot_mapping should return a list of ints")
         assert got == expected, (
             f"block table {block_table}, block size {block_size}, positions {positions}: expected "
             f"slots {expected} (block_table[t // block_size] * block_size + t % block_size), got "

@@ -9,7 +9,15 @@ import math
 
 import torch
 
-from kvlib.course.grading import Submission, expect_list, expect_tensor, question
+from kvlib.course.checks.mistakes import naming_mistakes
+from kvlib.course.grading import (
+    Submission,
+    expect_int,
+    expect_list,
+    expect_tensor,
+    is_int,
+    question,
+)
 from kvlib.memory.sparse import sparse_decode_read_bytes
 from kvlib.sparse.bounds import page_upper_bounds
 from kvlib.sparse.selection import compact_block_tables, select_pages
@@ -90,9 +98,12 @@ def test_page_bound(submission: Submission) -> None:
         )
 
 
-def _selection(head_bounds, group_size, num_pages, budget) -> list[int]:
+def _selection(head_bounds, group_size, num_pages, budget, *, interleaved=False) -> list[int]:
     num_heads, width = head_bounds.shape
-    per_kv_head = head_bounds.view(num_heads // group_size, group_size, width).amax(dim=1)
+    if interleaved:  # a mistake: KV head j's group taken as query heads j, j + H_kv, ...
+        per_kv_head = head_bounds.view(group_size, num_heads // group_size, width).amax(dim=0)
+    else:
+        per_kv_head = head_bounds.view(num_heads // group_size, group_size, width).amax(dim=1)
     scores = per_kv_head.sum(dim=0)[None]  # (1, P)
     selected = select_pages(scores, torch.tensor([num_pages]), budget)[0]
     return selected.nonzero()[:, 0].tolist()
@@ -137,6 +148,22 @@ def test_pages_to_read(submission: Submission) -> None:
             "the sink (page 0) and the newest page (num_pages - 1, not the last column) are "
             "always read, whatever their scores",
         ),
+        (
+            torch.tensor(
+                [
+                    [0.0, 3.0, 0.0, 0.0, 0.0],
+                    [0.0, 3.0, 0.0, 0.0, 0.0],
+                    [0.0, 0.0, 4.0, 0.0, 0.0],
+                    [0.0, 0.0, 0.0, 0.0, 0.0],
+                ],
+                dtype=d,
+            ),
+            2,
+            5,
+            3,
+            "two KV heads, groups of two: query heads 0 and 1 share KV head 0, heads 2 and 3 KV "
+            "head 1 (consecutive, not interleaved)",
+        ),  # fmt: skip
         (torch.tensor([[1.0, 2.0, 3.0]], dtype=d), 1, 3, 8, "fewer pages than the budget"),
         (torch.tensor([[4.0, 1.0]], dtype=d), 1, 1, 2, "a sequence of one page"),
     ]
@@ -146,7 +173,7 @@ def test_pages_to_read(submission: Submission) -> None:
         got = pages_to_read(bounds.clone(), group, num_pages, budget)
         expect_list(
             got,
-            lambda p: isinstance(p, int) and not isinstance(p, bool),
+            is_int,
             "pages_to_read should return a list of ints (logical page indices)",
         )
         assert len(got) == len(expected), (
@@ -156,12 +183,24 @@ def test_pages_to_read(submission: Submission) -> None:
         )
         assert got == sorted(got), f"{what}: return the pages in ascending order, got {got}"
         shown = "" if bounds.numel() > 15 else f", bounds {bounds.tolist()}"
-        assert got == expected, (
-            f"{what}: expected pages {expected}, got {got} ({num_pages} pages, budget {budget}, "
-            f"group size {group}{shown}; a KV head's bound is its group's largest, a page's score "
-            "the sum over KV heads; pages 0 and num_pages - 1 are always read, then the highest "
-            "scores: min(budget, num_pages) pages, ascending)"
-        )
+        mistakes = {
+            "interleaved groups: KV head j's group is query heads j·G .. j·G + G - 1 "
+            "(consecutive), not j, j + H_kv, j + 2·H_kv": lambda: _selection(
+                bounds, group, num_pages, budget, interleaved=True
+            ),
+            "each page's largest bound over every query head, not the sum over KV heads of "
+            "each group's largest": lambda: _selection(bounds, len(bounds), num_pages, budget),
+            "the sum over every query head, not over KV heads of each group's largest": lambda: (
+                _selection(bounds, 1, num_pages, budget)
+            ),
+        }
+        with naming_mistakes(got, mistakes):
+            assert got == expected, (
+                f"{what}: expected pages {expected}, got {got} ({num_pages} pages, budget "
+                f"{budget}, group size {group}{shown}; a KV head's bound is its group's largest, "
+                "a page's score the sum over KV heads; pages 0 and num_pages - 1 are always read, "
+                "then the highest scores: min(budget, num_pages) pages, ascending)"
+            )
 
 
 def _compacted(block_table, seq_len, pages, block_size) -> tuple[list[int], int]:
@@ -206,14 +245,14 @@ def test_compact_table(submission: Submission) -> None:
         blocks, length = got
         expect_list(
             blocks,
-            lambda b: isinstance(b, int) and not isinstance(b, bool),
+            is_int,
             "compact_table's blocks should be a list of ints (physical block ids)",
         )
         assert list(blocks) == expected[0], (
             f"{what}: block table {table}, pages {pages}: expected the blocks {expected[0]} (the "
             f"selected pages' physical blocks, in logical order), got {blocks}"
         )
-        assert isinstance(length, int) and length == expected[1], (
+        assert is_int(length) and length == expected[1], (
             f"{what}: {seq_len} tokens in pages of {block_size}, pages {pages}: expected length "
             f"{expected[1]} (every selected page full but the newest, which holds "
             f"{seq_len - (math.ceil(seq_len / block_size) - 1) * block_size}), got {length!r}"
@@ -270,9 +309,7 @@ def test_decode_read_bytes(submission: Submission) -> None:
     for args, what in cases:
         expected = _read_bytes(*args)
         got = decode_read_bytes(*args)
-        assert isinstance(got, int) and not isinstance(got, bool), (
-            f"decode_read_bytes should return an int (bytes), got {got!r}"
-        )
+        expect_int(got, "decode_read_bytes")
         layers, dense, kv_heads, head_dim, element_bytes, seq_len, block_size, budget = args
         assert got == expected, (
             f"{what} (L={layers}, {dense} dense, H_kv={kv_heads}, D={head_dim}, b={element_bytes}, "
