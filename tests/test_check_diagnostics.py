@@ -407,6 +407,131 @@ def shared_rotary_key(x, w_kr, positions, theta):
 """,
         "frequencies of a 128-wide head",
     ),
+    (
+        "07",
+        "slot_mapping",
+        """
+def slot_mapping(block_table, positions, block_size):
+    return [block_table[t // block_size] + t % block_size for t in positions]
+""",
+        "block id + offset",
+    ),
+    (
+        "08",
+        "h2o_update",
+        """
+def h2o_update(scores, weights):
+    h_kv = scores.shape[0]
+    s = weights.shape[-1]
+    padded = torch.cat([scores, scores.new_zeros(h_kv, s - scores.shape[1])], dim=1)
+    return padded + weights.sum(dim=(0, 1))[None]
+""",
+        "summed over every query head",
+    ),
+    (
+        "08",
+        "h2o_update",
+        """
+def h2o_update(scores, weights):
+    h_kv = scores.shape[0]
+    h, t, s = weights.shape
+    padded = torch.cat([scores, scores.new_zeros(h_kv, s - scores.shape[1])], dim=1)
+    return padded + weights[:, -1].view(h_kv, h // h_kv, s).sum(dim=1)
+""",
+        "TOVA's rule",
+    ),
+    (
+        "10",
+        "bytes_per_token",
+        """
+def bytes_per_token(num_layers, num_kv_heads, head_dim, bits, group_size, scale_bytes):
+    per_vector = head_dim * bits / 8 + head_dim / group_size * scale_bytes
+    return num_layers * num_kv_heads * 2 * per_vector
+""",
+        "no zero point",
+    ),
+    (
+        "10",
+        "bytes_per_token",
+        """
+def bytes_per_token(num_layers, num_kv_heads, head_dim, bits, group_size, scale_bytes):
+    per_vector = head_dim * bits + head_dim / group_size * 2 * scale_bytes
+    return num_layers * num_kv_heads * 2 * per_vector
+""",
+        "bits counted as bytes",
+    ),
+    (
+        "14",
+        "break_even_gbps",
+        """
+def break_even_gbps(config, num_tokens, flops_per_s):
+    L, d, I = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
+    H, H_kv, D = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    n = num_tokens
+    flops = 2 * n * L * (d * H * D + 2 * d * H_kv * D + H * D * d + 3 * d * I)
+    flops += 2 * L * H * D * n * (n + 1)
+    return 2 * L * H_kv * D * 2 * n * flops_per_s / flops / 2**30
+""",
+        "GiB/s",
+    ),
+    (
+        "14",
+        "break_even_gbps",
+        """
+def break_even_gbps(config, num_tokens, flops_per_s):
+    L, d, I = config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
+    H, H_kv, D = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    n = num_tokens
+    flops = 2 * n * L * (d * H * D + 2 * d * H_kv * D + H * D * d + 3 * d * I)
+    flops += 4 * L * H * D * n * n
+    return 2 * L * H_kv * D * 2 * n * flops_per_s / flops / 1e9
+""",
+        "the full n x n attention",
+    ),
+    (
+        "15",
+        "page_bound",
+        """
+def page_bound(q, key_min, key_max, scale):
+    return (q[:, None, :] * key_max).sum(dim=-1).amax(dim=0) * scale
+""",
+        "q · max whatever the sign of q",
+    ),
+    (
+        "15",
+        "page_bound",
+        """
+def page_bound(q, key_min, key_max, scale):
+    return torch.maximum(q[:, None, :] * key_min, q[:, None, :] * key_max).sum(-1).amax(0)
+""",
+        "the scale forgotten",
+    ),
+    (
+        "15",
+        "decode_read_bytes",
+        """
+def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):
+    per_token, pages = 2 * H_kv * D * b, -(-S // block_size)
+    if pages <= budget:
+        return L * S * per_token
+    sparse = (budget - 1) * block_size + S - (pages - 1) * block_size
+    return (dense * S + (L - dense) * sparse) * per_token
+""",
+        "no bounds read",
+    ),
+    (
+        "15",
+        "decode_read_bytes",
+        """
+def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):
+    per_token, pages = 2 * H_kv * D * b, -(-S // block_size)
+    if pages <= budget:
+        return L * S * per_token
+    sparse = budget * block_size + pages
+    return (dense * S + (L - dense) * sparse) * per_token
+""",
+        "the newest page counted full",
+    ),
 ]
 
 
@@ -531,3 +656,258 @@ def decode_read_bytes(*args):
 def test_numpy_integers_count_as_ints(chapter, question, source):
     passed, message = _grade(chapter, question, "import numpy as np\n" + source.strip() + "\n")
     assert passed, message
+
+
+# issue 54, item 10: the prediction questions. Plausible wrong answers score zero (with the
+# mistake named where a table has it); valid variants get full marks.
+PREDICTIONS = [
+    (
+        "01",
+        "predict_recomputed_k_rows",
+        """
+def predict_recomputed_k_rows(prompt_len, max_new_tokens):
+    return sum(prompt_len + i for i in range(max_new_tokens))
+""",
+        "every K row the naive loop computes",
+    ),
+    (
+        "01",
+        "predict_recomputed_k_rows",
+        """
+def predict_recomputed_k_rows(prompt_len, max_new_tokens):
+    return prompt_len * (max_new_tokens - 1)
+""",
+        "the generated tokens' forgotten",
+    ),
+    (
+        "01",
+        "predict_recomputed_k_rows",
+        """
+def predict_recomputed_k_rows(prompt_len, max_new_tokens):  # counts the last token's step too
+    n = max_new_tokens + 1
+    return sum(prompt_len + i for i in range(n)) - (prompt_len + n - 1)
+""",
+        "common mistake",  # at (1, 1) it equals another mistake's answer: either is named
+    ),
+    (
+        "01",
+        "predict_recomputed_k_rows",
+        """
+def predict_recomputed_k_rows(prompt_len, max_new_tokens):
+    return (prompt_len + max_new_tokens) ** 2 // 2
+""",
+        "you predicted",
+    ),
+    (
+        "03",
+        "predict_llama2_bytes_per_token",
+        """
+def predict_llama2_bytes_per_token():
+    return 32 * 32 * 128 * 2
+""",
+        "K only",
+    ),
+    (
+        "03",
+        "predict_llama2_bytes_per_token",
+        """
+def predict_llama2_bytes_per_token():
+    return 2 * 32 * 32 * 128 * 16
+""",
+        "bits, not bytes",
+    ),
+    (
+        "03",
+        "predict_llama2_bytes_per_token",
+        """
+def predict_llama2_bytes_per_token():
+    return 512
+""",
+        "KiB, not bytes",
+    ),
+    (
+        "03",
+        "predict_llama2_bytes_per_token",
+        """
+def predict_llama2_bytes_per_token():
+    return 2 * 32 * 128 * 2
+""",
+        "one layer",
+    ),
+    (
+        "03",
+        "predict_llama2_bytes_per_token",
+        """
+def predict_llama2_bytes_per_token():
+    return 524288.0
+""",
+        "should return an int",
+    ),
+    (
+        "05",
+        "predict_mha_gqa_ratio",
+        """
+def predict_mha_gqa_ratio():
+    return 8 / 32
+""",
+        "GQA's cache over MHA's",
+    ),
+    (
+        "05",
+        "predict_mha_gqa_ratio",
+        """
+def predict_mha_gqa_ratio():
+    return 8
+""",
+        "H_kv itself",
+    ),
+    (
+        "05",
+        "predict_mha_gqa_ratio",
+        """
+def predict_mha_gqa_ratio():
+    return 16
+""",
+        "the group size squared",
+    ),
+    (
+        "05",
+        "predict_mha_gqa_ratio",
+        """
+def predict_mha_gqa_ratio():
+    return "4"
+""",
+        "should return a number",
+    ),
+    (
+        "07",
+        "predict_ragged_blocks",
+        """
+def predict_ragged_blocks(seq_lens, block_size):
+    return -(-sum(seq_lens) // block_size)
+""",
+        "pooled into shared blocks",
+    ),
+    (
+        "07",
+        "predict_ragged_blocks",
+        """
+def predict_ragged_blocks(seq_lens, block_size):
+    return sum(n // block_size for n in seq_lens)
+""",
+        "rounded down",
+    ),
+    (
+        "07",
+        "predict_ragged_blocks",
+        """
+def predict_ragged_blocks(seq_lens, block_size):
+    return len(seq_lens) * -(-max(seq_lens) // block_size)
+""",
+        "padded to the longest",
+    ),
+    (
+        "07",
+        "predict_ragged_blocks",
+        """
+def predict_ragged_blocks(seq_lens, block_size):
+    return sum(n // block_size + 1 for n in seq_lens)
+""",
+        "one extra block per sequence",
+    ),
+]
+
+VALID_PREDICTIONS = [
+    (
+        "01",
+        "predict_recomputed_k_rows",
+        """
+def predict_recomputed_k_rows(prompt_len, max_new_tokens):
+    n = max_new_tokens
+    return (n - 1) * prompt_len + (n - 1) * (n - 2) // 2
+""",
+    ),
+    (
+        "01",
+        "predict_recomputed_k_rows",
+        """
+def predict_recomputed_k_rows(prompt_len, max_new_tokens):
+    import numpy as np
+    steps = np.arange(1, max_new_tokens)  # decode step i recomputes P + i - 1 rows
+    return np.int64((prompt_len + steps - 1).sum())
+""",
+    ),
+    (
+        "03",
+        "predict_llama2_bytes_per_token",
+        """
+def predict_llama2_bytes_per_token():
+    return 512 * 1024
+""",
+    ),
+    (
+        "03",
+        "predict_llama2_bytes_per_token",
+        """
+def predict_llama2_bytes_per_token():
+    import numpy as np
+    return np.int64(2**19)
+""",
+    ),
+    (
+        "05",
+        "predict_mha_gqa_ratio",
+        """
+def predict_mha_gqa_ratio():
+    return 32 / 8
+""",
+    ),
+    (
+        "05",
+        "predict_mha_gqa_ratio",
+        """
+def predict_mha_gqa_ratio():
+    import numpy as np
+    return np.float64(4.0)
+""",
+    ),
+    (
+        "07",
+        "predict_ragged_blocks",
+        """
+def predict_ragged_blocks(seq_lens, block_size):
+    import math
+    return sum(math.ceil(n / block_size) for n in seq_lens)
+""",
+    ),
+    (
+        "07",
+        "predict_ragged_blocks",
+        """
+def predict_ragged_blocks(seq_lens, block_size):
+    return sum((n + block_size - 1) // block_size for n in seq_lens)
+""",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "chapter, question, source, phrase",
+    PREDICTIONS,
+    ids=[f"{c}-{q}-{i}" for i, (c, q, _, _) in enumerate(PREDICTIONS)],
+)
+def test_a_wrong_prediction_scores_zero(chapter, question, source, phrase):
+    for seed in range(3):
+        passed, message = _grade(chapter, question, source, seed)
+        assert not passed and phrase in message, message
+
+
+@pytest.mark.parametrize(
+    "chapter, question, source",
+    VALID_PREDICTIONS,
+    ids=[f"{c}-{q}-{i}" for i, (c, q, _) in enumerate(VALID_PREDICTIONS)],
+)
+def test_a_valid_prediction_gets_full_marks(chapter, question, source):
+    for seed in range(3):
+        passed, message = _grade(chapter, question, source, seed)
+        assert passed, message

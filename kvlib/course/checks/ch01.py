@@ -235,3 +235,44 @@ def test_kv_cache_bytes(submission: Submission) -> None:
         assert got == allocated, (
             f"the toy model's filled cache occupies {allocated} bytes; your formula gives {got}"
         )
+
+
+@functools.lru_cache(maxsize=4096)
+def _projected_rows(prompt_len: int, max_new_tokens: int, cached: bool) -> int:
+    """Token rows the instrumented one-layer toy pushes through W_k (and W_q, W_v, W_o)."""
+    model = ToyModel(ToyConfig(vocab_size=16, d_model=8, head_dim=4, num_layers=1))
+    generate = generate_cached if cached else generate_naive
+    prompt = np.arange(prompt_len) % 16
+    return generate(model, prompt, max_new_tokens).total_counts.projected_rows
+
+
+@question(function="predict_recomputed_k_rows")
+def test_predict_recomputed_k_rows(submission: Submission) -> None:
+    """A prediction question: how many K rows the naive loop computes again (one layer)."""
+    predict = submission.function("predict_recomputed_k_rows")
+    drawn = submission.rng()
+    cases = submission.fixed([(1, 1), (4, 3), (10, 5), (1, 12)])
+    cases += [tuple(int(n) for n in drawn.integers(1, (40, 40))) for _ in range(3)]  # per run
+    for prompt_len, max_new_tokens in cases:
+        naive = _projected_rows(prompt_len, max_new_tokens, False)
+        expected = naive - _projected_rows(prompt_len, max_new_tokens, True)  # new rows: cached
+        got = predict(prompt_len, max_new_tokens)
+        expect_int(got, "predict_recomputed_k_rows")
+        mistakes = {
+            "every K row the naive loop computes, the new ones included (subtract the rows a "
+            "cache computes once: the prompt's and each fed-back token's)": lambda: naive,
+            "the rows of the last step only": lambda: prompt_len + max_new_tokens - 1,
+            "one step too many (the last generated token is never fed back)": lambda: (
+                _projected_rows(prompt_len, max_new_tokens + 1, False)
+                - _projected_rows(prompt_len, max_new_tokens + 1, True)
+            ),
+            "the prompt's rows recomputed on every decode step, the generated tokens' forgotten": (
+                lambda: prompt_len * (max_new_tokens - 1)
+            ),
+        }
+        with naming_mistakes(got, mistakes):
+            assert got == expected, (
+                f"prompt_len={prompt_len}, max_new_tokens={max_new_tokens}: the instrumented "
+                f"naive loop computed {naive} K rows, {expected} of them again (a cache computes "
+                f"{naive - expected} once); you predicted {got}"
+            )

@@ -182,3 +182,29 @@ def test_max_batch(submission: Submission) -> None:
                 f"{per_token:,} B/token, {seq_len} tokens per sequence: expected {expected} "
                 f"sequences, got {got}"
             )
+
+
+LLAMA_2_7B = {  # meta-llama/Llama-2-7b-hf's config.json, the fields the cache depends on
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "hidden_size": 4096,
+    "torch_dtype": "float16",
+}
+
+
+@question(function="predict_llama2_bytes_per_token")
+def test_predict_llama2_bytes_per_token(submission: Submission) -> None:
+    """A prediction question: Llama-2-7B's cache bytes per token in float16, a constant."""
+    predict = submission.function("predict_llama2_bytes_per_token")
+    expected = kv_bytes_per_token(LLAMA_2_7B)
+    got = predict()
+    expect_int(got, "predict_llama2_bytes_per_token")
+    with naming_mistakes(got, _gqa_mistakes(LLAMA_2_7B, expected) | {
+        "KiB, not bytes": lambda: expected // 1024,
+    }):  # fmt: skip
+        assert got == expected, (
+            f"Llama-2-7B (32 layers, 32 heads of 128, no GQA, float16): you predicted {got!r} "
+            "bytes per token; count K and V, every layer, every head, 2 bytes a value"
+        )

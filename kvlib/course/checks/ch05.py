@@ -4,6 +4,7 @@ own implementations."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvlib.conversions.gqa import pool_kv_heads
@@ -272,3 +273,36 @@ def _budget_mistakes(config, seq_len, batch_size, budget) -> dict:
             largest(no_head_dim) if "head_dim" in config else None
         ),
     }
+
+
+_RATIO_CONFIG = {  # a Llama-style model: the MHA and GQA variants differ only in H_kv
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "hidden_size": 4096,
+    "torch_dtype": "bfloat16",
+}
+
+
+@question(function="predict_mha_gqa_ratio")
+def test_predict_mha_gqa_ratio(submission: Submission) -> None:
+    """A prediction question: how many times larger the MHA cache is than GQA's (H=32, H_kv=8)."""
+    predict = submission.function("predict_mha_gqa_ratio")
+    mha, gqa = (kv_cache_bytes({**_RATIO_CONFIG, "num_key_value_heads": h}, 4096) for h in (32, 8))
+    expected = mha // gqa
+    got = predict()
+    assert isinstance(got, (int, float, np.integer, np.floating)) and not isinstance(
+        got, (bool, np.bool_)
+    ), f"predict_mha_gqa_ratio should return a number, got {type(got).__name__} {got!r}"
+    mistakes = {
+        "GQA's cache over MHA's: the question asks MHA's over GQA's": lambda: gqa / mha,
+        "H_kv itself: the ratio is H / H_kv": lambda: 8,
+        "the group size squared": lambda: (32 // 8) ** 2,
+        "H itself: the ratio is H / H_kv": lambda: 32,
+    }
+    with naming_mistakes(got, mistakes):
+        assert got == expected, (
+            f"with H=32 query heads, MHA caches 32 K/V heads ({mha:,} bytes for 4096 tokens) and "
+            f"GQA with H_kv=8 caches 8 ({gqa:,} bytes): MHA's is {expected} times larger; you "
+            f"predicted {got!r}"
+        )

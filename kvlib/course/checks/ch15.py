@@ -39,6 +39,26 @@ def _pages_box(rng, num_pages: int, head_dim: int, spread: float):
     return torch.stack([k.amin(0) for k in keys]), torch.stack([k.amax(0) for k in keys])
 
 
+def _bound_mistakes(q, key_min, key_max, scale) -> dict:
+    """page_bound's common mistakes: q (G, D), pages (P, D) -> (P,)."""
+    corners = torch.maximum(q[:, None] * key_min[None], q[:, None] * key_max[None])  # (G, P, D)
+    return {
+        "q · max whatever the sign of q: where q_i < 0 the largest q_i · k_i is at the min": (
+            lambda: scale * (q @ key_max.T).amax(dim=0)
+        ),
+        "the score of the box's centre, not the largest score in the box": lambda: (
+            scale * (q @ ((key_min + key_max) / 2).T).amax(dim=0)
+        ),
+        "the group's mean query: bound each head, then take the largest": lambda: _bound(
+            q.mean(dim=0, keepdim=True), key_min, key_max, scale
+        ),
+        "summed over the group's heads, not their largest": lambda: (
+            scale * corners.sum(dim=-1).sum(dim=0)
+        ),
+        "the scale forgotten": lambda: _bound(q, key_min, key_max, 1.0),
+    }
+
+
 @question(function="page_bound")
 def test_page_bound(submission: Submission) -> None:
     page_bound = submission.function("page_bound")
@@ -86,16 +106,18 @@ def test_page_bound(submission: Submission) -> None:
         got = page_bound(q.clone(), key_min.clone(), key_max.clone(), scale)
         expect_tensor(got, expected, "page_bound")
         low = (got < expected - 1e-9 * (1 + expected.abs())).nonzero()  # Quest's is tight
-        assert not len(low), (
-            f"{what}: not an upper bound: in page {int(low[0, 0])}'s box (each coordinate between "
-            f"the page's min and max) a key can score {float(expected[low[0, 0]]):.6g} for some "
-            f"head of the group, above your {float(got[low[0, 0]]):.6g}"
-        )
-        assert torch.allclose(got, expected, rtol=1e-9, atol=1e-12), (
-            f"{what}: expected {[round(x, 6) for x in expected.tolist()]}, got "
-            f"{[round(x, 6) for x in got.tolist()]}: Quest's bound is, for each page, the "
-            "largest over the group's heads h of scale · Σ_i max(q_hi · min_i, q_hi · max_i)"
-        )
+        with naming_mistakes(got, _bound_mistakes(q, key_min, key_max, scale)):
+            assert not len(low), (
+                f"{what}: not an upper bound: in page {int(low[0, 0])}'s box (each coordinate "
+                f"between the page's min and max) a key can score "
+                f"{float(expected[low[0, 0]]):.6g} for some head of the group, above your "
+                f"{float(got[low[0, 0]]):.6g}"
+            )
+            assert torch.allclose(got, expected, rtol=1e-9, atol=1e-12), (
+                f"{what}: expected {[round(x, 6) for x in expected.tolist()]}, got "
+                f"{[round(x, 6) for x in got.tolist()]}: Quest's bound is, for each page, the "
+                "largest over the group's heads h of scale · Σ_i max(q_hi · min_i, q_hi · max_i)"
+            )
 
 
 def _selection(head_bounds, group_size, num_pages, budget, *, interleaved=False) -> list[int]:
@@ -277,6 +299,40 @@ def _read_bytes(layers, dense, kv_heads, head_dim, element_bytes, seq_len, block
     )
 
 
+def _read_formula(args, *, bounds=True, bounds_always=False, newest_full=False, dense_ok=True,
+                  bound_tokens=1) -> int:  # fmt: skip
+    """decode_read_bytes written out, its common mistakes switchable."""
+    layers, dense, kv_heads, head_dim, element_bytes, seq_len, block_size, budget = args
+    dense = dense if dense_ok else 0
+    pages = -(-seq_len // block_size)
+    fill = block_size if newest_full else seq_len - (pages - 1) * block_size
+    page_bounds = pages * bound_tokens if bounds else 0
+    if pages <= budget:
+        sparse = seq_len + (page_bounds if bounds_always else 0)
+    else:
+        sparse = (budget - 1) * block_size + fill + page_bounds
+    return (dense * seq_len + (layers - dense) * sparse) * 2 * kv_heads * head_dim * element_bytes
+
+
+def _read_mistakes(args) -> dict:
+    return {
+        "no bounds read: a sparse layer reads every page's bounds to choose": lambda: _read_formula(
+            args, bounds=False
+        ),
+        "bounds read although the sequence has at most budget pages (it reads them all, no "
+        "choice to make)": lambda: _read_formula(args, bounds_always=True),
+        "the newest page counted full: it holds S - (pages - 1) · block_size tokens": lambda: (
+            _read_formula(args, newest_full=True)
+        ),
+        "no dense layers: the first `dense` layers read every token": lambda: _read_formula(
+            args, dense_ok=False
+        ),
+        "bounds of D values per KV head: a page's min and max are 2 · D (one token's K and V)": (
+            lambda: _read_formula(args, bound_tokens=0.5)
+        ),
+    }
+
+
 @question(function="decode_read_bytes")
 def test_decode_read_bytes(submission: Submission) -> None:
     decode_read_bytes = submission.function("decode_read_bytes")
@@ -311,10 +367,12 @@ def test_decode_read_bytes(submission: Submission) -> None:
         got = decode_read_bytes(*args)
         expect_int(got, "decode_read_bytes")
         layers, dense, kv_heads, head_dim, element_bytes, seq_len, block_size, budget = args
-        assert got == expected, (
-            f"{what} (L={layers}, {dense} dense, H_kv={kv_heads}, D={head_dim}, b={element_bytes}, "
-            f"S={seq_len}, pages of {block_size}, budget {budget}): expected {expected:,} bytes, "
-            f"got {got:,}; a sparse layer reads (budget - 1) full pages + the newest page's tokens "
-            "+ every page's bounds (2 · D per KV head: one token's K and V); a dense layer, or a "
-            "sequence of at most budget pages, reads its S tokens and no bounds"
-        )
+        with naming_mistakes(got, _read_mistakes(args)):
+            assert got == expected, (
+                f"{what} (L={layers}, {dense} dense, H_kv={kv_heads}, D={head_dim}, "
+                f"b={element_bytes}, S={seq_len}, pages of {block_size}, budget {budget}): "
+                f"expected {expected:,} bytes, got {got:,}; a sparse layer reads (budget - 1) full "
+                "pages + the newest page's tokens + every page's bounds (2 · D per KV head: one "
+                "token's K and V); a dense layer, or a sequence of at most budget pages, reads its "
+                "S tokens and no bounds"
+            )
