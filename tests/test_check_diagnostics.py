@@ -911,3 +911,24 @@ def test_a_valid_prediction_gets_full_marks(chapter, question, source):
     for seed in range(3):
         passed, message = _grade(chapter, question, source, seed)
         assert passed, message
+
+
+def test_the_written_out_formulas_match_kvlibs_oracles():
+    """The mistakes of chapters 14 and 15 switch parts of a formula written out in the check:
+    with nothing switched, it is kvlib's own answer."""
+    from kvlib.course.checks import ch14, ch15
+    from kvlib.offload.breakeven import break_even_bandwidth
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        layers, block_size = int(rng.integers(1, 40)), int(rng.choice([4, 16, 32]))
+        args = (layers, int(rng.integers(0, layers + 1)), int(rng.choice([1, 2, 8])),
+                int(rng.choice([64, 128])), int(rng.choice([1, 2, 4])),
+                int(rng.integers(1, 20_000)), block_size, int(rng.integers(2, 40)))  # fmt: skip
+        assert ch15._read_formula(args) == ch15._read_bytes(*args), args
+    for values, _ in ch14._CONFIGS:
+        config = dict(zip(ch14._FIELDS, values))
+        for n in (1, 777, 4096):
+            oracle = dict(config, model_type="llama", torch_dtype="bfloat16")
+            expected = break_even_bandwidth(oracle, n, 400e12) / 1e9
+            assert abs(ch14._gbps(config, n, 400e12) - expected) <= 1e-9 * expected
