@@ -2184,8 +2184,11 @@ def test_check_in_the_notebook_blocks_what_the_grader_blocks(capsys):
 
     namespace = {"softmax": softmax}
     exec("def stable_softmax(x):\n    return softmax(x)\n", namespace)
-    assert check("stable_softmax", namespace["stable_softmax"]) is False
-    assert "kvlib.ref.attention.softmax is unavailable" in capsys.readouterr().out
+    assert check("stable_softmax", namespace["stable_softmax"]) is None  # the printed line says
+    out = capsys.readouterr().out
+    assert (
+        out.startswith("❌ stable_softmax") and "kvlib.ref.attention.softmax is unavailable" in out
+    )
     assert namespace["softmax"] is softmax  # restored afterwards
 
 
@@ -2664,8 +2667,11 @@ def test_check_blocks_copies_of_kvlib_source_made_before_it(capsys):
 
     namespace: dict = {}
     exec(SOURCE_COPIES[0], namespace)
-    assert check("stable_softmax", namespace["stable_softmax"]) is False
-    assert "kvlib.ref.attention.softmax is unavailable" in capsys.readouterr().out
+    assert check("stable_softmax", namespace["stable_softmax"]) is None  # the printed line says
+    out = capsys.readouterr().out
+    assert (
+        out.startswith("❌ stable_softmax") and "kvlib.ref.attention.softmax is unavailable" in out
+    )
 
 
 def test_every_allowed_name_resolves():
@@ -2811,7 +2817,7 @@ AGREEMENT_TABLE = [
 ]
 
 _CHECK_SCRIPT = """
-import json, os, sys
+import contextlib, io, json, os, sys
 from kvlib.course.grading import check, read_code_cells
 from kvlib.course.sandbox import _cell_code
 verdicts = []
@@ -2824,7 +2830,10 @@ for path, question, function in json.loads(sys.argv[1]):
         except BaseException:
             pass
     del os.environ["KVLIB_GRADING"]
-    verdicts.append(bool(check(question, namespace.get(function))))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # check() prints its verdict
+        check(question, namespace.get(function))
+    verdicts.append(printed.getvalue().startswith("✅"))
 print("VERDICTS", json.dumps(verdicts))
 """
 
@@ -3069,11 +3078,11 @@ def stable_softmax(x):  # swallows Exception: check()'s timeout is a BaseExcepti
         except Exception:
             pass
 
-print("BEFORE", check("max_batch", max_batch))  # the grader subprocess starts: not timed below
+check("max_batch", max_batch)  # the grader subprocess starts: not timed below
 started = time.monotonic()
 verdict = check("stable_softmax", stable_softmax, timeout_s=3)
 print("VERDICT", verdict, len(calls), time.monotonic() - started)
-print("AFTER", check("max_batch", max_batch))
+check("max_batch", max_batch)
 """
 
 
@@ -3084,12 +3093,12 @@ def test_check_in_the_notebook_times_out():
         [sys.executable, "-c", _TIMEOUT_SCRIPT], capture_output=True, text=True, timeout=180
     )
     out = completed.stdout
-    assert "BEFORE True" in out, out + completed.stderr[-2000:]
+    assert out.startswith("✅ max_batch: passed"), out + completed.stderr[-2000:]
     assert "❌ stable_softmax: timed out after 3 s" in out, out + completed.stderr[-2000:]
     verdict = [line.split() for line in out.splitlines() if line.startswith("VERDICT")]
     # the function ran (once) and was stopped near its deadline, not at the grader's 60 s
-    assert verdict and verdict[0][1:3] == ["False", "1"] and float(verdict[0][3]) < 30, out
-    assert "AFTER True" in out, out + completed.stderr[-2000:]
+    assert verdict and verdict[0][1:3] == ["None", "1"] and float(verdict[0][3]) < 30, out
+    assert out.rstrip().endswith("✅ max_batch: passed (1 point)"), out + completed.stderr[-2000:]
 
 
 def test_check_leaves_the_notebook_process_usable(capsys):
@@ -3105,7 +3114,8 @@ def test_check_leaves_the_notebook_process_usable(capsys):
         "positions]\n",
         namespace,
     )
-    assert check("slot_mapping", namespace["slot_mapping"]) is True
+    check("slot_mapping", namespace["slot_mapping"])
+    assert capsys.readouterr().out.startswith("✅ slot_mapping: passed")
     assert _slots([3], [1], 4) == [13]  # outside a graded call, the oracle is usable
     report = grade_notebook(ROOT / "solutions" / "07_paged_cache.ipynb", only=["slot_mapping"])
     assert report.score == 1, report.table()
@@ -3757,12 +3767,12 @@ def test_checks_grader_ignores_the_notebooks_python_path(tmp_path):
         f"import os\nos.environ['PYTHONPATH'] = {str(tmp_path)!r}\n"
         "from kvlib.course.grading import check\n"
         "def kv_cache_bytes(*args):\n    return 0\n"
-        "print('VERDICT', check('kv_cache_bytes', kv_cache_bytes))\n"
+        "check('kv_cache_bytes', kv_cache_bytes)\n"
     )
     completed = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=180
     )
-    assert "VERDICT False" in completed.stdout, completed.stdout + completed.stderr[-2000:]
+    assert "❌ kv_cache_bytes" in completed.stdout, completed.stdout + completed.stderr[-2000:]
 
 
 _CHECK_SEEDS = """
@@ -3794,7 +3804,7 @@ from kvlib.ref.attention import softmax
 pool = multiprocessing.get_context("fork").Pool(1)  # forked before any check()
 def stable_softmax(x):
     return pool.apply(softmax, (x,))
-print("VERDICT", check("stable_softmax", stable_softmax))
+check("stable_softmax", stable_softmax)
 """
 
 
@@ -3802,5 +3812,5 @@ def test_check_holds_a_pool_forked_before_it_to_the_same_rules():
     completed = subprocess.run(
         [sys.executable, "-c", _POOL_BEFORE_CHECK], capture_output=True, text=True, timeout=180
     )
-    assert "VERDICT False" in completed.stdout, completed.stdout + completed.stderr[-2000:]
+    assert "❌ stable_softmax" in completed.stdout, completed.stdout + completed.stderr[-2000:]
     assert "kvlib.ref.attention.softmax is unavailable" in completed.stdout

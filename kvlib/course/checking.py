@@ -74,7 +74,7 @@ class _OnlyFunction(dict):
 
 def check(
     question_id: str, function: Callable, *, timeout_s: float = 60.0, seed: int | None = None
-) -> bool | None:
+) -> None:
     """Run question `question_id`'s test on `function` now and print the verdict.
 
     The grader's own machinery: a grader subprocess holds the test, the expected values and the
@@ -84,19 +84,19 @@ def check(
     stopped and the check fails with the grader's message. `seed`: the random cases (default:
     drawn afresh; a failure says which).
 
-    Returns True/False (passed or not), or None while the grader executes the notebook (it grades
-    every question itself, in isolation).
+    Returns None: the printed line is the verdict (a check cell shows nothing else). While the
+    grader executes the notebook it prints nothing (it grades every question itself).
     """
     if os.environ.get(ENV_GRADING) == "1":
         CHECKED_WHILE_GRADING[question_id] = function
-        return None
+        return
     from kvlib.course.sandbox import CheckTimeout, serve
     from kvlib.course.wire import Channel, ChannelClosed
 
     slow = _slow_defining_cell(function, timeout_s)
     if slow is not None:
         print(f"❌ {question_id}: {slow}")
-        return False
+        return
     if seed is None:
         import secrets
 
@@ -137,9 +137,8 @@ def check(
     if passed:
         note = f" {message}" if message else ""
         print(f"✅ {question_id}: passed ({points} point{'s' if points != 1 else ''}){note}")
-        return True
+        return
     print(f"❌ {question_id}: {message}")
-    return False
 
 
 def record_cell_time(source: str, seconds: float) -> None:

@@ -113,6 +113,14 @@ def question(*, function: str, points: int = 1, allowed: tuple[str, ...] = ()) -
     return register
 
 
+def is_int(value) -> bool:
+    """Whether `value` counts as an int answer: an int or a numpy integer, not a bool (as
+    `expect_int` checks; for the items of a list, `expect_list(got, is_int, ...)`)."""
+    import numpy as np
+
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def chapter_questions(chapter: str) -> list[Question]:
     """The questions of chapter `chapter` ("01", "02", ...) in the order they are defined.
 

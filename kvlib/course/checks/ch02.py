@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import LearnerRaised, Submission, question
 
 EPS32 = 2.0**-23  # float32's machine epsilon
@@ -64,10 +65,42 @@ def test_rope_at_offset(submission: Submission) -> None:
         assert got.dtype == x.dtype, (
             f"rope_at_offset should keep the input's dtype {x.dtype}, got {got.dtype}"
         )
-        assert_rotated(
-            got, expected, allowed, f"rope_at_offset for T={t}, D={d}, offset={offset}, "
-            f"theta={theta:g}"
-        )  # fmt: skip
+        with naming_mistakes(got, rope_mistakes(x, offset, theta), rtol=1e-3,
+                             atol=float(allowed.max())):  # fmt: skip
+            assert_rotated(
+                got, expected, allowed, f"rope_at_offset for T={t}, D={d}, offset={offset}, "
+                f"theta={theta:g}"
+            )  # fmt: skip
+
+
+def _rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE with GPT-J's pairing (2i, 2i + 1), in float64: a common mistake here."""
+    d = x.shape[-1]
+    inv_freq = float(theta) ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = (positions.double()[:, None] * inv_freq).repeat_interleave(2, dim=-1)
+    x64 = x.double()
+    rotated = torch.stack([-x64[..., 1::2], x64[..., 0::2]], dim=-1).flatten(-2)
+    return x64 * angles.cos() + rotated * angles.sin()
+
+
+def rope_mistakes(x: torch.Tensor, start: int, theta: float) -> dict:
+    """The common RoPE mistakes for `x` (..., T, D) at positions start, start + 1, ..."""
+    positions = torch.arange(start, start + x.shape[-2])
+    return {
+        "the offset ignored: every call rotates from position 0, not from the cached length": (
+            lambda: rope_exact(x, positions - start, theta)[0]
+        ),
+        "GPT-J's interleaved pairs (2i, 2i + 1): this model pairs dimension i with i + D/2": (
+            lambda: _rope_interleaved(x, positions, theta)
+        ),
+        "the rotation in the wrong direction (the sine's sign flipped)": lambda: rope_exact(
+            x, -positions, theta
+        )[0],
+        "frequencies theta^(-i/D), not theta^(-2i/D)": lambda: rope_exact(
+            x, positions, float(theta) ** 0.5
+        )[0],
+        "no rotation at all": lambda: x.double(),
+    }
 
 
 @question(function="static_cache_insert")
@@ -150,6 +183,27 @@ def _check_reorder(reorder, generator, beams, num_layers, beam_indices) -> None:
     assert isinstance(got, list) and len(got) == num_layers, (
         f"return one (keys, values) pair per layer ({num_layers}), got {type(got).__name__}"
     )
+    mistakes = {
+        "the keys reordered but the values left as they were": lambda: [
+            (k[indices], v) for k, v in layers
+        ],
+        "old beam j moved to new beam beam_indices[j] (a scatter): new beam j takes old beam "
+        "beam_indices[j]": lambda: [
+            (_scatter(k, indices), _scatter(v, indices)) for k, v in layers
+        ],
+        "the caches left as they were": lambda: layers,
+    }
+    with naming_mistakes(got, mistakes, rtol=0.0, atol=0.0):
+        _check_layers(got, layers, indices, beam_indices)
+
+
+def _scatter(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    out = x.clone()
+    out[indices] = x
+    return out
+
+
+def _check_layers(got, layers, indices, beam_indices) -> None:
     for i, ((k, v), (got_k, got_v)) in enumerate(zip(layers, got)):
         assert torch.equal(got_k, k[indices]), (
             f"layer {i} keys: new beam j must hold the keys of old beam beam_indices[j] = "

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import Submission, peak_allocation, question
 from kvlib.ref.attention import attention, softmax
 from kvlib.ref.online_softmax import merge_partials, online_softmax_update, partial_attention
@@ -39,19 +40,68 @@ def test_online_softmax_update(submission: Submission) -> None:
             assert isinstance(result, tuple) and len(result) == 2, (
                 f"online_softmax_update should return (m_new, l_new), got {result!r}"
             )
+            mistakes = _update_mistakes(m, l, x[start : start + block])
             m, l = (float(r) for r in result)
             expected = online_softmax_update(*expected, x[start : start + block])
-            assert math.isfinite(l), (
-                f"with scores up to {x[: start + block].max():.0f} your l became {l}: measure exp "
-                "against the running max"
-            )
-            assert_close(
-                np.array([m, l]),
-                np.array(expected),
-                name=f"(m, l) after the block starting at {start} (blocks of {block}, scores "
-                f"~{magnitude:.3g})",
-            )
+            with naming_mistakes(np.array([m, l]), mistakes):
+                assert math.isfinite(l), (
+                    f"with scores up to {x[: start + block].max():.0f} your l became {l}: measure "
+                    "exp against the running max"
+                )
+                assert_close(
+                    np.array([m, l]),
+                    np.array(expected),
+                    name=f"(m, l) after the block starting at {start} (blocks of {block}, scores "
+                    f"~{magnitude:.3g})",
+                )
         assert_close(np.exp(x - m) / l, softmax(x), name="softmax from your final (m, l)")
+
+
+def _update_mistakes(m: float, l: float, block: np.ndarray) -> dict:
+    """online_softmax_update's common mistakes from the state (m, l) it was given."""
+
+    def update(rescale, own_max=False):
+        m_new = max(m, float(block.max()))
+        with np.errstate(all="ignore"):
+            shift = float(block.max()) if own_max else m_new
+            return np.array([m_new, l * rescale(m_new) + float(np.exp(block - shift).sum())])
+
+    return {
+        "l not rescaled when the maximum rises (multiply it by exp(m - m_new))": lambda: update(
+            lambda m_new: 1.0
+        ),
+        "l rescaled by exp(m_new - m), the inverse of exp(m - m_new)": lambda: update(
+            lambda m_new: np.exp(m_new - m)
+        ),
+        "the block's exponentials taken against the block's own maximum, not the running "
+        "one": lambda: update(lambda m_new: np.exp(m - m_new), own_max=True),
+        "no maximum at all: l accumulates exp(x) unshifted": lambda: np.array(
+            [max(m, float(block.max())), l + float(np.exp(block).sum())]
+        ),
+    }
+
+
+def _merge_mistakes(out_a, lse_a, out_b, lse_b) -> tuple[dict, dict]:
+    """merge_two's common mistakes: for the output, and for the merged lse."""
+    top = np.maximum(lse_a, lse_b)
+    w_a, w_b = np.exp(lse_a - top), np.exp(lse_b - top)
+    share_a, share_b = (w_a / (w_a + w_b))[:, None], (w_b / (w_a + w_b))[:, None]
+    outs = {
+        "the plain average of the two partial outputs: weight each by its share of the "
+        "softmax mass, exp(lse_i - lse)": lambda: (out_a + out_b) / 2,
+        "the weights swapped (out_a weighted by b's share)": lambda: (
+            share_b * out_a + share_a * out_b
+        ),
+        "the partials weighted by exp(lse) without dividing by their sum": lambda: (
+            w_a[:, None] * out_a + w_b[:, None] * out_b
+        ),
+    }
+    lses = {
+        "the larger lse: the merged lse is log(exp(lse_a) + exp(lse_b))": lambda: top,
+        "lse_a + lse_b: add the exponentials, not the logs": lambda: lse_a + lse_b,
+        "the mean of the two lse": lambda: (lse_a + lse_b) / 2,
+    }
+    return outs, lses
 
 
 @question(function="merge_two")
@@ -79,8 +129,11 @@ def test_merge_two(submission: Submission) -> None:
         out, lse = result
         expected_out, expected_lse = merge_partials([a[0], b[0]], [a[1], b[1]])
         what = f"T={queries}, S={keys} split at {split}, scores ~{magnitude:.3g}"
-        assert_close(out, attention(q, k, v), name=f"merged output ({what})")
-        assert_close(lse, expected_lse, name=f"merged lse ({what})")
+        out_mistakes, lse_mistakes = _merge_mistakes(a[0], a[1], b[0], b[1])
+        with naming_mistakes(out, out_mistakes):
+            assert_close(out, attention(q, k, v), name=f"merged output ({what})")
+        with naming_mistakes(lse, lse_mistakes):
+            assert_close(lse, expected_lse, name=f"merged lse ({what})")
     if not submission.fixed_cases:
         return
     # huge lse; a row with one chunk empty (lse -inf); a row with both empty
@@ -121,12 +174,13 @@ def test_tiled_attention(submission: Submission) -> None:
         )
         k_rows, v_rows = submission.rows(k, tile_size), submission.rows(v, tile_size)
         out = tiled(q, k_rows, v_rows, tile_size)  # K and V stay here: read a tile at a time
-        assert_close(
-            out,
-            attention(q, k, v),
-            name=f"tiled_attention with T={t}, S={s}, tile_size={tile_size}, queries "
-            f"~{magnitude:.3g}",
-        )
+        with naming_mistakes(out, _tiled_mistakes(q, k, v, tile_size)):
+            assert_close(
+                out,
+                attention(q, k, v),
+                name=f"tiled_attention with T={t}, S={s}, tile_size={tile_size}, queries "
+                f"~{magnitude:.3g}",
+            )
         for rows, name in ((k_rows, "K"), (v_rows, "V")):
             reads = rows.reads if rows.reads is not None else np.zeros(s, dtype=np.int64)
             assert (reads == 1).all(), (
@@ -151,3 +205,35 @@ def test_tiled_attention(submission: Submission) -> None:
         f"{MAX_TILED_BYTES / 2**20:g} MiB here): keep only the running max, denominator and "
         "accumulator between tiles"
     )
+
+
+def _tiled(q, k, v, tile_size: int, *, rescale_acc: bool = True, divide: bool = True):
+    """A tiled pass with its mistakes switchable: the accumulator left unrescaled when the
+    running maximum rises, or the output left undivided by the final denominator."""
+    scale = q.shape[-1] ** -0.5
+    m = np.full(q.shape[0], -np.inf)
+    l, acc = np.zeros(q.shape[0]), np.zeros((q.shape[0], v.shape[1]))
+    with np.errstate(all="ignore"):
+        for start in range(0, k.shape[0], tile_size):
+            scores = q @ k[start : start + tile_size].T * scale
+            m_new = np.maximum(m, scores.max(axis=1))
+            p, factor = np.exp(scores - m_new[:, None]), np.exp(m - m_new)
+            l = l * factor + p.sum(axis=1)
+            acc = (acc * factor[:, None] if rescale_acc else acc) + p @ v[start : start + tile_size]
+            m = m_new
+    return acc / l[:, None] if divide else acc
+
+
+def _tiled_mistakes(q, k, v, tile_size: int) -> dict:
+    """tiled_attention's common mistakes on these inputs, and what each returns."""
+    return {
+        "scores not scaled by 1/√D": lambda: attention(q, k, v, scale=1.0),
+        "the accumulator not rescaled when the running maximum rises (multiply it by "
+        "exp(m - m_new), as l)": lambda: _tiled(q, k, v, tile_size, rescale_acc=False),
+        "the output not divided by the final denominator l": lambda: _tiled(
+            q, k, v, tile_size, divide=False
+        ),
+        "each query attends to the last tile only (the tiles are not combined)": lambda: attention(
+            q, k[-((k.shape[0] - 1) % tile_size + 1) :], v[-((k.shape[0] - 1) % tile_size + 1) :]
+        ),
+    }

@@ -4,9 +4,11 @@ own implementations."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvlib.conversions.gqa import pool_kv_heads
+from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import (
     Submission,
     expect_int,
@@ -74,13 +76,14 @@ def test_grouped_attention(submission: Submission) -> None:
             f"{what}: your output has non-finite values (subtract each row's maximum score "
             "before exponentiating, or use torch.softmax)"
         )
-        assert_close(
-            got,
-            expected,
-            name=f"{what} (query head h reads KV head h // G; the mask as given)",
-            rtol=1e-4,
-            atol=1e-5,
-        )
+        with naming_mistakes(got, _grouped_mistakes(q, k, v, mask), rtol=1e-4, atol=1e-5):
+            assert_close(
+                got,
+                expected,
+                name=f"{what} (query head h reads KV head h // G; the mask as given)",
+                rtol=1e-4,
+                atol=1e-5,
+            )
     if not submission.fixed_cases:
         return
     # decode over a long cache: nothing the size of K or V repeated to H heads may be allocated
@@ -96,6 +99,31 @@ def test_grouped_attention(submission: Submission) -> None:
         f"fold each group's query heads into the query rows instead (at most "
         f"{repeated / 2**22:.0f} MiB here)"
     )
+
+
+def _attend(q, k, v, mask, *, scale=None, dim=-1) -> torch.Tensor:
+    """Attention of q (B, H, T, D) over k, v already given per query head (B, H, S, D)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=dim).nan_to_num(0.0) @ v
+
+
+def _grouped_mistakes(q, k, v, mask) -> dict:
+    """grouped_attention's common mistakes on these inputs, and what each returns."""
+    group = q.shape[1] // k.shape[1]
+    consecutive = (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
+    return {
+        "strided groups: query head h reads KV head h % H_kv, but a group's heads are "
+        "consecutive (h // G)": lambda: _attend(
+            q, k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1), mask
+        ),
+        "scores not scaled by 1/√D": lambda: _attend(q, *consecutive, mask, scale=1.0),
+        "the mask ignored": lambda: _attend(q, *consecutive, torch.ones_like(mask)),
+        "the softmax over the query axis instead of the key axis": lambda: _attend(
+            q, *consecutive, mask, dim=-2
+        ),
+        "K and V swapped": lambda: _attend(q, consecutive[1], consecutive[0], mask),
+    }
 
 
 @question(
@@ -120,14 +148,26 @@ def test_mean_pool_kv(submission: Submission) -> None:
             f"{old_heads} heads of D={dim} pooled to {new_heads}: expected a tensor of shape "
             f"{tuple(expected.shape)}, got {tuple(getattr(got, 'shape', ()))}"
         )
-        assert_close(
-            got,
-            expected,
-            name=f"{old_heads} KV heads of D={dim} mean-pooled to {new_heads} (new head j is the "
-            f"mean of old heads j*G' .. j*G'+G'-1, consecutive)",
-            rtol=1e-5,
-            atol=1e-6,
-        )
+        group = old_heads // new_heads
+        heads = original.view(old_heads, dim, d_model)
+        mistakes = {
+            "strided heads pooled (j, j + H_kv, ...): a group's heads are consecutive": lambda: (
+                heads.view(group, new_heads, dim, d_model).mean(0).reshape(-1, d_model)
+            ),
+            "the group's sum, not its mean": lambda: expected * group,
+            "the first head of each group kept, not the group's mean": lambda: heads[
+                ::group
+            ].reshape(-1, d_model),
+        }
+        with naming_mistakes(got, mistakes, rtol=1e-5, atol=1e-6):
+            assert_close(
+                got,
+                expected,
+                name=f"{old_heads} KV heads of D={dim} mean-pooled to {new_heads} (new head j is "
+                f"the mean of old heads j*G' .. j*G'+G'-1, consecutive)",
+                rtol=1e-5,
+                atol=1e-6,
+            )
 
 
 _BUDGET_CONFIGS = [
@@ -204,8 +244,65 @@ def test_kv_heads_for_budget(submission: Submission) -> None:
         got = kv_heads_for_budget(dict(config), seq_len, batch_size, budget)
         expect_int(got, "kv_heads_for_budget")
         fields = ", ".join(f"{k}={v}" for k, v in config.items())
+        with naming_mistakes(got, _budget_mistakes(config, seq_len, batch_size, budget)):
+            assert got == expected, (
+                f"for {fields}, {batch_size} sequences of {seq_len} tokens in {budget:,} bytes: "
+                f"expected H_kv = {expected} (the largest divisor of num_attention_heads that "
+                f"fits; 0 if not even MQA fits), got {got}"
+            )
+
+
+def _budget_mistakes(config, seq_len, batch_size, budget) -> dict:
+    """kv_heads_for_budget's common mistakes, and what each returns."""
+    heads = config["num_attention_heads"]
+
+    def per_kv_head(config):
+        config = {**config, "model_type": "llama", "num_key_value_heads": 1}
+        return kv_cache_bytes(config, seq_len, batch_size=batch_size)
+
+    def largest(config, divisors=True):
+        fitting = [h for h in range(1, heads + 1) if heads % h == 0 or not divisors]
+        fitting = [h for h in fitting if h * per_kv_head(config) <= budget]
+        return max(fitting, default=0)
+
+    no_head_dim = {k: v for k, v in config.items() if k != "head_dim"}
+    return {
+        "the largest H_kv that fits, whether or not it divides num_attention_heads (GQA needs "
+        "groups of equal size)": lambda: largest(config, divisors=False),
+        "head_dim taken as hidden_size / num_attention_heads: use the config's head_dim": lambda: (
+            largest(no_head_dim) if "head_dim" in config else None
+        ),
+    }
+
+
+_RATIO_CONFIG = {  # a Llama-style model: the MHA and GQA variants differ only in H_kv
+    "model_type": "llama",
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "hidden_size": 4096,
+    "torch_dtype": "bfloat16",
+}
+
+
+@question(function="predict_mha_gqa_ratio")
+def test_predict_mha_gqa_ratio(submission: Submission) -> None:
+    """A prediction question: how many times larger the MHA cache is than GQA's (H=32, H_kv=8)."""
+    predict = submission.function("predict_mha_gqa_ratio")
+    mha, gqa = (kv_cache_bytes({**_RATIO_CONFIG, "num_key_value_heads": h}, 4096) for h in (32, 8))
+    expected = mha // gqa
+    got = predict()
+    assert isinstance(got, (int, float, np.integer, np.floating)) and not isinstance(
+        got, (bool, np.bool_)
+    ), f"predict_mha_gqa_ratio should return a number, got {type(got).__name__} {got!r}"
+    mistakes = {
+        "GQA's cache over MHA's: the question asks MHA's over GQA's": lambda: gqa / mha,
+        "H_kv itself: the ratio is H / H_kv": lambda: 8,
+        "the group size squared": lambda: (32 // 8) ** 2,
+        "H itself: the ratio is H / H_kv": lambda: 32,
+    }
+    with naming_mistakes(got, mistakes):
         assert got == expected, (
-            f"for {fields}, {batch_size} sequences of {seq_len} tokens in {budget:,} bytes: "
-            f"expected H_kv = {expected} (the largest divisor of num_attention_heads that fits; "
-            f"0 if not even MQA fits), got {got}"
+            f"with H=32 query heads, MHA caches 32 K/V heads ({mha:,} bytes for 4096 tokens) and "
+            f"GQA with H_kv=8 caches 8 ({gqa:,} bytes): MHA's is {expected} times larger; you "
+            f"predicted {got!r}"
         )

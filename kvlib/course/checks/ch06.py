@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.course.checks.ch02 import EPS32, assert_rotated, rope_exact
+from kvlib.course.checks.ch02 import EPS32, assert_rotated, rope_exact, rope_mistakes
+from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import (
     Submission,
     expect_int,
@@ -26,12 +27,32 @@ def _score_inputs(batch, heads, queries, keys, d_h, d_r, d_c, seed):
     return q_nope, q_rope, w_uk, latent, rope_key
 
 
-def _expanded_scores(q_nope, q_rope, w_uk, latent, rope_key):
-    """DeepSeek-V2's eq. (17)-(18) written out: every head's keys up-projected, then dotted."""
+def _expanded_scores(q_nope, q_rope, w_uk, latent, rope_key, *, width=None, rope=True,
+                     content=True):  # fmt: skip
+    """DeepSeek-V2's eq. (17)-(18) written out: every head's keys up-projected, then dotted
+    (scaled by 1/sqrt(`width`), d_h + d_R unless given; `rope`, `content`: which parts)."""
     k_nope = torch.einsum("hdc,bsc->bhsd", w_uk.double(), latent.double())  # (B, H, S, d_h)
-    scores = q_nope.double() @ k_nope.transpose(-1, -2)
-    scores = scores + q_rope.double() @ rope_key.double()[:, None].transpose(-1, -2)
-    return scores / (q_nope.shape[-1] + q_rope.shape[-1]) ** 0.5
+    scores = q_nope.double() @ k_nope.transpose(-1, -2) * float(content)
+    scores = scores + q_rope.double() @ rope_key.double()[:, None].transpose(-1, -2) * float(rope)
+    width = q_nope.shape[-1] + q_rope.shape[-1] if width is None else width
+    return scores / width**0.5
+
+
+def _absorbed_mistakes(inputs) -> dict:
+    d_h, d_c = inputs[0].shape[-1], inputs[2].shape[-1]
+    return {
+        "scaled by 1/sqrt(d_h): the score's width is d_h + d_R": lambda: _expanded_scores(
+            *inputs, width=d_h
+        ),
+        "scaled by 1/sqrt(d_c), the absorbed width: the score's width is d_h + d_R": lambda: (
+            _expanded_scores(*inputs, width=d_c)
+        ),
+        "not scaled: divide by sqrt(d_h + d_R)": lambda: _expanded_scores(*inputs, width=1),
+        "the rotary part q_R · k_R left out": lambda: _expanded_scores(*inputs, rope=False),
+        "the content part left out (only q_R · k_R)": lambda: _expanded_scores(
+            *inputs, content=False
+        ),
+    }
 
 
 @question(function="absorbed_scores")
@@ -63,14 +84,16 @@ def test_absorbed_scores(submission: Submission) -> None:
         assert got.dtype == inputs[0].dtype, (
             f"absorbed_scores should keep the inputs' dtype {inputs[0].dtype}, got {got.dtype}"
         )
-        assert_close(
-            got.double(),
-            _expanded_scores(*inputs),
-            name=f"absorbed scores with H={heads}, d_h={d_h}, d_R={d_r}, d_c={d_c} (content part "
-            "(W_UK,iᵀ q_C) · c_KV plus rotary part q_R · k_R, scaled by 1/sqrt(d_h + d_R))",
-            rtol=1e-4,
-            atol=1e-5,
-        )
+        with naming_mistakes(got, _absorbed_mistakes(inputs), rtol=1e-4, atol=1e-5):
+            assert_close(
+                got.double(),
+                _expanded_scores(*inputs),
+                name=f"absorbed scores with H={heads}, d_h={d_h}, d_R={d_r}, d_c={d_c} (content "
+                "part (W_UK,iᵀ q_C) · c_KV plus rotary part q_R · k_R, scaled by 1/sqrt(d_h + "
+                "d_R))",
+                rtol=1e-4,
+                atol=1e-5,
+            )
     if not submission.fixed_cases:
         return
     # decode over a long cache: the point of absorption is never to build per-head keys, not
@@ -124,11 +147,31 @@ def test_latent_cache_bytes(submission: Submission) -> None:
         got = latent_cache_bytes(dict(config), seq_len, batch_size)
         expect_int(got, "latent_cache_bytes")
         fields = ", ".join(f"{k}={v}" for k, v in config.items())
-        assert got == expected, (
-            f"for {fields}, {batch_size} sequences of {seq_len} tokens: expected {expected:,} "
-            f"bytes (one row of kv_lora_rank + qk_rope_head_dim values per token per layer, "
-            f"whatever the number of heads), got {got:,}"
-        )
+        layers, rank, rope = (config[k] for k in ("num_hidden_layers", "kv_lora_rank",
+                                                   "qk_rope_head_dim"))  # fmt: skip
+        per_value = expected // (layers * (rank + rope))  # bytes per element x tokens
+        mistakes = {
+            "the latent only: the shared rotary key (qk_rope_head_dim) is cached too": lambda: (
+                layers * rank * per_value
+            ),
+            "one layer: the latent is cached per layer (a factor num_hidden_layers)": lambda: (
+                (rank + rope) * per_value
+            ),
+            "one sequence: multiply by batch_size": lambda: expected // batch_size,
+            "a latent per head: MLA caches one per token, shared by every head": lambda: (
+                expected * config["num_attention_heads"]
+            ),
+            "twice the latent, as if K and V were cached apart: MLA caches one latent": lambda: (
+                2 * expected
+            ),
+            "bits, not bytes": lambda: expected * 8,
+        }
+        with naming_mistakes(got, mistakes):
+            assert got == expected, (
+                f"for {fields}, {batch_size} sequences of {seq_len} tokens: expected "
+                f"{expected:,} bytes (one row of kv_lora_rank + qk_rope_head_dim values per token "
+                f"per layer, whatever the number of heads), got {got:,}"
+            )
 
 
 @question(
@@ -167,10 +210,15 @@ def test_shared_rotary_key(submission: Submission) -> None:
         assert got.dtype == x.dtype, (
             f"shared_rotary_key should keep the input's dtype {x.dtype}, got {got.dtype}"
         )
-        assert_rotated(
-            got,
-            expected,
-            allowed,
-            f"the rotary key with d_R={d_r}, positions {start}..{start + tokens - 1}, "
-            f"theta={theta:g} (frequencies theta^(-2i/d_R); dimension i pairs with i + d_R/2)",
+        mistakes = dict(rope_mistakes(key, start, theta))
+        mistakes["frequencies of a 128-wide head, not of d_R: theta^(-2i/d_R)"] = lambda: (
+            rope_exact(key, torch.arange(start, start + tokens), float(theta) ** (d_r / 128))[0]
         )
+        with naming_mistakes(got, mistakes, rtol=1e-3, atol=float(allowed.max())):
+            assert_rotated(
+                got,
+                expected,
+                allowed,
+                f"the rotary key with d_R={d_r}, positions {start}..{start + tokens - 1}, "
+                f"theta={theta:g} (frequencies theta^(-2i/d_R); dimension i pairs with i + d_R/2)",
+            )

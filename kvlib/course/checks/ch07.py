@@ -8,7 +8,8 @@ import copy
 
 from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.block_pool import BlockPool, hash_block_tokens
-from kvlib.course.grading import Submission, expect_int, expect_list, question
+from kvlib.course.checks.mistakes import naming_mistakes
+from kvlib.course.grading import Submission, expect_int, expect_list, is_int, question
 
 
 def _slots(block_table, positions, block_size):
@@ -35,12 +36,28 @@ def test_slot_mapping(submission: Submission) -> None:
     for block_table, positions, block_size in [*submission.fixed(fixed), *random_cases]:
         got = slot_mapping(list(block_table), list(positions), block_size)
         expected = _slots(block_table, positions, block_size)
-        expect_list(got, lambda s: isinstance(s, int), "slot_mapping should return a list of ints")
-        assert got == expected, (
-            f"block table {block_table}, block size {block_size}, positions {positions}: expected "
-            f"slots {expected} (block_table[t // block_size] * block_size + t % block_size), got "
-            f"{got}"
-        )
+        expect_list(got, is_int, "slot_mapping should return a list of ints")
+        table, size = block_table, block_size
+        mistakes = {
+            "block id + offset: a block's first slot is block id × block_size": lambda: [
+                table[t // size] + t % size for t in positions
+            ],
+            "the logical position itself: look the block up in the block table": lambda: list(
+                positions
+            ),
+            "the block id alone: add the offset t % block_size": lambda: [
+                table[t // size] * size for t in positions
+            ],
+            "the block table indexed by position, not by t // block_size": lambda: [
+                table[t] * size + t % size for t in positions
+            ],
+        }
+        with naming_mistakes(got, mistakes):
+            assert got == expected, (
+                f"block table {block_table}, block size {block_size}, positions {positions}: "
+                f"expected slots {expected} (block_table[t // block_size] * block_size + t % "
+                f"block_size), got {got}"
+            )
 
 
 def _append_token(block_table, num_tokens, ref_cnt, free_blocks, block_size):
@@ -162,3 +179,47 @@ def test_prefix_hit_tokens(submission: Submission) -> None:
             f"hash chained to its parent's, stopping at the first miss, at most n - 1 tokens), "
             f"got {got}"
         )
+
+
+def _blocks_in_use(seq_lens: list[int], block_size: int) -> int:
+    """The blocks kvlib's block manager holds once each sequence is allocated (distinct prompts,
+    so no prefix is shared)."""
+    enough = sum(n // block_size + 1 for n in seq_lens)  # at least what they need
+    pool = BlockPool(enough, block_size, enable_prefix_caching=False)
+    manager = BlockManager(pool)
+    for seq_id, n in enumerate(seq_lens):
+        manager.allocate(seq_id, [seq_id * 100_000 + t for t in range(n)])
+    return pool.num_blocks - pool.num_free_blocks
+
+
+@question(function="predict_ragged_blocks")
+def test_predict_ragged_blocks(submission: Submission) -> None:
+    """A prediction question: the blocks a ragged batch occupies in a paged cache."""
+    predict = submission.function("predict_ragged_blocks")
+    drawn = submission.rng()
+    cases = submission.fixed([([5, 17, 32, 1], 16), ([16, 16], 16), ([1], 4), ([9, 3, 12], 1)])
+    for _ in range(3):  # drawn afresh on every run
+        lens = [int(n) for n in drawn.integers(1, 200, size=int(drawn.integers(1, 9)))]
+        cases.append((lens, int(drawn.choice([1, 4, 8, 16, 32]))))
+    for seq_lens, block_size in cases:
+        expected = _blocks_in_use(seq_lens, block_size)
+        got = predict(list(seq_lens), block_size)
+        expect_int(got, "predict_ragged_blocks")
+        longest = max(seq_lens)
+        mistakes = {
+            "the batch's tokens pooled into shared blocks: a block belongs to one sequence, so "
+            "each sequence rounds up on its own": lambda: -(-sum(seq_lens) // block_size),
+            "each sequence rounded down: a partly filled last block is still a block": lambda: sum(
+                n // block_size for n in seq_lens
+            ),
+            "every sequence padded to the longest: that is a contiguous batch, not a paged "
+            "cache": lambda: len(seq_lens) * -(-longest // block_size),
+            "one extra block per sequence (n // block_size + 1)": lambda: sum(
+                n // block_size + 1 for n in seq_lens
+            ),
+        }
+        with naming_mistakes(got, mistakes):
+            assert got == expected, (
+                f"sequences of {seq_lens} tokens in blocks of {block_size}: the block manager "
+                f"holds {expected} blocks, you predicted {got}"
+            )

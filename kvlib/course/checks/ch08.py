@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlib.cache.eviction_policies import H2O, LayerState, StreamingLLM
+from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import Submission, expect_list, question
 
 
@@ -105,12 +106,33 @@ def test_h2o_update(submission: Submission) -> None:
         assert got.dtype == scores.dtype, (
             f"{what}: expected the scores' dtype {scores.dtype}, got {got.dtype}"
         )
-        assert torch.allclose(got, expected, atol=1e-5), (
-            f"{what}: each token's old score (0 for the new tokens) plus the attention it "
-            "received in this forward, summed over the T queries and the query heads of its KV "
-            f"head's group; expected {expected.numpy().round(3).tolist()}, got "
-            f"{got.detach().float().numpy().round(3).tolist()}"
-        )
+        with naming_mistakes(got, _h2o_mistakes(scores, weights), rtol=0.0, atol=1e-5):
+            assert torch.allclose(got, expected, atol=1e-5), (
+                f"{what}: each token's old score (0 for the new tokens) plus the attention it "
+                "received in this forward, summed over the T queries and the query heads of its KV "
+                f"head's group; expected {expected.numpy().round(3).tolist()}, got "
+                f"{got.detach().float().numpy().round(3).tolist()}"
+            )
+
+
+def _h2o_mistakes(scores, weights) -> dict:
+    """h2o_update's common mistakes: scores (H_kv, S_old), weights (H, T, S_old + T)."""
+    h_kv, (h, t, s) = scores.shape[0], weights.shape
+    old = torch.cat([scores, scores.new_zeros(h_kv, t)], dim=-1)
+    grouped = weights.reshape(h_kv, h // h_kv, t, s)
+    return {
+        "summed over every query head, not over the KV head's own group": lambda: (
+            old + weights.sum(dim=(0, 1))[None]
+        ),
+        "strided groups: KV head j's group is query heads j·G .. j·G + G - 1 (consecutive)": (
+            lambda: old + weights.reshape(h // h_kv, h_kv, t, s).sum(dim=(0, 2))
+        ),
+        "the last query's attention only (TOVA's rule): H2O adds every query's": lambda: (
+            old + grouped[:, :, -1].sum(dim=1)
+        ),
+        "the old scores dropped: H2O accumulates": lambda: grouped.sum(dim=(1, 2)),
+        "the group's mean, not its sum": lambda: old + grouped.mean(dim=1).sum(dim=1),
+    }
 
 
 def _snapkv_select(votes, budget, window, kernel_size):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.cache.compaction_plans import freeable_blocks, plan_hole_filling, plan_repack
-from kvlib.course.grading import Submission, expect_list, question
+from kvlib.course.grading import Submission, expect_int, expect_list, is_int, question
 
 
 def _patterns(rng, fixed: bool = True):
@@ -36,9 +36,7 @@ def test_blocks_freeable(submission: Submission) -> None:
     for live, block_size, what in _patterns(submission.rng(), submission.fixed_cases):
         expected = len(freeable_blocks(live, block_size))
         got = blocks_freeable(list(live), block_size)
-        assert isinstance(got, int) and not isinstance(got, bool), (
-            f"blocks_freeable should return an int, got {type(got).__name__}"
-        )
+        expect_int(got, "blocks_freeable")
         assert got == expected, (
             f"{what}: a block is freeable only when none of its slots holds a survivor (the last "
             f"block counts only the slots it has); expected {expected}, got {got} for live="
@@ -67,7 +65,7 @@ def test_repack(submission: Submission) -> None:
             f"{slots[: len(survivors), 0].div(3).long().tolist()[:12]} (read every source before "
             "writing any destination: a destination can be a later move's source)"
         )
-        assert isinstance(got, int) and got == expected, (
+        assert is_int(got) and got == expected, (
             f"{what}: return how many rows were copied (survivors whose row changed), expected "
             f"{expected}, got {got!r}"
         )
@@ -103,7 +101,7 @@ def test_positions_after_hole_filling(submission: Submission) -> None:
         got = positions_after(list(positions))
         expect_list(
             got,
-            lambda p: isinstance(p, int) and not isinstance(p, bool),
+            is_int,
             "positions_after_hole_filling should return a list of ints",
         )
         assert got == expected, (

@@ -4,8 +4,10 @@ scales over groups of tokens, and a quantized cache's bytes per token with its s
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import Submission, question
 from kvlib.quant import QuantScheme, quantize, unpack_bits
 
@@ -169,11 +171,29 @@ def test_bytes_per_token(submission: Submission) -> None:
             key.bytes_per_vector(head_dim) + value.bytes_per_vector(head_dim)
         )
         got = bytes_per_token(layers, heads, head_dim, bits, group, scale_bytes)
-        assert isinstance(got, (int, float)) and not isinstance(got, bool), (
-            f"bytes_per_token should return a number, got {type(got).__name__}"
-        )
-        assert abs(got - expected) < 1e-6, (
-            f"{what}: per layer and KV head, a key and a value of D codes at `bits` bits, plus, "
-            "per group of G, a scale and a zero point (asymmetric) of scale_bytes each, for keys "
-            f"and for values; expected {expected:g} bytes, got {got:g}"
-        )
+        assert isinstance(got, (int, float, np.integer, np.floating)) and not isinstance(
+            got, (bool, np.bool_)
+        ), f"bytes_per_token should return a number, got {type(got).__name__}"
+        per_vectors = layers * heads * 2
+        mistakes = {
+            "bits counted as bytes: a code of `bits` bits takes bits / 8 bytes": lambda: (
+                per_vectors * (head_dim * bits + decoders)
+            ),
+            "the codes only: each group's scale and zero point are stored too": lambda: (
+                per_vectors * codes
+            ),
+            "a scale per group but no zero point (asymmetric quantization stores both)": lambda: (
+                per_vectors * (codes + decoders / 2)
+            ),
+            "one (scale, zero) pair per vector, not one per group of G": lambda: (
+                per_vectors * (codes + 2 * scale_bytes)
+            ),
+            "keys only: values are cached (and quantized) too": lambda: expected / 2,
+            "one layer: every layer has its own cache": lambda: expected / layers,
+        }
+        with naming_mistakes(float(got), mistakes, rtol=0.0, atol=1e-6):
+            assert abs(got - expected) < 1e-6, (
+                f"{what}: per layer and KV head, a key and a value of D codes at `bits` bits, "
+                "plus, per group of G, a scale and a zero point (asymmetric) of scale_bytes each, "
+                f"for keys and for values; expected {expected:g} bytes, got {got:g}"
+            )

@@ -15,6 +15,7 @@ try:
 except ImportError:  # macOS, native Windows: `check()` imports every chapter's questions
     triton = None  # so that chapters 1-10 and 12 grade without Triton; chapter 11's fail
 
+from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import Remote, Submission, question
 from kvlib.ref.attention import attention
 from kvlib.ref.online_softmax import merge_partials
@@ -49,11 +50,23 @@ def test_physical_slots(submission: Submission) -> None:
             f"slots are indices: expected an integer dtype, got {got.dtype}"
         )
         wrong = [t for t in range(seq_len) if int(got[t]) != expected[t]]
-        assert not wrong, (
-            f"block_table={table}, block_size={block_size}: token {wrong[0]} lives in slot "
-            f"{expected[wrong[0]]}, "
-            f"you gave {int(got[wrong[0]])}"
-        )
+        tokens = range(seq_len)
+        mistakes = {
+            "block id + offset: a block's first slot is block id × block_size": lambda: [
+                table[t // block_size] + t % block_size for t in tokens
+            ],
+            "the logical position itself: look the block up in the block table": lambda: list(
+                tokens
+            ),
+            "the block id alone: add the offset t % block_size": lambda: [
+                table[t // block_size] * block_size for t in tokens
+            ],
+        }
+        with naming_mistakes([int(s) for s in got.tolist()], mistakes):
+            assert not wrong, (
+                f"block_table={table}, block_size={block_size}: token {wrong[0]} lives in slot "
+                f"{expected[wrong[0]]}, you gave {int(got[wrong[0]])}"
+            )
 
 
 def _launch(kernel, grid, args, kwargs, out: int) -> list:

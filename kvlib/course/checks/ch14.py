@@ -11,6 +11,7 @@ import math
 import torch
 
 from kvlib.cache.block_pool import hash_block_tokens
+from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import (
     Submission,
     expect_list,
@@ -147,6 +148,38 @@ _CONFIGS = [  # (L, d, I, H, H_kv, D), what
 ]
 
 
+def _gbps(config, n, flops, *, causal=True, kv=2, head_dim=None, giga=1e9) -> float:
+    """The break-even bandwidth written out, with the common mistakes switchable: `causal`
+    False counts the full n x n attention; `kv` 1 moves K only; `head_dim` replaces the config's;
+    `giga` 2**30 gives GiB/s."""
+    layers, d, inter = (config[k] for k in ("num_hidden_layers", "hidden_size",
+                                            "intermediate_size"))  # fmt: skip
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    dim = config["head_dim"] if head_dim is None else head_dim
+    moved = kv * layers * kv_heads * dim * 2 * n  # bf16
+    linear = 2 * n * layers * (d * heads * dim + 2 * d * kv_heads * dim + heads * dim * d
+                               + 3 * d * inter)  # fmt: skip
+    pairs = n * (n + 1) if causal else 2 * n * n
+    return moved * flops / (linear + 2 * layers * heads * dim * pairs) / giga
+
+
+def _break_even_mistakes(config, n, flops) -> dict:
+    return {
+        "GiB/s (2**30 bytes/s), not GB/s (1e9 bytes/s)": lambda: _gbps(
+            config, n, flops, giga=2**30
+        ),
+        "K only: the prefill engine sends V too": lambda: _gbps(config, n, flops, kv=1),
+        "the full n x n attention: a causal prefill computes only n (n + 1) / 2 pairs": lambda: (
+            _gbps(config, n, flops, causal=False)
+        ),
+        "head_dim taken as hidden_size / num_attention_heads: use the config's head_dim": (
+            lambda: _gbps(
+                config, n, flops, head_dim=config["hidden_size"] // config["num_attention_heads"]
+            )
+        ),
+    }
+
+
 @question(function="break_even_gbps")
 def test_break_even_gbps(submission: Submission) -> None:
     break_even_gbps = submission.function("break_even_gbps")
@@ -173,9 +206,10 @@ def test_break_even_gbps(submission: Submission) -> None:
         assert isinstance(got, int | float) and math.isfinite(got), (
             f"break_even_gbps should return a finite number (GB/s), got {got!r}"
         )
-        assert math.isclose(got, expected, rel_tol=1e-9), (
-            f"{what}, {n} tokens at {flops:.3g} FLOP/s: expected {expected:.6g} GB/s (bytes = "
-            f"2 · L · H_kv · D · 2 (bf16) · n; FLOPs = 2 · n · L · (d·H·D + 2·d·H_kv·D + H·D·d + "
-            f"3·d·I) + 2 · L · H · D · n · (n + 1); bandwidth = bytes · FLOP/s / FLOPs, in "
-            f"GB/s = 1e9 bytes/s), got {got:.6g}"
-        )
+        with naming_mistakes(got, _break_even_mistakes(config, n, flops), rtol=1e-9, atol=0.0):
+            assert math.isclose(got, expected, rel_tol=1e-9), (
+                f"{what}, {n} tokens at {flops:.3g} FLOP/s: expected {expected:.6g} GB/s "
+                f"(bytes = 2 · L · H_kv · D · 2 (bf16) · n; FLOPs = 2 · n · L · (d·H·D + "
+                f"2·d·H_kv·D + H·D·d + 3·d·I) + 2 · L · H · D · n · (n + 1); bandwidth = bytes · "
+                f"FLOP/s / FLOPs, in GB/s = 1e9 bytes/s), got {got:.6g}"
+            )

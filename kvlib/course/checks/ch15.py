@@ -9,7 +9,15 @@ import math
 
 import torch
 
-from kvlib.course.grading import Submission, expect_list, expect_tensor, question
+from kvlib.course.checks.mistakes import naming_mistakes
+from kvlib.course.grading import (
+    Submission,
+    expect_int,
+    expect_list,
+    expect_tensor,
+    is_int,
+    question,
+)
 from kvlib.memory.sparse import sparse_decode_read_bytes
 from kvlib.sparse.bounds import page_upper_bounds
 from kvlib.sparse.selection import compact_block_tables, select_pages
@@ -29,6 +37,26 @@ def _pages_box(rng, num_pages: int, head_dim: int, spread: float):
         for _ in range(num_pages)
     ]
     return torch.stack([k.amin(0) for k in keys]), torch.stack([k.amax(0) for k in keys])
+
+
+def _bound_mistakes(q, key_min, key_max, scale) -> dict:
+    """page_bound's common mistakes: q (G, D), pages (P, D) -> (P,)."""
+    corners = torch.maximum(q[:, None] * key_min[None], q[:, None] * key_max[None])  # (G, P, D)
+    return {
+        "q · max whatever the sign of q: where q_i < 0 the largest q_i · k_i is at the min": (
+            lambda: scale * (q @ key_max.T).amax(dim=0)
+        ),
+        "the score of the box's centre, not the largest score in the box": lambda: (
+            scale * (q @ ((key_min + key_max) / 2).T).amax(dim=0)
+        ),
+        "the group's mean query: bound each head, then take the largest": lambda: _bound(
+            q.mean(dim=0, keepdim=True), key_min, key_max, scale
+        ),
+        "summed over the group's heads, not their largest": lambda: (
+            scale * corners.sum(dim=-1).sum(dim=0)
+        ),
+        "the scale forgotten": lambda: _bound(q, key_min, key_max, 1.0),
+    }
 
 
 @question(function="page_bound")
@@ -78,21 +106,26 @@ def test_page_bound(submission: Submission) -> None:
         got = page_bound(q.clone(), key_min.clone(), key_max.clone(), scale)
         expect_tensor(got, expected, "page_bound")
         low = (got < expected - 1e-9 * (1 + expected.abs())).nonzero()  # Quest's is tight
-        assert not len(low), (
-            f"{what}: not an upper bound: in page {int(low[0, 0])}'s box (each coordinate between "
-            f"the page's min and max) a key can score {float(expected[low[0, 0]]):.6g} for some "
-            f"head of the group, above your {float(got[low[0, 0]]):.6g}"
-        )
-        assert torch.allclose(got, expected, rtol=1e-9, atol=1e-12), (
-            f"{what}: expected {[round(x, 6) for x in expected.tolist()]}, got "
-            f"{[round(x, 6) for x in got.tolist()]}: Quest's bound is, for each page, the "
-            "largest over the group's heads h of scale · Σ_i max(q_hi · min_i, q_hi · max_i)"
-        )
+        with naming_mistakes(got, _bound_mistakes(q, key_min, key_max, scale)):
+            assert not len(low), (
+                f"{what}: not an upper bound: in page {int(low[0, 0])}'s box (each coordinate "
+                f"between the page's min and max) a key can score "
+                f"{float(expected[low[0, 0]]):.6g} for some head of the group, above your "
+                f"{float(got[low[0, 0]]):.6g}"
+            )
+            assert torch.allclose(got, expected, rtol=1e-9, atol=1e-12), (
+                f"{what}: expected {[round(x, 6) for x in expected.tolist()]}, got "
+                f"{[round(x, 6) for x in got.tolist()]}: Quest's bound is, for each page, the "
+                "largest over the group's heads h of scale · Σ_i max(q_hi · min_i, q_hi · max_i)"
+            )
 
 
-def _selection(head_bounds, group_size, num_pages, budget) -> list[int]:
+def _selection(head_bounds, group_size, num_pages, budget, *, interleaved=False) -> list[int]:
     num_heads, width = head_bounds.shape
-    per_kv_head = head_bounds.view(num_heads // group_size, group_size, width).amax(dim=1)
+    if interleaved:  # a mistake: KV head j's group taken as query heads j, j + H_kv, ...
+        per_kv_head = head_bounds.view(group_size, num_heads // group_size, width).amax(dim=0)
+    else:
+        per_kv_head = head_bounds.view(num_heads // group_size, group_size, width).amax(dim=1)
     scores = per_kv_head.sum(dim=0)[None]  # (1, P)
     selected = select_pages(scores, torch.tensor([num_pages]), budget)[0]
     return selected.nonzero()[:, 0].tolist()
@@ -137,6 +170,22 @@ def test_pages_to_read(submission: Submission) -> None:
             "the sink (page 0) and the newest page (num_pages - 1, not the last column) are "
             "always read, whatever their scores",
         ),
+        (
+            torch.tensor(
+                [
+                    [0.0, 3.0, 0.0, 0.0, 0.0],
+                    [0.0, 3.0, 0.0, 0.0, 0.0],
+                    [0.0, 0.0, 4.0, 0.0, 0.0],
+                    [0.0, 0.0, 0.0, 0.0, 0.0],
+                ],
+                dtype=d,
+            ),
+            2,
+            5,
+            3,
+            "two KV heads, groups of two: query heads 0 and 1 share KV head 0, heads 2 and 3 KV "
+            "head 1 (consecutive, not interleaved)",
+        ),  # fmt: skip
         (torch.tensor([[1.0, 2.0, 3.0]], dtype=d), 1, 3, 8, "fewer pages than the budget"),
         (torch.tensor([[4.0, 1.0]], dtype=d), 1, 1, 2, "a sequence of one page"),
     ]
@@ -146,7 +195,7 @@ def test_pages_to_read(submission: Submission) -> None:
         got = pages_to_read(bounds.clone(), group, num_pages, budget)
         expect_list(
             got,
-            lambda p: isinstance(p, int) and not isinstance(p, bool),
+            is_int,
             "pages_to_read should return a list of ints (logical page indices)",
         )
         assert len(got) == len(expected), (
@@ -156,12 +205,24 @@ def test_pages_to_read(submission: Submission) -> None:
         )
         assert got == sorted(got), f"{what}: return the pages in ascending order, got {got}"
         shown = "" if bounds.numel() > 15 else f", bounds {bounds.tolist()}"
-        assert got == expected, (
-            f"{what}: expected pages {expected}, got {got} ({num_pages} pages, budget {budget}, "
-            f"group size {group}{shown}; a KV head's bound is its group's largest, a page's score "
-            "the sum over KV heads; pages 0 and num_pages - 1 are always read, then the highest "
-            "scores: min(budget, num_pages) pages, ascending)"
-        )
+        mistakes = {
+            "interleaved groups: KV head j's group is query heads j·G .. j·G + G - 1 "
+            "(consecutive), not j, j + H_kv, j + 2·H_kv": lambda: _selection(
+                bounds, group, num_pages, budget, interleaved=True
+            ),
+            "each page's largest bound over every query head, not the sum over KV heads of "
+            "each group's largest": lambda: _selection(bounds, len(bounds), num_pages, budget),
+            "the sum over every query head, not over KV heads of each group's largest": lambda: (
+                _selection(bounds, 1, num_pages, budget)
+            ),
+        }
+        with naming_mistakes(got, mistakes):
+            assert got == expected, (
+                f"{what}: expected pages {expected}, got {got} ({num_pages} pages, budget "
+                f"{budget}, group size {group}{shown}; a KV head's bound is its group's largest, "
+                "a page's score the sum over KV heads; pages 0 and num_pages - 1 are always read, "
+                "then the highest scores: min(budget, num_pages) pages, ascending)"
+            )
 
 
 def _compacted(block_table, seq_len, pages, block_size) -> tuple[list[int], int]:
@@ -206,14 +267,14 @@ def test_compact_table(submission: Submission) -> None:
         blocks, length = got
         expect_list(
             blocks,
-            lambda b: isinstance(b, int) and not isinstance(b, bool),
+            is_int,
             "compact_table's blocks should be a list of ints (physical block ids)",
         )
         assert list(blocks) == expected[0], (
             f"{what}: block table {table}, pages {pages}: expected the blocks {expected[0]} (the "
             f"selected pages' physical blocks, in logical order), got {blocks}"
         )
-        assert isinstance(length, int) and length == expected[1], (
+        assert is_int(length) and length == expected[1], (
             f"{what}: {seq_len} tokens in pages of {block_size}, pages {pages}: expected length "
             f"{expected[1]} (every selected page full but the newest, which holds "
             f"{seq_len - (math.ceil(seq_len / block_size) - 1) * block_size}), got {length!r}"
@@ -236,6 +297,40 @@ def _read_bytes(layers, dense, kv_heads, head_dim, element_bytes, seq_len, block
     return sparse_decode_read_bytes(
         config, seq_len, budget, block_size=block_size, dense_layers=dense
     )
+
+
+def _read_formula(args, *, bounds=True, bounds_always=False, newest_full=False, dense_ok=True,
+                  bound_tokens=1) -> int:  # fmt: skip
+    """decode_read_bytes written out, its common mistakes switchable."""
+    layers, dense, kv_heads, head_dim, element_bytes, seq_len, block_size, budget = args
+    dense = dense if dense_ok else 0
+    pages = -(-seq_len // block_size)
+    fill = block_size if newest_full else seq_len - (pages - 1) * block_size
+    page_bounds = pages * bound_tokens if bounds else 0
+    if pages <= budget:
+        sparse = seq_len + (page_bounds if bounds_always else 0)
+    else:
+        sparse = (budget - 1) * block_size + fill + page_bounds
+    return (dense * seq_len + (layers - dense) * sparse) * 2 * kv_heads * head_dim * element_bytes
+
+
+def _read_mistakes(args) -> dict:
+    return {
+        "no bounds read: a sparse layer reads every page's bounds to choose": lambda: _read_formula(
+            args, bounds=False
+        ),
+        "bounds read although the sequence has at most budget pages (it reads them all, no "
+        "choice to make)": lambda: _read_formula(args, bounds_always=True),
+        "the newest page counted full: it holds S - (pages - 1) · block_size tokens": lambda: (
+            _read_formula(args, newest_full=True)
+        ),
+        "no dense layers: the first `dense` layers read every token": lambda: _read_formula(
+            args, dense_ok=False
+        ),
+        "bounds of D values per KV head: a page's min and max are 2 · D (one token's K and V)": (
+            lambda: _read_formula(args, bound_tokens=0.5)
+        ),
+    }
 
 
 @question(function="decode_read_bytes")
@@ -270,14 +365,14 @@ def test_decode_read_bytes(submission: Submission) -> None:
     for args, what in cases:
         expected = _read_bytes(*args)
         got = decode_read_bytes(*args)
-        assert isinstance(got, int) and not isinstance(got, bool), (
-            f"decode_read_bytes should return an int (bytes), got {got!r}"
-        )
+        expect_int(got, "decode_read_bytes")
         layers, dense, kv_heads, head_dim, element_bytes, seq_len, block_size, budget = args
-        assert got == expected, (
-            f"{what} (L={layers}, {dense} dense, H_kv={kv_heads}, D={head_dim}, b={element_bytes}, "
-            f"S={seq_len}, pages of {block_size}, budget {budget}): expected {expected:,} bytes, "
-            f"got {got:,}; a sparse layer reads (budget - 1) full pages + the newest page's tokens "
-            "+ every page's bounds (2 · D per KV head: one token's K and V); a dense layer, or a "
-            "sequence of at most budget pages, reads its S tokens and no bounds"
-        )
+        with naming_mistakes(got, _read_mistakes(args)):
+            assert got == expected, (
+                f"{what} (L={layers}, {dense} dense, H_kv={kv_heads}, D={head_dim}, "
+                f"b={element_bytes}, S={seq_len}, pages of {block_size}, budget {budget}): "
+                f"expected {expected:,} bytes, got {got:,}; a sparse layer reads (budget - 1) full "
+                "pages + the newest page's tokens + every page's bounds (2 · D per KV head: one "
+                "token's K and V); a dense layer, or a sequence of at most budget pages, reads its "
+                "S tokens and no bounds"
+            )
