@@ -373,8 +373,9 @@ def break_next_step(server, message):
 
 def test_a_failing_step_is_a_500_or_an_error_event_once_streaming(fresh):
     """Non-streamed: HTTP 500 with OpenAI's body. Streamed: the 200 and its headers are already
-    sent, so the failure arrives as a `data: {"error": ...}` event and no `[DONE]`; the openai
-    client raises `APIError`. Both count as finished_reason="error"."""
+    sent, so the failure arrives as a `data: {"error": ...}` event, then `data: [DONE]` as the
+    stream's end (issue 56, item 9); the openai client raises `APIError`. Both count as
+    finished_reason="error"."""
     client = openai.OpenAI(base_url=fresh.base_url, api_key="unused", max_retries=0)
     gate = threading.Event()
     loop = fresh.app.state.loop
@@ -405,8 +406,8 @@ def test_a_failing_step_is_a_500_or_an_error_event_once_streaming(fresh):
     )
     with urllib.request.urlopen(request, timeout=10) as response:
         events = [e for e in response.read().decode().split("\n\n") if e]
-    assert response.status == 200 and "data: [DONE]" not in events
-    last = json.loads(events[-1].removeprefix("data: "))
+    assert response.status == 200 and events[-1] == "data: [DONE]"
+    last = json.loads(events[-2].removeprefix("data: "))
     assert set(last["error"]) == ERROR_KEYS and "injected, raw" in last["error"]["message"]
     wait_idle(fresh)
     assert scrape(fresh, "vllm:request_success_total", finished_reason="error") == 3
