@@ -184,11 +184,12 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    """One part of a message's content: `{"type": "text", "text": ...}` (images are refused)."""
+    """One part of a message's content: `{"type": "text", "text": ...}`; other types (images,
+    audio) are accepted in shape and refused by `check_tools`, naming the part."""
 
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -205,7 +206,7 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         """The content as one string: text parts joined with newlines (as vLLM joins them)."""
         if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
+            return "\n".join(part.text or "" for part in self.content)
         return self.content or ""
 
     def for_template(self) -> dict:
@@ -236,8 +237,8 @@ class ChatCompletionRequest(_SamplingFields):
     }
 
     def check_tools(self) -> None:
-        """Refuse tool calls and tool results (this server has no tools), naming the message;
-        a message without content must be an assistant's."""
+        """Refuse tool calls and tool results (this server has no tools) and content parts other
+        than text, naming the message; a message without content must be an assistant's."""
         for i, message in enumerate(self.messages):
             if message.role == "tool" or message.tool_calls:
                 field = "role" if message.role == "tool" else "tool_calls"
@@ -247,6 +248,14 @@ class ChatCompletionRequest(_SamplingFields):
                     "this server (it has no tools)",
                     param=f"messages.{i}.{field}",
                 )
+            for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+                if part.type != "text" or part.text is None:
+                    raise APIError(
+                        400,
+                        f"messages.{i}.content.{j}: only text parts are supported by this "
+                        f"server (got type {part.type!r})",
+                        param=f"messages.{i}.content.{j}.type",
+                    )
             if message.content is None and message.role != "assistant":
                 raise APIError(
                     400,
