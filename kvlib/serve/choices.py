@@ -48,6 +48,7 @@ class Choice:
         self.token_texts: list[str] = []  # the detokenizer's text for each token ("" if EOS)
         self.finish_reason: str | None = None
         self.needs_abort = False
+        self.scheduled_s: float | None = None  # its first step's end (metrics: queue time)
         self.first_token_s: float | None = None  # stamped by the server (metrics)
         self.last_token_s: float | None = None
         self.num_observed = 0  # tokens the server's metrics have counted

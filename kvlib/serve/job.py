@@ -25,7 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvlib.engine import SamplingParams
 from kvlib.serve.api import APIError
 from kvlib.serve.choices import Choice
-from kvlib.serve.engine_loop import EngineDeadError, QueueFullError
+from kvlib.serve.engine_loop import EngineDeadError, QueueFullError, Scheduled
 
 __all__ = ["RETRY_AFTER_S", "Job"]
 
@@ -151,6 +151,9 @@ class Job:
         """Yield (choice, text delta) until every choice has finished."""
         while not all(c.finished for c in self.choices):
             item = await events.get()
+            if isinstance(item, Scheduled):  # its first step ended: the end of its queue time
+                self.by_id[item.request_id].scheduled_s = item.time_s
+                continue
             if isinstance(item, ValueError | TypeError):  # the engine refused the request
                 self.outcome = "refused"
                 raise APIError(400, str(item), param="prompt")
@@ -188,9 +191,17 @@ class Job:
         if choice.request_id in self.ended:
             return
         self.ended.add(choice.request_id)
-        first, last = choice.first_token_s, choice.last_token_s
+        first, last, scheduled = choice.first_token_s, choice.last_token_s, choice.scheduled_s
         span = None if first is None else last - first
-        self.metrics.finished(reason, now - self.arrival_s, len(choice.token_ids), span)
+        self.metrics.finished(
+            reason,
+            now - self.arrival_s,
+            len(choice.token_ids),
+            span,
+            prompt_tokens=len(choice.prompt_token_ids),
+            queue_s=None if scheduled is None else max(0.0, scheduled - self.arrival_s),
+            prefill_s=None if scheduled is None or first is None else max(0.0, first - scheduled),
+        )
 
     def _abort_unfinished(self) -> None:
         """Abort the engine requests of the choices that have not finished; count them (abort:

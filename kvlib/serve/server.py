@@ -78,8 +78,8 @@ def create_app(
         raise TypeError(f"max_body_bytes: expected an int, got {max_body_bytes!r}")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes: expected an int >= 1, got {max_body_bytes}")
-    loop = EngineLoop(engine, max_queued_requests=max_queued_requests)
     metrics = ServerMetrics(served.name, lambda: loop.snapshot)
+    loop = EngineLoop(engine, max_queued_requests=max_queued_requests, step_observer=metrics.step)
     app = FastAPI(title="kvlib server", lifespan=_lifespan(loop))
     app.state.loop, app.state.served, app.state.metrics = loop, served, metrics
     app.state.api_key = api_key
