@@ -72,6 +72,41 @@ def test_bucketed_mixed_steps_give_the_tokens_of_each_prompt_alone(course):
     assert set(runner.steps_by_bucket) == {16, 32}  # padded: no step had exactly 16 or 32 rows
 
 
+def _scratch_block_after_two_steps(course, fill: float) -> list[torch.Tensor]:
+    """The scratch block of every pool after two padded steps, while every `torch.empty_like`
+    hands back memory holding `fill` (what a reused allocation may hold)."""
+    real_empty_like = torch.empty_like
+
+    def reused(*args, **kwargs):
+        out = real_empty_like(*args, **kwargs)
+        return out.fill_(fill) if out.is_floating_point() else out
+
+    engine = mixed_engine(course, num_blocks=60, max_num_seqs=4, max_num_batched_tokens=20)
+    for i, prompt in enumerate(COURSE_PROMPTS[:3]):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=3))
+    pad = engine.manager.pool.num_blocks
+    torch.empty_like = reused
+    try:
+        engine.step()
+        engine.step()
+    finally:
+        torch.empty_like = real_empty_like
+    return [pool[pad].clone() for pool in engine.storage._pools()]
+
+
+def test_padding_rows_write_the_same_scratch_values_whatever_memory_held(course):
+    """Issue 56, item 12: the kernel skips padding rows, and their attention output was an
+    uninitialized tensor. Reused memory holding ~1e30 overflowed the next RMSNorm to K = V = 0,
+    so the scratch block looked unwritten (the flake of the test above, 1 run in 2 in a full
+    suite). Padding rows now attend to zeros: their writes are the same whatever memory held."""
+    clean = _scratch_block_after_two_steps(course, 0.0)
+    for fill in (1e30, float("nan")):
+        dirty = _scratch_block_after_two_steps(course, fill)
+        for layer, (a, b) in enumerate(zip(clean, dirty)):
+            assert torch.isfinite(b).all() and torch.equal(a, b), (fill, layer)
+    assert all(bool(block.abs().sum() > 0) for block in clean)  # written: not the zeros it held
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_mixed_steps_are_captured_and_replayed_on_a_gpu():

@@ -7,10 +7,12 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlib.engine import SamplingParams
 from kvlib.engine.runner import sample, token_logprobs
-from kvlib.engine.sampler import sample_step, to_host
+from kvlib.engine.sampler import _probs, is_greedy, sample_step, to_host
 
 PARAMS = [
     SamplingParams(),
@@ -117,3 +119,52 @@ def test_the_engine_transfers_once_per_step_that_samples(monkeypatch):
         if outputs:
             produced.append(len(outputs))
     assert transfers == produced and len(produced) < len(engine.stats)  # prefill-only steps: none
+
+
+# --- extreme parameters (issue 56, item 2) -------------------------------------------------------
+
+EXTREME_FLOATS = [1e-46, 1e-38, 1e-30, 1e-12, 9.99e-6, 1e-5, 2e-5, 1e-3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    temperature=st.one_of(st.sampled_from([0.0, *EXTREME_FLOATS, 2.0]), st.floats(0, 2)),
+    top_p=st.one_of(st.none(), st.sampled_from([*EXTREME_FLOATS, 1.0]), st.floats(1e-300, 1)),
+    top_k=st.one_of(st.none(), st.integers(1, 70)),
+    scale=st.sampled_from([1e-3, 1.0, 30.0, 1e4]),
+    seed=st.integers(0, 2**31),
+)
+def test_no_parameter_in_range_gives_a_degenerate_distribution(
+    temperature, top_p, top_k, scale, seed
+):
+    """Whatever the temperature in [0, 2], top_p in (0, 1] and top_k: the token drawn has positive
+    probability under the filtered distribution, which is finite and not empty; below 1e-5 (vLLM's
+    rule) and at a top_p the most likely token reaches alone, the token is the argmax. Before the fix,
+    temperature 1e-38 or top_p 1e-46 drew token 0 every step."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 64, generator=g) * scale
+    logits[:, 0] = logits.min(dim=-1).values - 1  # token 0 is never the argmax, nor likely
+    params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)] * 3
+    generators = [torch.Generator().manual_seed(seed + i) for i in range(3)]
+    ids, _ = to_host(sample_step(logits, params, generators))
+    reference = [sample(row, params[0], torch.Generator().manual_seed(seed)) for row in logits]
+    argmax = logits.argmax(dim=-1).tolist()
+    if is_greedy(params[0]):
+        assert ids == argmax and reference == argmax
+        return
+    probs = _probs(logits, params)
+    # finite and never empty (the nucleus is not renormalized: a draw needs no normalization)
+    assert torch.isfinite(probs).all() and (probs >= 0).all() and (probs.sum(-1) > 0).all()
+    for row, token in enumerate(ids + reference):
+        assert probs[row % 3, token] > 0, (row, token, params[0])
+    top = probs.max(dim=-1).values
+    if top_p is not None and bool((top_p <= top).all()):  # the argmax alone reaches top_p
+        assert ids == argmax
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1e-38, None), (1.0, 1e-46), (1e-38, 1e-46)])
+def test_the_issues_tiny_values_sample_the_argmax_not_token_0(temperature, top_p):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=1)] * 4
+    ids, _ = to_host(sample_step(logits, params, [torch.Generator() for _ in range(4)]))
+    assert ids == logits.argmax(dim=-1).tolist()

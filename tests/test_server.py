@@ -6,6 +6,7 @@ detokenization, stop strings) against oracles."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import threading
@@ -43,6 +44,16 @@ def start_server(served, **options):
     queued = options.pop("max_queued_requests", 256)
     engine = LLMEngine(served.model, **{**ENGINE, "max_model_len": 512, **options})
     return ServerThread(create_app(served, engine, max_queued_requests=queued)).start()
+
+
+@contextlib.contextmanager
+def serving(served, **options):
+    """A server of its own for a `with` block (`start_server`, stopped at the end)."""
+    thread = start_server(served, **options)
+    try:
+        yield thread
+    finally:
+        thread.stop()
 
 
 @pytest.fixture(scope="module")
@@ -703,3 +714,90 @@ def test_smollm2_chat_through_the_command_line():
     finally:
         process.terminate()
         process.wait(20)
+
+
+# --- SmolLM2's tokenizer through the server (issue 56, items 1 and 11) --------------------------
+
+
+class SpecialTokensFirst:
+    """SmolLM2's tokenizer over the course model's 128 ids: even ids are SmolLM2's special
+    tokens (ids 0-16: `<|endoftext|>`, `<|im_start|>`, ...), odd ids ordinary tokens, so the
+    course model's output is text with special tokens in it."""
+
+    chat_template = None
+
+    def __init__(self, smol):
+        self.smol = smol
+
+    @staticmethod
+    def smol_id(i: int) -> int:
+        return i % 17 if i % 2 == 0 else 1000 + i
+
+    def encode(self, text):
+        return self.smol.encode(text)
+
+    def decode(self, ids, *, skip_special_tokens=False):
+        mapped = [self.smol_id(int(i)) for i in ids]
+        return self.smol.decode(mapped, skip_special_tokens=skip_special_tokens)
+
+
+def test_special_tokens_are_skipped_unless_asked_for(model, smol_tokenizer):
+    """vLLM's default `skip_special_tokens=True`: before, `<|im_start|>` and the like were text."""
+    tokenizer = SpecialTokensFirst(smol_tokenizer)
+    prompt = [1, 2, 9, 42, 2, 11, 44, 60, 61, 62, 3, 9]
+    generated = engine_greedy(model, prompt, 12)
+    assert any(i % 2 == 0 for i in generated), generated  # some special tokens among them
+    served = ServedModel("course", model, tokenizer, (), 1024)
+    with serving(served) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        texts = {}
+        for skip in (True, False):
+            r = client.completions.create(
+                model="course",
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                extra_body={"skip_special_tokens": skip},
+            )
+            texts[skip] = r.choices[0].text
+        streamed = client.completions.create(
+            model="course", prompt=prompt, max_tokens=12, temperature=0, stream=True
+        )
+        texts["streamed"] = "".join(c.choices[0].text for c in streamed)
+    assert texts[True] == texts["streamed"] == tokenizer.decode(generated, skip_special_tokens=True)
+    assert texts[False] == tokenizer.decode(generated) and "<|" in texts[False]
+    assert "<|" not in texts[True] and "<repo_name>" not in texts[True]
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field_and_keeps_the_connection(model, smol_tokenizer):
+    """`"a\\ud800b"` is valid JSON, not valid Unicode text: SmolLM2's tokenizer raised
+    "TextInputSequence must be str", a 500 that dropped the keep-alive connection."""
+    import http.client
+
+    chat = ServedModel("smollm2", model, smol_tokenizer, (smol_tokenizer.eos_token_id,), 1024)
+    with serving(chat) as server:
+        connection = http.client.HTTPConnection(server.host, server.port, timeout=30)
+        socket = None
+        cases = [
+            ("/v1/completions", '{"model": "smollm2", "prompt": "a\\ud800b"}', "prompt"),
+            ("/v1/completions", '{"model": "smollm2", "prompt": ["ok", "\\udfff"]}', "prompt.1"),
+            (
+                "/v1/chat/completions",
+                '{"model": "smollm2", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+                "messages.0.content",
+            ),
+            (
+                "/v1/chat/completions",
+                '{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], '
+                '"stop": ["\\ud800"]}',
+                "stop.0",
+            ),
+        ]
+        for path, body, param in cases:
+            connection.request("POST", path, body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            error = json.loads(response.read())["error"]
+            assert response.status == 400 and error["param"] == param, (path, body, error)
+            assert not response.will_close and connection.sock is (socket or connection.sock)
+            socket = connection.sock
+        connection.close()

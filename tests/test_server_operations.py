@@ -160,6 +160,59 @@ def test_metrics_count_requests_tokens_and_latencies_as_vllm_names_them(fresh):
     print(f"{len(samples)} samples; {tokens} tokens, finish reasons {reasons}")
 
 
+def test_prefix_cache_phases_and_per_request_histograms_match_the_engines_records(served):
+    """Issue 56, item 10: the metrics vLLM's operators read, checked against the engine's own
+    `StepStats` records: prefix-cache queries and hits, tokens per step, per-request prompt and
+    generation tokens, queue + prefill = TTFT; and no `_created` samples."""
+    thread = start_server(served, enable_prefix_caching=True)
+    try:
+        client = openai.OpenAI(base_url=thread.base_url, api_key="unused", max_retries=0)
+        prompt = " ".join([PROMPT] * 4)  # 48 tokens: three full blocks to share
+        responses = [
+            client.completions.create(model="course", prompt=prompt, max_tokens=4, temperature=0)
+            for _ in range(2)
+        ]
+        wait_idle(thread)
+
+        def totals(engine):
+            stats = engine.stats
+            return dict(
+                queries=sum(s.prefix_query_tokens for s in stats),
+                hits=sum(s.prefix_hit_tokens for s in stats),
+                steps=len(stats),
+                tokens=sum(
+                    s.num_prefill_tokens + s.num_decode_tokens + s.num_recomputed_tokens
+                    for s in stats
+                ),
+            )
+
+        engine = thread.app.state.loop.call(totals)
+        samples = scrape_metrics(thread.root_url + "/metrics")
+    finally:
+        thread.stop()
+
+    def value(name):
+        return metric_value(samples, name)
+
+    prompt_tokens = len(CourseTokenizer().encode(prompt))
+    generated = sum(r.usage.completion_tokens for r in responses)
+    assert value("vllm:prefix_cache_queries_total") == engine["queries"] >= 2 * prompt_tokens - 2
+    assert value("vllm:prefix_cache_hits_total") == engine["hits"] >= 32  # the second request's
+    assert value("vllm:iteration_tokens_total_count") == engine["steps"]
+    assert value("vllm:iteration_tokens_total_sum") == engine["tokens"]
+    assert value("vllm:request_prompt_tokens_sum") == 2 * prompt_tokens
+    assert value("vllm:request_generation_tokens_sum") == generated == 8
+    for phase in ("queue", "prefill", "decode"):
+        assert value(f"vllm:request_{phase}_time_seconds_count") == 2, phase
+    phases = value("vllm:request_queue_time_seconds_sum") + value(
+        "vllm:request_prefill_time_seconds_sum"
+    )
+    assert abs(phases - value("vllm:time_to_first_token_seconds_sum")) < 1e-6  # arrival -> 1st
+    decode_s = value("vllm:request_decode_time_seconds_sum")
+    assert 0 < decode_s < value("vllm:e2e_request_latency_seconds_sum")
+    assert not [s.name for s in samples if s.name.endswith("_created")]
+
+
 def test_gauges_show_a_running_request_and_its_blocks(fresh):
     client = openai.OpenAI(base_url=fresh.base_url, api_key="unused", max_retries=0)
     stream = client.completions.create(
@@ -373,8 +426,9 @@ def break_next_step(server, message):
 
 def test_a_failing_step_is_a_500_or_an_error_event_once_streaming(fresh):
     """Non-streamed: HTTP 500 with OpenAI's body. Streamed: the 200 and its headers are already
-    sent, so the failure arrives as a `data: {"error": ...}` event and no `[DONE]`; the openai
-    client raises `APIError`. Both count as finished_reason="error"."""
+    sent, so the failure arrives as a `data: {"error": ...}` event, then `data: [DONE]` as the
+    stream's end (issue 56, item 9); the openai client raises `APIError`. Both count as
+    finished_reason="error"."""
     client = openai.OpenAI(base_url=fresh.base_url, api_key="unused", max_retries=0)
     gate = threading.Event()
     loop = fresh.app.state.loop
@@ -405,8 +459,8 @@ def test_a_failing_step_is_a_500_or_an_error_event_once_streaming(fresh):
     )
     with urllib.request.urlopen(request, timeout=10) as response:
         events = [e for e in response.read().decode().split("\n\n") if e]
-    assert response.status == 200 and "data: [DONE]" not in events
-    last = json.loads(events[-1].removeprefix("data: "))
+    assert response.status == 200 and events[-1] == "data: [DONE]"
+    last = json.loads(events[-2].removeprefix("data: "))
     assert set(last["error"]) == ERROR_KEYS and "injected, raw" in last["error"]["message"]
     wait_idle(fresh)
     assert scrape(fresh, "vllm:request_success_total", finished_reason="error") == 3

@@ -97,21 +97,27 @@ class MixedGraphKV:
         return self.storage._write(layer_idx, self.slot_mapping, new_k, new_v, self.handle)
 
     def attention_backend(self, q, kv, mask, *, weights_out=None):
-        """q (1, H, size, D) -> (1, H, size, D); padding rows come back unattended."""
+        """q (1, H, size, D) -> (1, H, size, D); padding rows come back as zeros. The kernel
+        skips them, so an uninitialized output would hand them whatever the allocator's reused
+        memory held: values near 1e30 overflow the next RMSNorm's mean square to inf and write
+        K = V = 0 into the scratch block, other values write other K/V. Zeros make what padding
+        rows compute (and write) the same on every run."""
         if weights_out is not None:
             raise ValueError("weights_out: the varlen kernel never forms attention weights")
         scales = {}
         if hasattr(kv, "key_scale"):  # a quantized cache: (num_blocks, block_size, H_kv, 1)
             scales = dict(k_scale=kv.key_scale.squeeze(-1), v_scale=kv.value_scale.squeeze(-1))
         b = self.buffers
+        queries = q[0].transpose(0, 1).contiguous()  # (size, H, D)
         out = self.attend(
-            q[0].transpose(0, 1).contiguous(),  # (size, H, D)
+            queries,
             kv.key_cache,
             kv.value_cache,
             b.block_tables,
             b.cu_seqlens_q,
             b.seq_lens,
             max_query_len=self.size,  # an upper bound: the same grid for every step of the bucket
+            out=torch.zeros_like(queries),  # padding rows: zeros, never reused memory (below)
             **scales,
         )
         return out.transpose(0, 1)[None]

@@ -24,7 +24,25 @@ import torch
 
 from kvlib.engine.request import SamplingParams, TokenLogprobs
 
-__all__ = ["StepSample", "device_tensor", "sample", "sample_step", "to_host", "token_logprobs"]
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "StepSample",
+    "device_tensor",
+    "is_greedy",
+    "sample",
+    "sample_step",
+    "to_host",
+    "token_logprobs",
+]
+
+# Temperatures below this sample greedily (vLLM's `_SAMPLING_EPS`): logits / 1e-38 overflow fp32
+# to inf, softmax of inf - inf is NaN, and a row of NaN "samples" token 0 every step.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether `params` picks the argmax: a temperature below `GREEDY_TEMPERATURE`, 0 included."""
+    return params.temperature < GREEDY_TEMPERATURE
 
 
 @dataclasses.dataclass
@@ -80,7 +98,9 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         # batched scan may round differently on a GPU)
         before = torch.stack([row.cumsum(0) for row in sorted_probs]) - sorted_probs
         threshold = device_tensor(top_p, torch.float32, device)[:, None]
-        sorted_probs = sorted_probs.masked_fill(before >= threshold, 0)
+        outside = before >= threshold
+        outside[:, 0] = False  # the most likely token always stays (top_p = 1e-46 is 0 in fp32)
+        sorted_probs = sorted_probs.masked_fill(outside, 0)
         probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
     return probs
 
@@ -93,8 +113,8 @@ def sample_step(
     (`SamplingParams.logprobs`: under the model's distribution, as `token_logprobs` computes).
     Returns a `StepSample` for `to_host`."""
     m, device = len(params), logits.device
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
-    drawn = [i for i, p in enumerate(params) if p.temperature != 0]
+    greedy = [i for i, p in enumerate(params) if is_greedy(p)]
+    drawn = [i for i, p in enumerate(params) if not is_greedy(p)]
     asked = [i for i, p in enumerate(params) if p.logprobs is not None]
     if len(greedy) == m:  # every row greedy: one argmax
         ids = logits.argmax(dim=-1)
@@ -147,9 +167,10 @@ def to_host(step: StepSample) -> tuple[list[int], dict[int, TokenLogprobs]]:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from `logits (V,)`: argmax at temperature 0; else softmax(logits / temperature)
-    restricted to the top k and to the top-p nucleus, sampled with `generator`."""
-    if params.temperature == 0:
+    """One token from `logits (V,)`: argmax at a temperature below `GREEDY_TEMPERATURE`; else
+    softmax(logits / temperature) restricted to the top k and to the top-p nucleus (never empty:
+    the most likely token stays), sampled with `generator`."""
+    if is_greedy(params):
         return int(logits.argmax())
     logits = logits.float() / params.temperature
     if params.top_k is not None:
@@ -159,7 +180,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.top_p is not None and params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(0) - sorted_probs  # probability of the tokens ranked higher
-        sorted_probs[before >= params.top_p] = 0  # the smallest set reaching top_p stays
+        outside = before >= params.top_p  # the smallest set reaching top_p stays,
+        outside[0] = False  # and never less than the most likely token
+        sorted_probs[outside] = 0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
 

@@ -1,5 +1,6 @@
 """`python -m kvlib.serve --model {course,smollm2} [--host 127.0.0.1] [--port 8000]
-[--api-key KEY] [--allow-no-auth]` and the engine's options: serve a model with an
+[--api-key KEY] [--allow-no-auth] [--max-queued-requests 256] [--max-body-bytes 2097152]` and
+the engine's options: serve a model with an
 OpenAI-compatible API (chapter 13).
 
 `--api-key` (or the environment variable `KVLIB_API_KEY`, as vLLM reads `VLLM_API_KEY`) makes every
@@ -51,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-scheme", choices=("none", "int8"), default="none")
     p.add_argument("--max-queued-requests", type=int, default=256, help="429 beyond this")
     p.add_argument(
+        "--max-body-bytes", type=int, default=2**21, help="413 for a request body beyond this"
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVLIB_API_KEY, if set)",
@@ -96,6 +100,7 @@ def main(argv=None) -> None:
         build_engine(served, args),
         max_queued_requests=args.max_queued_requests,
         api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 

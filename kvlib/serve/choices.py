@@ -20,11 +20,25 @@ __all__ = ["Choice"]
 
 class Choice:
     """Args: request_id (the engine's), index (OpenAI's choice index), model (a `ServedModel`),
-    prompt_token_ids, stop (stop strings), logprobs (None, or how many top logprobs to report)."""
+    prompt_token_ids, stop (stop strings), logprobs (None, or how many top logprobs to report),
+    skip_special_tokens (leave the tokenizer's special tokens out of the text: vLLM's default)."""
 
-    def __init__(self, request_id, index, model, prompt_token_ids, stop, logprobs=None):
+    def __init__(
+        self,
+        request_id,
+        index,
+        model,
+        prompt_token_ids,
+        stop,
+        logprobs=None,
+        skip_special_tokens=True,
+    ):
         self.request_id, self.index, self.model = request_id, index, model
-        self.detokenizer = IncrementalDetokenizer(model.decode, prompt_token_ids)
+
+        def decode(ids):
+            return model.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        self.detokenizer = IncrementalDetokenizer(decode, prompt_token_ids)
         self.prompt_token_ids = list(prompt_token_ids)
         self.matcher = StopStringMatcher(stop)
         self.text = ""
@@ -34,6 +48,7 @@ class Choice:
         self.token_texts: list[str] = []  # the detokenizer's text for each token ("" if EOS)
         self.finish_reason: str | None = None
         self.needs_abort = False
+        self.scheduled_s: float | None = None  # its first step's end (metrics: queue time)
         self.first_token_s: float | None = None  # stamped by the server (metrics)
         self.last_token_s: float | None = None
         self.num_observed = 0  # tokens the server's metrics have counted

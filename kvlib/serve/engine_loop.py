@@ -16,8 +16,12 @@ itself) ends it: every request in flight and every command still queued gets `En
 503, as vLLM's does once its engine core died).
 
 After every step and every batch of commands, the loop's thread publishes an `EngineSnapshot`
-(requests running and waiting, KV blocks in use, preemptions so far): what `/metrics` reports,
-read by other threads without touching the engine. What it deliberately does not do: text
+(requests running and waiting, KV blocks in use, preemptions and prefix-cache lookups so far):
+what `/metrics` reports, read by other threads without touching the engine. It reads the step's
+`StepStats` record (`kvlib.engine.stats`), never the engine's private state; it hands each
+step's record to `step_observer` (the server's per-step histogram) and, before a step's
+outputs, sends a request's sink `Scheduled(request_id, time_s)` the first time a step computed
+its tokens (the end of its queue time). What it deliberately does not do: text
 (detokenization and stop strings are the server's, per choice).
 """
 
@@ -28,11 +32,19 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from kvlib.engine import LLMEngine, SamplingParams
 
-__all__ = ["EngineDeadError", "EngineLoop", "EngineSnapshot", "EngineStepError", "QueueFullError"]
+__all__ = [
+    "EngineDeadError",
+    "EngineLoop",
+    "EngineSnapshot",
+    "EngineStepError",
+    "QueueFullError",
+    "Scheduled",
+]
 
 _log = logging.getLogger("kvlib.serve")
 
@@ -52,17 +64,28 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """A request's first step: `time_s` (`time.perf_counter()`) when that step ended."""
+
+    request_id: str
+    time_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineSnapshot:
     """The engine's state after the loop's latest step or commands (published by its thread):
     requests running and waiting in the scheduler, KV blocks in use of `num_blocks` (blocks no
     request holds count as free, cached for prefix hits or not: vLLM's `kv_cache_usage_perc`),
-    and preemptions since the start."""
+    preemptions since the start, and the prefix cache's lookups since the start (tokens looked
+    up and tokens found, of requests admitted for the first time: vLLM's queries and hits)."""
 
     num_running: int = 0
     num_waiting: int = 0
     num_blocks_in_use: int = 0
     num_blocks: int = 1
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -77,12 +100,21 @@ class EngineLoop:
         engine: the `LLMEngine`; only this loop's thread may touch it once `start()` is called.
         max_queued_requests: requests (choices) accepted and not finished, at most: `submit`
             raises `QueueFullError` beyond it.
+        step_observer: called in the loop's thread with each step's `StepStats` (or None).
     """
 
     IDLE_WAIT_S = 0.05  # how long an idle loop blocks on its inbox before checking `stop`
 
-    def __init__(self, engine: LLMEngine, *, max_queued_requests: int = 256):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_queued_requests: int = 256,
+        step_observer: Callable | None = None,
+    ):
         self.engine = engine
+        self.step_observer = step_observer
+        self._scheduled: set[str] = set()  # requests a step has computed (engine thread only)
         self.max_queued_requests = max_queued_requests
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.sinks: dict[str, Callable] = {}  # engine thread only
@@ -161,7 +193,7 @@ class EngineLoop:
         try:
             while not self._stopping.is_set():
                 self._drain(block=not self.engine.has_unfinished_requests())
-                self._publish(preempted=0)
+                self._publish(None)
                 if self.engine.has_unfinished_requests():
                     self._step()
         except BaseException as error:  # a bug in the loop itself: nothing more is served
@@ -178,7 +210,16 @@ class EngineLoop:
             for request_id in list(self.sinks):
                 self._finish(request_id, aborted=True, notify=failure)
             return
-        self._publish(preempted=self.engine.stats[-1].num_preemptions)
+        record = _last_step(self.engine)
+        self._publish(record)
+        if self.step_observer is not None:
+            self.step_observer(record)
+        now = time.perf_counter()
+        for request_id, _ in record.scheduled:
+            sink = self.sinks.get(request_id)
+            if sink is not None and request_id not in self._scheduled:
+                self._scheduled.add(request_id)
+                _deliver(sink, Scheduled(request_id, now))
         for output in outputs:
             sink = self.sinks.get(output.request_id)
             if sink is not None:
@@ -186,15 +227,19 @@ class EngineLoop:
             if output.finished:
                 self._finish(output.request_id, aborted=False)
 
-    def _publish(self, preempted: int) -> None:
-        """Replace `snapshot` (one reference assignment: readers see the old or the new one)."""
-        scheduler = self.engine.scheduler
+    def _publish(self, record) -> None:
+        """Replace `snapshot` (one reference assignment: readers see the old or the new one),
+        adding the counts of `record`, the step's `StepStats` (None: no step ran)."""
+        scheduler, old = self.engine.scheduler, self.snapshot
         self.snapshot = EngineSnapshot(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             num_blocks_in_use=self.engine.storage.num_blocks_in_use,
             num_blocks=self.engine.config.num_blocks,
-            num_preemptions=self.snapshot.num_preemptions + preempted,
+            num_preemptions=old.num_preemptions + (record.num_preemptions if record else 0),
+            prefix_cache_queries=old.prefix_cache_queries
+            + (record.prefix_query_tokens if record else 0),
+            prefix_cache_hits=old.prefix_cache_hits + (record.prefix_hit_tokens if record else 0),
         )
 
     def _fail_everything(self, error: EngineDeadError) -> None:
@@ -262,6 +307,7 @@ class EngineLoop:
 
     def _finish(self, request_id: str, *, aborted: bool, notify: Exception | None = None) -> None:
         sink = self.sinks.pop(request_id, None)
+        self._scheduled.discard(request_id)
         if sink is None:
             return
         if notify is not None:
@@ -274,6 +320,11 @@ class EngineLoop:
             self.num_aborted += 1
         else:
             self.num_finished += 1
+
+
+def _last_step(engine: LLMEngine):
+    """The `StepStats` record of the engine's latest step (its public statistics)."""
+    return engine.stats[-1]
 
 
 def _deliver(sink: Callable, item) -> None:

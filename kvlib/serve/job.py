@@ -25,9 +25,11 @@ from fastapi.responses import Response, StreamingResponse
 from kvlib.engine import SamplingParams
 from kvlib.serve.api import APIError
 from kvlib.serve.choices import Choice
-from kvlib.serve.engine_loop import EngineDeadError, QueueFullError
+from kvlib.serve.engine_loop import EngineDeadError, QueueFullError, Scheduled
 
-__all__ = ["Job"]
+__all__ = ["RETRY_AFTER_S", "Job"]
+
+RETRY_AFTER_S = 1  # a 429's Retry-After (s): the queue drains as requests finish
 
 
 class Job:
@@ -42,6 +44,15 @@ class Job:
         limit, block_size = engine.config.max_model_len, engine.config.block_size
         stop, seed = body.stop_strings(), body.seed
         seed = secrets.randbelow(2**31) if seed is None else seed
+        queue_limit = app.state.loop.max_queued_requests
+        if len(prompts) * body.n > queue_limit:  # can never fit: not worth a retry (429)
+            param = "n" if body.n > 1 else prompt_field
+            raise APIError(
+                400,
+                f"{param}: {len(prompts)} prompts x n = {body.n} make {len(prompts) * body.n} "
+                f"requests; this server queues at most {queue_limit}",
+                param=param,
+            )
         self.choices, self.submissions = [], []
         for p, ids in enumerate(prompts):
             tokens = max_tokens if max_tokens is not None else limit - len(ids)
@@ -64,7 +75,15 @@ class Job:
             ids_here, params = [], []
             for j in range(body.n):
                 index = p * body.n + j
-                choice = Choice(f"{self.id}-{index}", index, self.served, ids, stop, logprobs)
+                choice = Choice(
+                    f"{self.id}-{index}",
+                    index,
+                    self.served,
+                    ids,
+                    stop,
+                    logprobs,
+                    skip_special_tokens=body.skip_special_tokens,
+                )
                 self.choices.append(choice)
                 ids_here.append(choice.request_id)
                 params.append(
@@ -96,9 +115,15 @@ class Job:
             for request_ids, ids, params in self.submissions:
                 self.loop.submit(request_ids, ids, params, sink)
                 submitted += request_ids
-        except QueueFullError as error:
+        except QueueFullError as error:  # transient: the client may retry after a while
             self.loop.abort(submitted)
-            raise APIError(429, str(error), type="rate_limit_error", code="queue_full") from None
+            raise APIError(
+                429,
+                str(error),
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
         except EngineDeadError as error:
             self.loop.abort(submitted)
             raise APIError(503, str(error), type="server_error") from None
@@ -126,6 +151,9 @@ class Job:
         """Yield (choice, text delta) until every choice has finished."""
         while not all(c.finished for c in self.choices):
             item = await events.get()
+            if isinstance(item, Scheduled):  # its first step ended: the end of its queue time
+                self.by_id[item.request_id].scheduled_s = item.time_s
+                continue
             if isinstance(item, ValueError | TypeError):  # the engine refused the request
                 self.outcome = "refused"
                 raise APIError(400, str(item), param="prompt")
@@ -163,9 +191,17 @@ class Job:
         if choice.request_id in self.ended:
             return
         self.ended.add(choice.request_id)
-        first, last = choice.first_token_s, choice.last_token_s
+        first, last, scheduled = choice.first_token_s, choice.last_token_s, choice.scheduled_s
         span = None if first is None else last - first
-        self.metrics.finished(reason, now - self.arrival_s, len(choice.token_ids), span)
+        self.metrics.finished(
+            reason,
+            now - self.arrival_s,
+            len(choice.token_ids),
+            span,
+            prompt_tokens=len(choice.prompt_token_ids),
+            queue_s=None if scheduled is None else max(0.0, scheduled - self.arrival_s),
+            prefill_s=None if scheduled is None or first is None else max(0.0, first - scheduled),
+        )
 
     def _abort_unfinished(self) -> None:
         """Abort the engine requests of the choices that have not finished; count them (abort:
@@ -180,10 +216,12 @@ class Job:
                 self._end(choice, self.outcome, now)
 
     async def _stream(self, events: asyncio.Queue):
+        usage = self.body.stream_options is not None and self.body.stream_options.include_usage
         try:
             if self.chat:
                 for choice in self.choices:
-                    yield _sse(self._chunk(choice, {"role": "assistant", "content": ""}))
+                    chunk = self._chunk(choice, {"role": "assistant", "content": ""})
+                    yield _sse({**chunk, "usage": None} if usage else chunk)
             sent = {c.request_id: 0 for c in self.choices}
             async for choice, delta in self._updates(events):
                 if not delta and not choice.finished:
@@ -193,12 +231,14 @@ class Job:
                 if not self.chat and choice.logprobs is not None:
                     logprobs = choice.completion_logprobs(sent[choice.request_id])
                     sent[choice.request_id] = len(choice.token_logprobs)
-                yield _sse(self._chunk(choice, piece, choice.finish_reason, logprobs))
-            if self.body.stream_options is not None and self.body.stream_options.include_usage:
+                chunk = self._chunk(choice, piece, choice.finish_reason, logprobs)
+                yield _sse({**chunk, "usage": None} if usage else chunk)  # OpenAI: null until last
+            if usage:
                 yield _sse({**self._header(chunk=True), "choices": [], "usage": self._usage()})
             yield "data: [DONE]\n\n"
-        except APIError as error:  # refused after the stream started: an error event
+        except APIError as error:  # refused after the stream started: an error event, then DONE
             yield _sse(error.body())
+            yield "data: [DONE]\n\n"
         finally:  # also when the client disconnected (the response was cancelled)
             self._abort_unfinished()
 

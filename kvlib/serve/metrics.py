@@ -10,10 +10,22 @@ dashboard written for vLLM reads it:
 - counters: `vllm:num_preemptions_total`; `vllm:request_success_total` by `finished_reason`:
   `stop`, `length`, `abort` (the client left), `error` (a failed step);
   `vllm:prompt_tokens_total` (prefilled), `vllm:generation_tokens_total` (generated);
+  `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (tokens looked up in the
+  prefix cache and tokens found, for requests admitted for the first time; their ratio is the
+  hit rate, 0 without `--enable-prefix-caching`);
 - histograms (seconds): `vllm:time_to_first_token_seconds` (the request's arrival at the server
   to its first token), `vllm:inter_token_latency_seconds` (each gap between two tokens of a
   request), `vllm:request_time_per_output_token_seconds` (per request: (last - first token) /
-  (tokens - 1)), `vllm:e2e_request_latency_seconds` (arrival to the request's end).
+  (tokens - 1)), `vllm:e2e_request_latency_seconds` (arrival to the request's end), and per
+  request its phases: `vllm:request_queue_time_seconds` (arrival to the end of its first step),
+  `vllm:request_prefill_time_seconds` (that step to its first token: the rest of a chunked
+  prefill), `vllm:request_decode_time_seconds` (first token to last);
+- histograms (tokens): `vllm:request_prompt_tokens` and `vllm:request_generation_tokens` per
+  request, `vllm:iteration_tokens_total` per engine step (prompt and generated tokens computed).
+
+prometheus_client's `_created` samples (a gauge family per counter and histogram, the time it was
+created) are turned off (`disable_created_metrics`), as vLLM turns them off: no dashboard reads
+them, and scrapers would store one series more per metric.
 
 Every series carries the label `model_name`. A request with `n` choices counts as `n` requests
 (each choice is one engine request, as in vLLM). The server measures its latencies from the moment
@@ -28,14 +40,20 @@ engine (which only the loop's thread may touch).
 Reading: `parse_metrics(text)` and `scrape_metrics(url)` return the samples; `metric_value(samples,
 name, **labels)` sums those of one name whose labels match (as PromQL's `sum(name{...})`).
 What it deliberately does not do: multiprocess collection, or vLLM's metrics of features this
-server lacks (speculative decoding, LoRA, prefix-cache hit counters per tier).
+server lacks (speculative decoding, LoRA, prefix-cache counters per tier).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
@@ -57,6 +75,10 @@ FINISHED_REASONS = ("stop", "length", "abort", "error")
 TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 E2E_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# token counts (vLLM's 1-2-5 series up to the context length it serves)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+disable_created_metrics()  # process-wide in prometheus_client: no `_created` samples
 
 
 class ServerMetrics:
@@ -116,6 +138,32 @@ class ServerMetrics:
             "Arrival at the server to the request's end.",
             E2E_BUCKETS_S,
         )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Arrival at the server to the end of the request's first step.",
+            E2E_BUCKETS_S,
+        )
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "The request's first step to its first token.",
+            E2E_BUCKETS_S,
+        )
+        self.decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "The request's first token to its last.",
+            E2E_BUCKETS_S,
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_COUNT_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request.", TOKEN_COUNT_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens computed per engine step (prompt and generated).",
+            TOKEN_COUNT_BUCKETS,
+        )
 
     def first_token(self, ttft_s: float, prompt_tokens: int, new_tokens: int = 1) -> None:
         self.time_to_first_token.observe(ttft_s)
@@ -127,16 +175,39 @@ class ServerMetrics:
         self.generation_tokens.inc(new_tokens)
 
     def finished(
-        self, reason: str, e2e_s: float, num_tokens: int, first_to_last_s: float | None
+        self,
+        reason: str,
+        e2e_s: float,
+        num_tokens: int,
+        first_to_last_s: float | None,
+        *,
+        prompt_tokens: int = 0,
+        queue_s: float | None = None,
+        prefill_s: float | None = None,
     ) -> None:
         """One request ended with `reason` (one of `FINISHED_REASONS`) after `e2e_s` seconds,
-        having produced `num_tokens`, its first and last `first_to_last_s` apart."""
+        having produced `num_tokens`, its first and last `first_to_last_s` apart, from
+        `prompt_tokens`; `queue_s` and `prefill_s`: its phases (None: it never reached them)."""
         if reason not in self.request_success:
             raise ValueError(f"reason: expected one of {FINISHED_REASONS}, got {reason!r}")
         self.request_success[reason].inc()
         self.e2e_latency.observe(e2e_s)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(num_tokens)
+        for histogram, seconds in (
+            (self.queue_time, queue_s),
+            (self.prefill_time, prefill_s),
+            (self.decode_time, first_to_last_s),
+        ):
+            if seconds is not None:
+                histogram.observe(seconds)
         if num_tokens > 1 and first_to_last_s is not None:
             self.time_per_output_token.observe(first_to_last_s / (num_tokens - 1))
+
+    def step(self, record) -> None:
+        """One engine step's `StepStats`: its tokens (called from the engine loop's thread)."""
+        tokens = record.num_prefill_tokens + record.num_decode_tokens
+        self.iteration_tokens.observe(tokens + record.num_recomputed_tokens)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus' text format."""
@@ -174,6 +245,21 @@ class _EngineCollector:
         )
         preemptions.add_metric(label, s.num_preemptions)
         yield preemptions
+        for name, documentation, value in (
+            (
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                s.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                s.prefix_cache_hits,
+            ),
+        ):
+            family = CounterMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric(label, value)
+            yield family
 
 
 def parse_metrics(text: str) -> list[Sample]:

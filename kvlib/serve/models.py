@@ -43,7 +43,9 @@ class CourseTokenizer:
             ids.append(self.ids[word])
         return ids
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """The names joined with spaces; the course vocabulary has no special tokens to skip
+        (PAD and BOS are words of its text like any other)."""
         return " ".join(self.names[int(i)] for i in ids)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -66,9 +68,12 @@ class ServedModel:
     def has_chat_template(self) -> bool:
         return getattr(self.tokenizer, "chat_template", None) is not None
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of generated ids, EOS excluded (it ends a request; it is not text)."""
-        return self.tokenizer.decode([i for i in ids if i not in self.eos_token_ids])
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of generated ids, EOS excluded (it ends a request; it is not text), and the
+        tokenizer's other special tokens too unless `skip_special_tokens` is False (vLLM's
+        default: `<|im_start|>` and the like are control tokens, not text)."""
+        ids = [i for i in ids if i not in self.eos_token_ids]
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def load_served_model(name: str) -> ServedModel:

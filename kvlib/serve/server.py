@@ -9,8 +9,11 @@ back through an `asyncio.Queue`, fed from the engine thread by `loop.call_soon_t
 `stream: true` answers with server-sent events, one `data: {json}` per chunk and `data: [DONE]`
 last. Every error has OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: a bad
 field (400, `param` names it), invalid JSON (400), an unknown route (404), a wrong method (405),
-a missing or wrong API key (401, with `api_key` set: `kvlib.serve.auth`), a full queue (429), a
-failed engine step (500; in a stream that already started, a `data: {"error": ...}` event).
+a missing or wrong API key (401, with `api_key` set: `kvlib.serve.auth`), a body over
+`max_body_bytes` (413, before it is read), a request whose choices alone exceed the queue (400),
+a queue full for now (429 with `Retry-After`), a failed engine step (500; in a stream that
+already started, a `data: {"error": ...}` event, then `data: [DONE]`). Tokenization runs in a
+worker thread, so a long prompt never stalls the event loop (other streams, `/health`).
 
 A client that leaves is noticed either way, and its engine requests are aborted (their blocks
 freed at once): a stream's response is cancelled and its `finally` aborts; a non-streamed request
@@ -24,6 +27,8 @@ What it deliberately does not do: batched chat, tools, penalties, `echo`, `best_
 
 from __future__ import annotations
 
+import asyncio
+import json
 import socket
 import threading
 import time
@@ -38,6 +43,8 @@ from kvlib.serve.api import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    error_body,
+    unencodable_field,
     validation_error,
 )
 from kvlib.serve.auth import BearerAuth, check_api_key, check_bind
@@ -46,7 +53,9 @@ from kvlib.serve.job import Job
 from kvlib.serve.metrics import CONTENT_TYPE, ServerMetrics
 from kvlib.serve.models import ServedModel
 
-__all__ = ["ServerThread", "create_app", "free_port"]
+__all__ = ["MAX_BODY_BYTES", "BodyLimit", "ServerThread", "create_app", "free_port"]
+
+MAX_BODY_BYTES = 2**21  # 2 MiB: far above any prompt a 8k-token context takes, as text or ids
 
 
 def create_app(
@@ -55,22 +64,29 @@ def create_app(
     *,
     max_queued_requests: int = 256,
     api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ):
     """The FastAPI app serving `served` through `engine` (started on the app's startup, stopped on
     its shutdown). `app.state.loop` is the `EngineLoop`, `app.state.metrics` its `ServerMetrics`;
-    with `api_key`, `/v1/*` requires `Authorization: Bearer api_key` (`kvlib.serve.auth`).
+    with `api_key`, `/v1/*` requires `Authorization: Bearer api_key` (`kvlib.serve.auth`); a
+    request body over `max_body_bytes` bytes is refused with a 413.
 
     Raises:
-        ValueError, TypeError: an empty or non-str `api_key`.
+        ValueError, TypeError: an empty or non-str `api_key`, a `max_body_bytes` not an int >= 1.
     """
-    loop = EngineLoop(engine, max_queued_requests=max_queued_requests)
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
+        raise TypeError(f"max_body_bytes: expected an int, got {max_body_bytes!r}")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes: expected an int >= 1, got {max_body_bytes}")
     metrics = ServerMetrics(served.name, lambda: loop.snapshot)
+    loop = EngineLoop(engine, max_queued_requests=max_queued_requests, step_observer=metrics.step)
     app = FastAPI(title="kvlib server", lifespan=_lifespan(loop))
     app.state.loop, app.state.served, app.state.metrics = loop, served, metrics
     app.state.api_key = api_key
     if api_key is not None:
         check_api_key(api_key)  # now, not when the middleware is built at the first request
         app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)  # outermost: before the key
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -102,24 +118,23 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(body.model, served)
-        body.check_unsupported()
+        _check_body(body, served)
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of: only best_of == n is supported", param="best_of")
-        prompts = _prompt_token_ids(body.prompt, served)
+        prompts = await asyncio.to_thread(_prompt_token_ids, body.prompt, served)
         job = Job(app, engine, body, prompts, body.max_tokens, "prompt", body.logprobs)
         return await job.respond(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(body.model, served)
-        body.check_unsupported()
+        _check_body(body, served)
+        body.check_tools()
         if not served.has_chat_template:
             raise APIError(
                 400, f"messages: model {served.name!r} has no chat template", param="messages"
             )
-        messages = [m.model_dump() for m in body.messages]
-        prompt = served.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        messages = [m.for_template() for m in body.messages]
+        prompt = await asyncio.to_thread(_chat_token_ids, messages, served)
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = Job(app, engine, body, [prompt], max_tokens, "messages", None)
         return await job.respond(request)
@@ -132,7 +147,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -166,6 +181,29 @@ def _lifespan(loop: EngineLoop):
     return lifespan
 
 
+def _check_body(body, served: ServedModel) -> None:
+    """The model's name, fields at neutral values only, text UTF-8 can encode."""
+    _check_model(body.model, served)
+    body.check_unsupported()
+    field = unencodable_field(body.model_dump(exclude_defaults=True))
+    if field is not None:
+        raise APIError(
+            400,
+            f"{field}: not valid Unicode text (a lone surrogate such as \\ud800?)",
+            param=field,
+        )
+
+
+def _chat_token_ids(messages: list[dict], served: ServedModel) -> list[int]:
+    """The chat template's token ids (in a worker thread); a tokenizer error is a 400."""
+    try:
+        return served.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as error:  # the text is the client's: a 400, never a 500
+        raise APIError(
+            400, f"messages: could not be tokenized ({error})", param="messages"
+        ) from None
+
+
 def _check_model(name: str, served: ServedModel) -> None:
     if name != served.name:
         raise APIError(
@@ -187,14 +225,61 @@ def _prompt_token_ids(prompt, served: ServedModel) -> list[list[int]]:
     for item in prompt:
         try:
             ids = served.tokenizer.encode(item) if isinstance(item, str) else list(item)
-        except ValueError as error:
+        except ValueError as error:  # the course tokenizer's message names the field
             raise APIError(400, str(error), param="prompt") from None
+        except Exception as error:  # the text is the client's: a 400, never a 500
+            message = f"prompt: could not be tokenized ({error})"
+            raise APIError(400, message, param="prompt") from None
         if not ids:
             raise APIError(400, "prompt: expected at least one token", param="prompt")
         if min(ids) < 0 or max(ids) >= vocab:
             raise APIError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
         prompts.append(ids)
     return prompts
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_body_bytes` gets a 413 in OpenAI's shape, from its
+    `Content-Length` before any of it is read, or once a chunked body passes the limit. The body
+    is read here and replayed to the app, then the client's own messages follow (the server
+    watches them for `http.disconnect`)."""
+
+    def __init__(self, app, max_body_bytes: int = MAX_BODY_BYTES):
+        self.app, self.max_body_bytes = app, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length", b"").decode("latin-1").strip()
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self._refuse(send, int(declared))
+        received, size = [], 0
+        while True:
+            message = await receive()
+            received.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                return await self._refuse(send, size)
+            if not message.get("more_body", False):
+                break
+
+        async def replay():
+            return received.pop(0) if received else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send, size: int) -> None:
+        message = (
+            f"the request body: {size} bytes{' or more' if size <= self.max_body_bytes else ''}"
+            f" exceed this server's limit of {self.max_body_bytes} bytes"
+        )
+        body = json.dumps(error_body(message, code="request_too_large")).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 def free_port(host: str = "127.0.0.1") -> int:
