@@ -36,7 +36,6 @@ checks and `paged_decode_attention_ref` work, and `paged_decode_attention` raise
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import torch
@@ -50,49 +49,20 @@ from kvlib.ops.decode_plan import (
     next_power_of_2,
 )
 from kvlib.ops.direct_launch import KernelLaunch
+from kvlib.ops.triton_import import (  # noqa: F401 (re-exported)
+    TritonUnavailableError,
+    import_triton_module,
+    triton_available,
+)
 
 _KERNEL_NAMES = ("_decode_split_kernel", "_reduce_splits_kernel")  # in kvlib.ops.triton_decode
 
 
-class TritonUnavailableError(ImportError):
-    """A Triton kernel was launched where Triton cannot be imported (macOS, native Windows, or
-    not installed)."""
-
-
-def triton_available() -> bool:
-    """Whether Triton can be imported here (it installs on Linux, and on Windows inside WSL2)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _triton_kernels():
     """The module holding the decode @triton.jit kernels, imported on first launch."""
-    return _import_triton_module("kvlib.ops.triton_decode")
-
-
-def _import_triton_module(
-    name: str, function: str = "paged_decode_attention", where: str = "kvlib.kernels"
-):
-    """A kvlib module of @triton.jit kernels (`kvlib.ops.triton_decode`,
-    `kvlib.ops.triton_prefill`), imported on first launch by `where`.`function`.
-
-    Raises:
-        TritonUnavailableError: Triton is not importable here (the message says what to do).
-    """
-    try:
-        return importlib.import_module(name)
-    except ImportError as error:
-        if error.name is None or error.name.split(".")[0] != "triton":
-            raise  # a broken kvlib, not a missing Triton
-        raise TritonUnavailableError(
-            f"{function} launches a Triton kernel, and Triton cannot be imported here "
-            f"({error}). Triton runs on Linux (on Windows, inside WSL2): `pip install triton` "
-            "(without a CUDA GPU, kvlib.kernels runs it under Triton's CPU interpreter). Without "
-            f"Triton, use {where}.{function}_ref: the same arguments and result, in plain torch."
-        ) from error
+    return import_triton_module(
+        "kvlib.ops.triton_decode", "paged_decode_attention", "kvlib.kernels"
+    )
 
 
 def __getattr__(name: str):

@@ -186,3 +186,119 @@ def test_a_notebooks_first_cell_is_its_imports_and_set_up_in_at_most_15_lines(no
     lines = [line for line in "".join(first["source"]).splitlines() if line.strip()]
     assert len(lines) <= 15, f"{notebook.name}'s first code cell has {len(lines)} lines"
     assert any("setup_notebook(" in line for line in lines), notebook.name
+
+
+# --- composition, not reach-through (issue 58) ----------------------------------------------------
+
+NAMEDTUPLE_METHODS = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+BASE_MODULES = {"kvlib._validate", "kvlib.errors"}  # what kvlib.ops may import besides itself
+
+
+def class_private_names(tree: ast.AST) -> set[str]:
+    """Underscored attributes a module's classes define: methods and class attributes in a class
+    body, and `self._x = ...` assignments in its methods."""
+    names = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node in cls.body:
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                if any(node in ast.walk(stmt) for stmt in cls.body if isinstance(stmt, ast.Assign)):
+                    names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def private_reads(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """(line, expression, attribute) for each `other._x` in a module: an underscored attribute
+    read on anything but `self`, `cls` or `super()` (NamedTuple's `_replace` and kin are
+    public API)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__") or node.attr in NAMEDTUPLE_METHODS:
+            continue
+        base = node.value
+        if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+            continue
+        if isinstance(base, ast.Call) and getattr(base.func, "id", None) == "super":
+            continue
+        found.append((node.lineno, ast.unparse(node), node.attr))
+    return found
+
+
+def cross_module_private_reads(root: Path = KVLIB) -> list[str]:
+    """`path:line: expr` for each read of an underscored attribute that a class of ANOTHER kvlib
+    module defines (a module's own classes may share their private state among themselves)."""
+    trees = {p: ast.parse(p.read_text()) for p in sorted(root.rglob("*.py"))}
+    owners: dict[str, set[Path]] = {}
+    for path, tree in trees.items():
+        for name in class_private_names(tree):
+            owners.setdefault(name, set()).add(path)
+    problems = []
+    for path, tree in trees.items():
+        for line, expr, attr in private_reads(tree):
+            if attr in owners and path not in owners[attr]:
+                problems.append(f"{path.relative_to(root.parent)}:{line}: {expr}")
+    return problems
+
+
+def test_a_planted_private_read_across_modules_is_found(tmp_path):
+    (tmp_path / "kvlib").mkdir()
+    (tmp_path / "kvlib" / "a.py").write_text(
+        "class A:\n    def __init__(self):\n        self._state = 1\n    def _hook(self):\n"
+        "        return self._state\n"
+    )
+    (tmp_path / "kvlib" / "b.py").write_text(
+        "def f(a, kv):\n    return a._state, a._hook(), kv._replace(x=1), a.state\n"
+    )
+    (tmp_path / "kvlib" / "c.py").write_text(
+        "class C:\n    def same(self, other):\n        return other._own\n"
+        "    def __init__(self):\n        self._own = 0\n"
+    )
+    assert cross_module_private_reads(tmp_path / "kvlib") == [
+        "kvlib/b.py:2: a._state",
+        "kvlib/b.py:2: a._hook",
+    ]
+
+
+# The grader's machinery (kvlib/course/{remote,sandbox}.py) is being reworked by its owner
+# (issue 57); these reads are theirs to remove. The list may only shrink: a read fixed there must
+# leave it, a new one anywhere fails.
+PENDING_ELSEWHERE = {
+    "kvlib/course/remote.py": {"submission._side", "submission._request"},
+    "kvlib/course/sandbox.py": {"value._ask"},
+}
+
+
+def test_no_kvlib_module_reads_another_modules_private_attributes():
+    found: dict[str, set[str]] = {}
+    for problem in cross_module_private_reads():
+        path, _, expr = problem.split(":", 2)
+        found.setdefault(path, set()).add(expr.strip())
+    assert found == PENDING_ELSEWHERE
+
+
+def test_the_engine_is_composed_not_mixed():
+    """`LLMEngine` holds its parts (scheduler, block manager, runner, statistics): no base class
+    mixes behaviour in that reaches into its attributes."""
+    from kvlib.engine import LLMEngine
+
+    assert LLMEngine.__bases__ == (object,)
+
+
+def test_kvlib_ops_imports_only_itself_and_the_base_modules():
+    """The kernels' layer sits below everything that launches them (kvlib.kernels, the engine):
+    nothing in kvlib.ops imports upward."""
+    graph = import_graph()
+    upward = {
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        if module.startswith("kvlib.ops")
+        for target in targets
+        if not (target.startswith("kvlib.ops") or target in BASE_MODULES)
+    }
+    assert not upward, sorted(upward)

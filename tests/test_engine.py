@@ -344,3 +344,117 @@ def test_recorded_serving_runs_reproduce(course):
             assert summary[key] == pytest.approx(float(row[key])), key
         for key in ("prefill_tokens", "decode_tokens", "recomputed_tokens"):
             assert summary[key] == int(row[key]), key
+
+
+# --- statistics: an object the engine feeds, bounded ----------------------------------------------
+
+
+class _Sampled:
+    """A stand-in step handle: every request whose last token the step computes samples token 5."""
+
+    def __init__(self, scheduled):
+        self.sampled = {
+            r.request_id: 5 for r, n in scheduled if r.num_computed_tokens + n == r.num_tokens
+        }
+
+    def result(self):
+        return self.sampled, {}
+
+
+def reachable_bytes(root) -> int:
+    """`sys.getsizeof` summed over every object reachable from `root` (`gc.get_referents`),
+    classes and modules excepted: the memory `root` holds."""
+    import gc
+    import sys
+    import types
+
+    seen, stack, total = set(), [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+def test_the_statistics_stay_bounded_over_1e5_steps():
+    """What a long-running engine (a server) feeds its `EngineStats` each step (the token
+    classification of 4 requests, a record; finished requests forgotten) takes the same memory
+    after 5e4 and 1e5 steps: the latest `max_recorded_steps` records and running totals."""
+    from types import SimpleNamespace
+
+    from kvlib.engine import EngineStats, StepStats
+
+    stats, sizes = EngineStats(max_recorded_steps=500), {}
+    running = {}
+    for step in range(100_000):
+        for slot in range(4):  # request i runs steps 6i .. 6i + 5 in its slot
+            request_id = f"r{step // 6}-{slot}"
+            if request_id not in running:
+                running[request_id] = SimpleNamespace(
+                    request_id=request_id, num_computed_tokens=0, prompt_token_ids=[1] * 5
+                )
+        scheduled = [(r, 5 if r.num_computed_tokens == 0 else 1) for r in running.values()]
+        counts = stats.count_tokens(scheduled)
+        for request, n in scheduled:
+            request.num_computed_tokens += n
+        stats.record(
+            StepStats(step, 1e-3, step * 1e-3, 4, 0, *counts, 8, 0, 0, 0, 0, 0,
+                      tuple((r.request_id, n) for r, n in scheduled))
+        )  # fmt: skip
+        if step % 6 == 5:  # the four finish: a server forgets them
+            for request_id in running:
+                stats.forget(request_id)
+            running.clear()
+        if step + 1 in (50_000, 100_000):
+            sizes[step + 1] = reachable_bytes(stats)
+    print(f"EngineStats holds {sizes[50_000]} B after 5e4 steps, {sizes[100_000]} B after 1e5")
+    assert abs(sizes[100_000] - sizes[50_000]) < 4 * 1024  # bytes
+    assert len(stats) == 100_000 and len(stats.recent) == 500 and stats[-1].step == 99_999
+    assert len(stats.computed_before) == 4 and stats.peak_blocks == 8  # the last four run
+    assert stats.totals["num_prefill_tokens"] == 5 * 4 * -(-100_000 // 6)
+    with pytest.raises(IndexError, match="step 0 is not kept; steps 99500..99999 are"):
+        stats[0]
+
+
+def test_a_long_running_engine_keeps_its_latest_steps_and_forgets_finished_requests(course):
+    """The engine feeds its statistics (the model's forward stubbed out: the runner's `submit`),
+    and a server pops the requests it has answered: nothing grows with the steps."""
+    engine = LLMEngine(course, num_blocks=64, max_num_seqs=4, max_recorded_steps=100)
+    engine.runner.submit = lambda scheduled, copies, non_blocking=False: _Sampled(scheduled)
+    params, added = SamplingParams(max_tokens=6), 0
+    while len(engine.stats) < 3000:
+        if len(engine.scheduler.waiting) < 2:
+            engine.add_request(f"r{added}", [3, 4, 5, 6, 7], params)
+            added += 1
+        for output in engine.step():
+            if output.finished:
+                engine.requests.pop(output.request_id)
+    stats = engine.stats
+    assert len(stats.recent) == 100 and [s.step for s in stats] == list(range(2900, 3000))
+    assert len(stats.computed_before) <= 4 + 2 and len(engine.requests) <= 4 + 2
+    assert stats.totals["num_decode_tokens"] == engine.summary()["decode_tokens"] > 2000
+
+
+def test_the_summary_is_the_same_from_totals_as_from_every_record(course):
+    """The totals the statistics keep give the summary every record gives."""
+    engine = LLMEngine(course, num_blocks=16, max_num_batched_tokens=24, enable_prefix_caching=True)
+    engine.generate(COURSE_PROMPTS, SamplingParams(max_tokens=24), use_tqdm=False)
+    records, summary = list(engine.stats), engine.summary()
+    assert len(records) == len(engine.stats) == summary["steps"]
+    assert summary["busy_s"] == sum(s.seconds for s in records)
+    assert summary["peak_blocks"] == max(s.num_blocks_in_use for s in records)
+    for key, field in [
+        ("prefill_tokens", "num_prefill_tokens"),
+        ("decode_tokens", "num_decode_tokens"),
+        ("recomputed_tokens", "num_recomputed_tokens"),
+        ("preemptions", "num_preemptions"),
+    ]:
+        assert summary[key] == sum(getattr(s, field) for s in records), key
+    assert summary["preemptions"] > 0 and summary["recomputed_tokens"] > 0  # a small pool
+    assert summary["prefix_hit_rate"] == sum(s.prefix_hit_tokens for s in records) / sum(
+        s.prefix_query_tokens for s in records
+    )
+    assert engine.stats[2:5] == records[2:5] and engine.stats[-1] == records[-1]

@@ -3,6 +3,7 @@ transformers' own GGUF loader and tokenizer (test-only dependencies, pinned in r
 """
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -11,8 +12,9 @@ import torch
 from kvlib.cache import StaticCache
 from kvlib.errors import UnsupportedConfigError
 from kvlib.generation import generate
+from kvlib.loaders import gguf_cache
 from kvlib.loaders.gguf import load_gguf_checkpoint, undo_qk_permutation
-from kvlib.loaders.smollm2 import smollm2_gguf_path
+from kvlib.loaders.smollm2 import load_smollm2, smollm2_gguf_path, smollm2_gguf_sha256
 from kvlib.memory import kv_cache_bytes
 from kvlib.testing import assert_close
 
@@ -137,3 +139,71 @@ def test_errors_name_what_is_wrong(tmp_path):
     writer.close()
     with pytest.raises(UnsupportedConfigError, match="general.architecture 'gpt2'"):
         load_gguf_checkpoint(not_llama)
+
+
+# --- the conversion (kvlib.loaders.gguf_cache): equal to the GGUF, and faster -------------------
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A fresh cache directory for this module's tests (not the user's)."""
+    directory = tmp_path_factory.mktemp("kvlib-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(gguf_cache.ENV, str(directory))
+        yield directory
+
+
+def assert_same_model_and_tokenizer(a, b):
+    (model_a, tok_a), (model_b, tok_b) = a, b
+    assert model_a.config == model_b.config
+    state_a, state_b = model_a.state_dict(), model_b.state_dict()
+    assert state_a.keys() == state_b.keys()
+    for name in state_a:  # bitwise: same dtype, same bytes
+        assert state_a[name].dtype == state_b[name].dtype, name
+        assert torch.equal(state_a[name], state_b[name]), name
+    for text in TEXTS:
+        ids = tok_a.encode(text)
+        assert tok_b.encode(text) == ids and tok_b.decode(ids) == tok_a.decode(ids)
+    assert tok_a.chat_template == tok_b.chat_template and tok_a.chat_template
+    assert tok_a.apply_chat_template(CHAT) == tok_b.apply_chat_template(CHAT)
+    assert (tok_a.bos_token_id, tok_a.eos_token_id) == (tok_b.bos_token_id, tok_b.eos_token_id)
+
+
+def test_a_second_load_reads_the_conversion_equal_and_5x_faster(cache_dir):
+    start = time.perf_counter()
+    from_gguf = load_smollm2(converted=False)
+    gguf_s = time.perf_counter() - start
+    load_smollm2()  # the first converted load converts
+    assert len(list((cache_dir / "gguf").iterdir())) == 1
+    start = time.perf_counter()
+    converted = load_smollm2()
+    second_s = time.perf_counter() - start
+    ratio = second_s / gguf_s
+    print(f"SmolLM2 load: GGUF {gguf_s:.2f} s, converted {second_s:.2f} s, ratio {ratio:.3f}")
+    assert_same_model_and_tokenizer(from_gguf, converted)
+    assert ratio < 0.2
+
+
+def test_a_corrupt_or_partial_conversion_is_detected_and_rebuilt(cache_dir):
+    path, key = smollm2_gguf_path(), smollm2_gguf_sha256()
+    load_smollm2()  # present (converted by the test above, or now)
+    target = gguf_cache.converted_dir(path.name, key)
+    weights, tokenizer = target / "model.safetensors", target / "tokenizer.json"
+    good = weights.stat().st_size
+    with open(weights, "r+b") as file:  # one byte of one weight flipped
+        file.seek(good // 2)
+        byte = file.read(1)
+        file.seek(good // 2)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    assert gguf_cache._load_manifest(target) is None  # detected: the hash differs
+    with open(tokenizer, "r+b") as file:  # and a partial file
+        file.truncate(tokenizer.stat().st_size // 2)
+    assert gguf_cache._load_manifest(target) is None
+    rebuilt = load_smollm2()
+    assert gguf_cache._load_manifest(target) is not None and weights.stat().st_size == good
+    assert_same_model_and_tokenizer(load_smollm2(converted=False), rebuilt)
+
+
+def test_the_conversion_names_a_bad_key():
+    with pytest.raises(ValueError, match="key: expected 8\\+ lowercase hexadecimal"):
+        gguf_cache.converted_dir("model.gguf", "../etc")

@@ -259,6 +259,27 @@ class PagedCache:
         new_v = v.transpose(1, 2).flatten(0, 1)[rows]
         return self._write(layer_idx, slots, new_k, new_v, handle)
 
+    def write_slots(self, layer_idx, slots, new_k, new_v, handle):
+        """Store keys and values `(N, H_kv, D)` at pool `slots` `(N,)` (int64 slot indices
+        `block * block_size + offset`) in layer `layer_idx`, in this cache's layout; return the
+        layer's handle for `attention_backend`. For a caller that chooses the slots itself (the
+        serving engine's flattened batch, `kvlib.engine.batch`); `update` chooses them here."""
+        return self._write(layer_idx, slots, new_k, new_v, handle)
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every per-block tensor of every layer (`(num_blocks, block_size, ...)`, codes and
+        scales too in a quantized layout): what a block copy copies, what a block's bytes
+        count."""
+        return self._pools()
+
+    def reallocate(self, num_blocks: int, device) -> None:
+        """Replace the pools by zeroed ones of `num_blocks` blocks on `device` (the engine adds
+        a scratch block past the last for CUDA graphs' padding rows). Raises ValueError for
+        `num_blocks` < 1."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks: expected an int >= 1, got {num_blocks!r}")
+        self._make_pools(num_blocks, torch.device(device))
+
     def _write(self, layer_idx, slots, new_k, new_v, handle):
         """Store the step's real tokens' keys and values `(N, H_kv, D)` at pool `slots` `(N,)`;
         return the layer's handle for `attention_backend` (a subclass stores another layout)."""

@@ -139,7 +139,9 @@ class BatchKV:
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         """k, v: (1, H_kv, N, D), the step's new keys and values: written at the slot mapping."""
         new_k, new_v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (N, H_kv, D)
-        return self.storage._write(layer_idx, self.batch.slot_mapping, new_k, new_v, self.handle)
+        return self.storage.write_slots(
+            layer_idx, self.batch.slot_mapping, new_k, new_v, self.handle
+        )
 
     def attention_backend(self, q, kv, mask, *, weights_out=None):
         """q (1, H, N, D) -> (1, H, N, D): regroup the rows per sequence (n, H, T, D), attend with

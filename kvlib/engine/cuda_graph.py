@@ -91,7 +91,7 @@ class DecodeGraphKV:
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         new_k, new_v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (size, H_kv, D)
-        return self.storage._write(layer_idx, self.slot_mapping, new_k, new_v, self.handle)
+        return self.storage.write_slots(layer_idx, self.slot_mapping, new_k, new_v, self.handle)
 
     def attention_backend(self, q, kv, mask, *, weights_out=None):
         """q (1, H, size, D) -> (1, H, size, D): one decode query per row."""
@@ -150,7 +150,7 @@ class DecodeGraphRunner:
         host-side finiteness check, which a capture cannot hold: its buckets run eagerly)."""
         return (
             runner.device.type == "cuda"
-            and runner._use_kernel()
+            and runner.use_kernel()
             and type(runner.storage) is PagedCache
         )
 
@@ -162,9 +162,9 @@ class DecodeGraphRunner:
         from kvlib.kernels import paged_decode_attention, paged_decode_attention_ref
         from kvlib.ops.decode_plan import DecodeWorkspace
 
-        config, kernel, launch = runner.model.config, runner._use_kernel(), {}
+        config, kernel, launch = runner.model.config, runner.use_kernel(), {}
         if kernel:
-            splits = runner._kernel_splits()
+            splits = runner.kernel_splits()
             workspace = DecodeWorkspace.allocate(
                 bucket_sizes(runner.max_graph_batch)[-1],
                 config.num_attention_heads,

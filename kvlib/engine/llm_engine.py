@@ -52,20 +52,15 @@ from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.block_pool import BlockPool
 from kvlib.cache.paged import PagedCache
 from kvlib.cache.quantized import QuantizedPagedCache
-from kvlib.engine.aborts_and_forks import AbortsAndForks
 from kvlib.engine.overlap import StepHandle
-from kvlib.engine.request import (
-    Request,
-    RequestOutput,
-    SamplingParams,
-)
+from kvlib.engine.request import Request, RequestOutput, SamplingParams
 from kvlib.engine.runner import ModelRunner
 from kvlib.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from kvlib.engine.stats import EngineStats, StepStats
+from kvlib.engine.stats import EngineStats, StepStats, request_metrics, summary
 from kvlib.errors import OutOfBlocksError
 from kvlib.quant import QuantScheme
 
-__all__ = ["EngineConfig", "LLMEngine", "StepStats"]
+__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "StepStats"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,6 +75,8 @@ class EngineConfig(SchedulerConfig):
     kv_scheme: a per-token `kvlib.quant.QuantScheme` to store K/V quantized (chapter 10), or None.
     async_scheduling: overlap the host with the device (see `LLMEngine`'s module docstring):
         plan and launch a step before the previous one's tokens are back.
+    max_recorded_steps: `StepStats` records the engine's `stats` keeps (the latest; its totals
+        count every step).
     """
 
     num_blocks: int
@@ -87,10 +84,12 @@ class EngineConfig(SchedulerConfig):
     enable_prefix_caching: bool = False
     kv_scheme: QuantScheme | None = None
     async_scheduling: bool = False
+    max_recorded_steps: int = 10_000
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_positive_int("num_blocks", self.num_blocks)
+        check_positive_int("max_recorded_steps", self.max_recorded_steps)
         check_positive_int("block_size", self.block_size)
         if self.async_scheduling and (self.policy == "static" or self.eviction is not None):
             raise ValueError(
@@ -113,8 +112,11 @@ class _LaunchedStep(NamedTuple):
     counts: tuple[int, int, int]
 
 
-class LLMEngine(AbortsAndForks, EngineStats):
-    """A continuous-batching engine over the paged cache (see the module docstring).
+class LLMEngine:
+    """A continuous-batching engine over the paged cache (see the module docstring). It holds
+    its parts and feeds them: the `scheduler` (queues, token budget, preemption, aborts, forks),
+    the block `manager` (block tables, copy-on-write), the `storage` (the KV pools), the
+    `runner` (one forward and sampling per step) and the `stats` (`EngineStats`).
 
     Args:
         model: a `kvlib.model.LlamaModel` (not MLA; no sliding window).
@@ -153,9 +155,7 @@ class LLMEngine(AbortsAndForks, EngineStats):
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
         self.storage.manager = self.manager = BlockManager(pool)  # the engine decides the slots
-        self.scheduler = Scheduler(
-            self.config, self.manager
-        )  # an EngineConfig is a SchedulerConfig
+        self.scheduler = Scheduler(self.config, self.manager)  # an EngineConfig is one
         self.runner = ModelRunner(
             model,
             self.storage,
@@ -165,10 +165,8 @@ class LLMEngine(AbortsAndForks, EngineStats):
             max_model_len=self.config.max_model_len,
         )
         self.requests: dict[str, Request] = {}
-        self.stats: list[StepStats] = []
+        self.stats = EngineStats(self.config.max_recorded_steps)
         self.clock = 0.0
-        self._computed_before: dict[str, int] = {}  # request id -> most tokens it ever had computed
-        self._pending_forks: dict[str, list[Request]] = {}  # parent id -> children to fork
         self._in_flight: deque[_LaunchedStep] = deque()  # launched, tokens not collected yet
         self._unattributed_s = 0.0  # wall time of calls since the last collected step
 
@@ -176,7 +174,7 @@ class LLMEngine(AbortsAndForks, EngineStats):
     def block_bytes(self) -> int:
         """Bytes of one block: K and V (codes, scales and zero points if quantized), every
         layer."""
-        return sum(pool[0].numel() * pool.element_size() for pool in self.storage._pools())
+        return sum(pool[0].numel() * pool.element_size() for pool in self.storage.block_tensors())
 
     def add_request(
         self,
@@ -191,6 +189,61 @@ class LLMEngine(AbortsAndForks, EngineStats):
                 prompt + max_tokens longer than max_model_len, or needing more blocks than the
                 pool has (without eviction).
         """
+        request = self._new_request(request_id, prompt_token_ids, sampling_params)
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+
+    def add_parallel_requests(
+        self,
+        request_ids: Sequence[str],
+        prompt_token_ids: Sequence[int],
+        sampling_params: Sequence[SamplingParams],
+    ) -> None:
+        """Serve one prompt `len(request_ids)` times (OpenAI's `n`, parallel sampling; give each
+        its own seed). The first request computes the prompt; the others are forked from its
+        blocks in the step that completes it (`Scheduler.fork_children`: copy-on-write, chapter
+        7, as vLLM's parallel sampling shares the prompt's blocks), within `max_num_seqs`.
+
+        Raises:
+            ValueError, TypeError: as `add_request`, or ids and params of different lengths.
+        """
+        if len(request_ids) != len(sampling_params) or not request_ids:
+            raise ValueError(
+                f"sampling_params: expected one per request id ({len(request_ids)}), got "
+                f"{len(sampling_params)}"
+            )
+        if len(set(request_ids)) != len(request_ids) or set(request_ids) & set(self.requests):
+            raise ValueError(f"request_ids: expected new, distinct ids, got {list(request_ids)}")
+        family = [
+            self._new_request(request_id, prompt_token_ids, params)
+            for request_id, params in zip(request_ids, sampling_params)
+        ]
+        for request in family:
+            self.requests[request.request_id] = request
+        self.scheduler.add_parallel_requests(family[0], family[1:])
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop an unfinished request (its client went away): it leaves the queues, its blocks
+        are freed at once (shared ones lose one reference) and it is forgotten. Returns False if
+        it is unknown or already finished (nothing to do)."""
+        request = self.requests.get(request_id)
+        if request is None or (request.is_finished and request not in self.scheduler.running):
+            return False
+        del self.requests[request_id]
+        self.stats.forget(request_id)
+        self.scheduler.abort_request(request)
+        return True
+
+    def request_metrics(self) -> list[dict]:
+        """Per finished request: `kvlib.engine.stats.request_metrics` of `requests`."""
+        return request_metrics(self.requests.values())
+
+    def summary(self) -> dict:
+        """The run in numbers: `kvlib.engine.stats.summary` of `stats` and `requests`."""
+        return summary(self.stats, self.requests, self.block_bytes)
+
+    def _new_request(self, request_id, prompt_token_ids, sampling_params) -> Request:
+        """A checked `Request` (see `add_request` for what is refused), arriving now."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(
@@ -216,11 +269,9 @@ class LLMEngine(AbortsAndForks, EngineStats):
                 f"need {-(-held // self.config.block_size)} blocks, more than the pool's "
                 f"{self.config.num_blocks}: the request could never run"
             )
-        request = Request(
+        return Request(
             str(request_id), ids, params, arrival_step=len(self.stats), arrival_time=self.clock
         )
-        self.requests[request.request_id] = request
-        self.scheduler.add_request(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests or bool(self._in_flight)
@@ -256,13 +307,13 @@ class LLMEngine(AbortsAndForks, EngineStats):
         """Launch a planned step: count its tokens, queue its device work (with the block copies
         copy-on-write owes), fork the children of a parent whose prompt it completes, and advance
         its requests (placeholders for the tokens it samples)."""
-        counts = self._count_tokens(plan.scheduled)  # before the step advances the requests
+        counts = self.stats.count_tokens(plan.scheduled)  # before the step advances them
         copies, self.manager.copies = self.manager.copies, []
         handle = self.runner.submit(
             plan.scheduled, copies, non_blocking=self.config.async_scheduling
         )
-        if self._pending_forks:  # (a parent waiting for its prompt: parallel sampling)
-            self._fork_children(plan.scheduled)
+        for child in self.scheduler.fork_children(plan):  # parallel sampling
+            self.stats.set_computed(child.request_id, child.num_computed_tokens)
         self.scheduler.advance(plan)
         return _LaunchedStep(plan, handle, counts)
 
@@ -283,6 +334,7 @@ class LLMEngine(AbortsAndForks, EngineStats):
             finished = request.is_finished
             if finished:
                 request.finish_step, request.finish_time = step, self.clock
+                self.stats.forget(request.request_id)
             entry = logprobs.get(request.request_id) if logprobs else None
             outputs.append(
                 RequestOutput(
@@ -296,7 +348,7 @@ class LLMEngine(AbortsAndForks, EngineStats):
                 )
             )
         prefill, decode, recomputed = launched.counts
-        self.stats.append(
+        self.stats.record(
             StepStats(
                 step=step,
                 seconds=seconds,
@@ -321,28 +373,6 @@ class LLMEngine(AbortsAndForks, EngineStats):
         """Seconds a step is charged beyond its wall time: none here; chapter 14's engine
         charges the modelled transfer time of the blocks it promoted from slower tiers."""
         return 0.0
-
-    def _count_tokens(self, scheduled) -> tuple[int, int, int]:
-        """(prefill, decode, recomputed) tokens of a plan, before the step runs: token i of a
-        request is recomputed if the request had computed it before (it was since preempted),
-        otherwise prefill if it is a prompt token, decode if it is a generated one."""
-        prefill = decode = recomputed = 0
-        computed_before = self._computed_before
-        for request, n in scheduled:
-            start, end = request.num_computed_tokens, request.num_computed_tokens + n
-            before = computed_before.get(request.request_id, 0)
-            if before <= start and start >= len(request.prompt_token_ids):  # plain decoding
-                decode += n
-                computed_before[request.request_id] = end
-                continue
-            again = max(0, min(end, before) - start)
-            fresh_start = start + again
-            prompt_end = max(fresh_start, min(end, len(request.prompt_token_ids)))
-            recomputed += again
-            prefill += prompt_end - fresh_start
-            decode += end - prompt_end
-            computed_before[request.request_id] = max(before, end)
-        return prefill, decode, recomputed
 
     def generate(
         self,

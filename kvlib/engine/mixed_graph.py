@@ -94,7 +94,7 @@ class MixedGraphKV:
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         new_k, new_v = k[0].transpose(0, 1), v[0].transpose(0, 1)  # (size, H_kv, D)
-        return self.storage._write(layer_idx, self.slot_mapping, new_k, new_v, self.handle)
+        return self.storage.write_slots(layer_idx, self.slot_mapping, new_k, new_v, self.handle)
 
     def attention_backend(self, q, kv, mask, *, weights_out=None):
         """q (1, H, size, D) -> (1, H, size, D); padding rows come back as zeros. The kernel

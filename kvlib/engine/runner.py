@@ -63,7 +63,7 @@ class ModelRunner:
     graphs on a CUDA device over a plain `PagedCache`, eagerly elsewhere (on a CPU under Triton's
     interpreter). Off by default; it needs Triton.
     `max_model_len`: the longest sequence a request may reach (the engine's `max_model_len`); it
-    sizes the kernel's split count (`_kernel_splits`). None: the pool's capacity.
+    sizes the kernel's split count (`kernel_splits`). None: the pool's capacity.
     `device_queue`: what runs a step's device work (`kvlib.engine.overlap`): `InlineDevice` by
     default; a `WorkerThreadDevice` makes a CPU behave as an asynchronous device.
     """
@@ -101,7 +101,7 @@ class ModelRunner:
         self.mixed_graphs, self.mixed_runner = mixed_graphs, None
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         if cuda_graphs or mixed_graphs:  # a scratch block past the pool's last, for padding rows
-            storage._make_pools(manager.pool.num_blocks + 1, self.device)
+            storage.reallocate(manager.pool.num_blocks + 1, self.device)
         self.max_model_len = max_model_len
         self.num_splits = 1
         self._workspace = None
@@ -114,7 +114,10 @@ class ModelRunner:
         # (a benchmark's GPU time per step); None: nothing recorded
         self.gpu_events: list | None = None
 
-    def _use_kernel(self) -> bool:
+    def use_kernel(self) -> bool:
+        """Whether decode steps launch the paged Triton decode kernel (`kvlib.kernels`): asked
+        for (`decode_kernel`), or by default on CUDA, where the cache's layout and the model's
+        dtype allow it and Triton imports."""
         from kvlib.kernels import triton_available
 
         dtype = self.model.lm_head.weight.dtype
@@ -141,11 +144,11 @@ class ModelRunner:
         return triton_available()
 
     def _attention_paths(self) -> tuple[bool, bool, bool]:
-        """(`_use_kernel()`, `_use_varlen()`, `_use_prefill_kernel()`), worked out again only
+        """(`use_kernel()`, `_use_varlen()`, `_use_prefill_kernel()`), worked out again only
         when `decode_kernel`, `prefill_varlen` or `prefill_kernel` changed."""
         key = (self.decode_kernel, self.prefill_varlen, self.prefill_kernel)
         if self._paths is None or self._paths[0] != key:
-            paths = self._use_kernel(), self._use_varlen(), self._use_prefill_kernel()
+            paths = self.use_kernel(), self._use_varlen(), self._use_prefill_kernel()
             self._paths = key, paths
         return self._paths[1]
 
@@ -164,7 +167,7 @@ class ModelRunner:
         config = self.model.config
         n = len(batch.seq_lens)
         if self._workspace is None or self._workspace.partial_out.shape[0] < n:
-            self.num_splits = self._kernel_splits()
+            self.num_splits = self.kernel_splits()
             self._workspace = DecodeWorkspace.allocate(
                 max(
                     n, 2 * (0 if self._workspace is None else self._workspace.partial_out.shape[0])
@@ -183,7 +186,7 @@ class ModelRunner:
             )
         return KernelBatchKV(self.storage, batch, **kernel)
 
-    def _kernel_splits(self) -> int:
+    def kernel_splits(self) -> int:
         """One split count for the runner's lifetime, for the longest sequence a request can
         reach (`max_model_len`, at most the pool's capacity): a sequence's arithmetic must not
         depend on its batch. Sized from the capacity instead, a short-context engine with a big
@@ -195,6 +198,8 @@ class ModelRunner:
             longest = min(longest, self.max_model_len)
         heads = self.model.config.num_key_value_heads
         return default_num_splits(1, heads, longest, self.device)
+
+    _use_kernel, _kernel_splits = use_kernel, kernel_splits  # the names before they were public
 
     def _graph_logits(self, batch: ModelInput):
         """A step's logits `(N, V)` through static buffers: a decode-only step through the
@@ -253,7 +258,7 @@ class ModelRunner:
             start.record()
         with torch.no_grad():
             for src, dst in block_copies:  # copy-on-write, every layer, before anything writes
-                for pool in self.storage._pools():
+                for pool in self.storage.block_tensors():
                     pool[dst] = pool[src]
             if staged is None:
                 return None

@@ -43,7 +43,8 @@ from collections import deque
 
 from kvlib._validate import check_positive_int
 from kvlib.cache.block_manager import BlockManager
-from kvlib.engine.request import Request, RequestStatus
+from kvlib.engine.request import FinishReason, Request, RequestStatus
+from kvlib.errors import OutOfBlocksError
 
 __all__ = ["SchedulerConfig", "SchedulerOutput", "Scheduler", "StreamingEviction"]
 
@@ -140,9 +141,86 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved: dict[str, list[int]] = {}  # static: blocks held back for each request
+        self._pending_forks: dict[str, list[Request]] = {}  # parent id -> children to fork
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
+
+    # --- parallel sampling and aborts ------------------------------------------------------------
+
+    def add_parallel_requests(self, parent: Request, children: list[Request]) -> None:
+        """Queue `parent` and the `children` that sample the same prompt (OpenAI's `n`). Where
+        forking is possible (continuous batching, no eviction, a prompt of 2+ tokens: a
+        one-token prompt has nothing computed to share) the children wait until the step that
+        completes the parent's prompt (`fork_children`); otherwise they queue as ordinary
+        requests (with prefix caching they then hit the parent's full blocks)."""
+        self.add_request(parent)
+        forkable = (
+            self.config.policy == "continuous"
+            and self.config.eviction is None
+            and len(parent.prompt_token_ids) > 1
+        )
+        if forkable:
+            self._pending_forks[parent.request_id] = list(children)
+        else:
+            for child in children:
+                self.add_request(child)
+
+    def fork_children(self, out: SchedulerOutput) -> list[Request]:
+        """For each parent whose prompt the launched step `out` completes (the block manager
+        then holds exactly the prompt's tokens): **fork** its children (`BlockManager.fork`:
+        they share its blocks, chapter 7's copy-on-write), each keeping all but the prompt's
+        last token, which it recomputes next step (one token) to sample its own first token.
+        A child runs at once only while fewer than `max_num_seqs` requests run and a free block
+        can take its copy of the shared last block; otherwise it queues as an ordinary request.
+        Returns the children now running."""
+        forked = []
+        for request, num_new in out.scheduled:
+            children = self._pending_forks.get(request.request_id)
+            prompt_len = len(request.prompt_token_ids)
+            if children is None or request.num_computed_tokens + num_new < prompt_len:
+                continue
+            del self._pending_forks[request.request_id]
+            for child in children:
+                if len(self.running) >= self.config.max_num_seqs:
+                    self.add_request(child)
+                    continue
+                self.manager.fork(request.request_id, child.request_id)
+                try:
+                    self.manager.truncate(child.request_id, prompt_len - 1)
+                except OutOfBlocksError:
+                    self.manager.free(child.request_id)
+                    self.add_request(child)
+                    continue
+                child.num_computed_tokens = child.num_cached_tokens = prompt_len - 1
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+                forked.append(child)
+        return forked
+
+    def abort_request(self, request: Request) -> None:
+        """Stop an unfinished request: it leaves the queues (or its parent's children still to
+        fork), its blocks are freed at once (shared ones lose one reference), and it finishes
+        with `FinishReason.ABORT`. Children still waiting to be forked from it queue as ordinary
+        requests."""
+        request_id = request.request_id
+        for children in self._pending_forks.values():
+            if request in children:
+                children.remove(request)
+                break
+        else:
+            for child in self._pending_forks.pop(request_id, []):
+                self.add_request(child)
+            if request in self.waiting:
+                self.waiting.remove(request)
+            elif request in self.running:
+                self.running.remove(request)
+                reserved = self.reserved.pop(request_id, None)  # static batching
+                if reserved:
+                    self.manager.pool.free(reserved)
+                if request_id in self.manager.block_tables:
+                    self.manager.free(request_id)
+        request.status, request.finish_reason = RequestStatus.FINISHED, FinishReason.ABORT
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -1,15 +1,35 @@
-"""The engine's numbers (chapter 12): `StepStats`, one per step, and `EngineStats`, what
-`LLMEngine` reports from them and from its requests: per-request metrics (TTFT, TPOT, latency,
-prefix hits, preemptions) and a run's summary (throughput, percentiles, peak KV blocks, tokens by
-kind). Token counts are explained in `kvlib.engine.llm_engine`'s docstring."""
+"""The engine's numbers (chapter 12): `StepStats`, one record per step, and `EngineStats`, the
+object `LLMEngine` holds and feeds: it keeps the most recent steps (a ring, so that a server that
+runs for days holds a bounded number) and running totals over every step, and classifies each
+step's computed tokens (prefill, decode, recomputed: explained in `kvlib.engine.llm_engine`'s
+docstring). `request_metrics` (TTFT, TPOT, latency, prefix hits, preemptions per finished
+request) and `summary` (throughput, percentiles, peak KV blocks, tokens by kind) compute a run's
+metrics from it and the engine's requests."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import statistics
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
 
-__all__ = ["EngineStats", "StepStats"]
+from kvlib._validate import check_positive_int
+
+__all__ = ["EngineStats", "StepStats", "request_metrics", "summary"]
+
+# Totals kept over every step: the StepStats fields that a run's summary sums.
+SUMMED = (
+    "seconds",
+    "num_prefill_tokens",
+    "num_decode_tokens",
+    "num_recomputed_tokens",
+    "num_preemptions",
+    "prefix_hit_tokens",
+    "prefix_query_tokens",
+    "preempted_hit_tokens",
+    "preempted_query_tokens",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,71 +59,166 @@ class StepStats:
 
 
 class EngineStats:
-    """`LLMEngine`'s metrics, from its `stats` (a `StepStats` per step), its `requests` and its
-    `block_bytes`."""
+    """Every step's `StepStats`, as far as memory allows: the last `max_recorded_steps` records,
+    and totals (`totals[field]` for the fields in `SUMMED`, `peak_blocks`) over all of them.
 
-    def request_metrics(self) -> list[dict]:
-        """Per finished request: arrival, first-token and finish steps; TTFT, TPOT (mean time
-        between its output tokens) and latency in seconds; prompt and output tokens; prefix-hit
-        tokens at its admission; preemptions."""
-        rows = []
-        for r in self.requests.values():
-            if not r.is_finished:
+    It reads like the list of all steps while none has been dropped: `len(stats)` is the number of
+    steps recorded, `stats[i]` step i (negative from the end, slices too), iteration the kept
+    records oldest first. Reading a dropped step raises IndexError naming the kept range.
+
+    It also classifies a step's tokens before the step runs (`count_tokens`), for which it keeps,
+    per unfinished request, the most tokens the request ever had computed (`forget` drops a
+    finished or aborted request's entry).
+
+    Args:
+        max_recorded_steps: records kept (vLLM keeps none: its loggers aggregate as it goes).
+
+    Raises:
+        ValueError: max_recorded_steps < 1.
+    """
+
+    def __init__(self, max_recorded_steps: int = 10_000):
+        self.max_recorded_steps = check_positive_int("max_recorded_steps", max_recorded_steps)
+        self.recent: deque[StepStats] = deque(maxlen=max_recorded_steps)
+        self.num_steps = 0
+        self.totals = dict.fromkeys(SUMMED, 0)
+        self.peak_blocks = 0
+        self.computed_before: dict[str, int] = {}  # request id -> most tokens it ever computed
+
+    # --- feeding ---------------------------------------------------------------------------------
+
+    def record(self, step: StepStats) -> None:
+        """Add the next step (its `step` must be `len(self)`); the oldest record may be dropped.
+        Raises ValueError for a step out of order."""
+        if step.step != self.num_steps:
+            raise ValueError(f"step: expected step {self.num_steps} next, got {step.step}")
+        self.recent.append(step)
+        self.num_steps += 1
+        for field in SUMMED:
+            self.totals[field] += getattr(step, field)
+        self.peak_blocks = max(self.peak_blocks, step.num_blocks_in_use)
+
+    def count_tokens(self, scheduled) -> tuple[int, int, int]:
+        """(prefill, decode, recomputed) tokens of a plan's `scheduled` (request, new tokens)
+        pairs, before the step runs: token i of a request is recomputed if the request had
+        computed it before (it was since preempted), otherwise prefill if it is a prompt token,
+        decode if it is a generated one."""
+        prefill = decode = recomputed = 0
+        computed_before = self.computed_before
+        for request, n in scheduled:
+            start, end = request.num_computed_tokens, request.num_computed_tokens + n
+            before = computed_before.get(request.request_id, 0)
+            if before <= start and start >= len(request.prompt_token_ids):  # plain decoding
+                decode += n
+                computed_before[request.request_id] = end
                 continue
-            n = len(r.output_token_ids)
-            rows.append(
-                dict(
-                    request_id=r.request_id,
-                    arrival_step=r.arrival_step,
-                    first_token_step=r.first_token_step,
-                    finish_step=r.finish_step,
-                    ttft_s=r.first_token_time - r.arrival_time,
-                    tpot_s=(r.finish_time - r.first_token_time) / (n - 1) if n > 1 else 0.0,
-                    latency_s=r.finish_time - r.arrival_time,
-                    prompt_tokens=len(r.prompt_token_ids),
-                    output_tokens=n,
-                    cached_tokens=r.num_cached_tokens,
-                    preemptions=r.num_preemptions,
-                )
+            again = max(0, min(end, before) - start)
+            fresh_start = start + again
+            prompt_end = max(fresh_start, min(end, len(request.prompt_token_ids)))
+            recomputed += again
+            prefill += prompt_end - fresh_start
+            decode += end - prompt_end
+            computed_before[request.request_id] = max(before, end)
+        return prefill, decode, recomputed
+
+    def set_computed(self, request_id: str, num_tokens: int) -> None:
+        """A request starts with `num_tokens` computed that it did not compute (a forked child
+        shares its parent's prompt): they count as neither prefill nor recomputation."""
+        self.computed_before[request_id] = num_tokens
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished or aborted request's token history (the memory stays bounded)."""
+        self.computed_before.pop(request_id, None)
+
+    # --- reading ---------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.num_steps
+
+    def __iter__(self) -> Iterator[StepStats]:
+        return iter(self.recent)
+
+    def __getitem__(self, index):
+        first = self.num_steps - len(self.recent)  # the oldest step kept
+        if isinstance(index, slice):
+            start, stop, stride = index.indices(self.num_steps)
+            return [self[i] for i in range(start, stop, stride)]
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"index: expected an int or a slice, got {type(index).__name__}")
+        position = index + self.num_steps if index < 0 else index
+        if not first <= position < self.num_steps:
+            raise IndexError(
+                f"index: step {index} is not kept; steps {first}..{self.num_steps - 1} are "
+                f"(the last max_recorded_steps={self.max_recorded_steps})"
             )
-        return rows
+        return self.recent[position - first]
 
-    def summary(self) -> dict:
-        """The run in numbers: steps, busy seconds, **output** tokens per second (generated tokens
-        only: prompt tokens are work, not output), mean and 90th-percentile TTFT and TPOT (s),
-        peak KV blocks in use and their bytes, preemptions, prefix hit rate of first admissions
-        (tokens hit / tokens looked up) and, apart, of readmissions after a preemption (0 when
-        none), and tokens computed by kind (prefill, decode, recomputed)."""
-        rows, stats = self.request_metrics(), self.stats
-        busy = sum(s.seconds for s in stats)
-        out_tokens = sum(r["output_tokens"] for r in rows)
-        queries = sum(s.prefix_query_tokens for s in stats)
-        readmitted = sum(s.preempted_query_tokens for s in stats)
+    def __repr__(self) -> str:
+        return f"EngineStats({self.num_steps} steps, {len(self.recent)} kept)"
 
-        def p90(values):
-            return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
 
-        ttft, tpot = [r["ttft_s"] for r in rows], [r["tpot_s"] for r in rows]
-        peak = max((s.num_blocks_in_use for s in stats), default=0)
-        return dict(
-            requests=len(rows),
-            steps=len(stats),
-            busy_s=busy,
-            output_tokens=out_tokens,
-            prompt_tokens=sum(r["prompt_tokens"] for r in rows),
-            output_tokens_per_s=out_tokens / busy if busy else math.nan,
-            mean_ttft_s=statistics.fmean(ttft) if ttft else math.nan,
-            p90_ttft_s=p90(ttft) if ttft else math.nan,
-            mean_tpot_s=statistics.fmean(tpot) if tpot else math.nan,
-            p90_tpot_s=p90(tpot) if tpot else math.nan,
-            peak_blocks=peak,
-            peak_kv_bytes=peak * self.block_bytes,
-            preemptions=sum(s.num_preemptions for s in stats),
-            prefix_hit_rate=sum(s.prefix_hit_tokens for s in stats) / queries if queries else 0.0,
-            preempted_hit_rate=(
-                sum(s.preempted_hit_tokens for s in stats) / readmitted if readmitted else 0.0
-            ),
-            prefill_tokens=sum(s.num_prefill_tokens for s in stats),
-            decode_tokens=sum(s.num_decode_tokens for s in stats),
-            recomputed_tokens=sum(s.num_recomputed_tokens for s in stats),
+def request_metrics(requests: Iterable) -> list[dict]:
+    """Per finished request of `requests` (`kvlib.engine.request.Request`s): arrival,
+    first-token and finish steps; TTFT, TPOT (mean time between its output tokens) and latency in
+    seconds of the engine's clock; prompt and output tokens; prefix-hit tokens at its admission;
+    preemptions."""
+    rows = []
+    for r in requests:
+        if not r.is_finished:
+            continue
+        n = len(r.output_token_ids)
+        rows.append(
+            dict(
+                request_id=r.request_id,
+                arrival_step=r.arrival_step,
+                first_token_step=r.first_token_step,
+                finish_step=r.finish_step,
+                ttft_s=r.first_token_time - r.arrival_time,
+                tpot_s=(r.finish_time - r.first_token_time) / (n - 1) if n > 1 else 0.0,
+                latency_s=r.finish_time - r.arrival_time,
+                prompt_tokens=len(r.prompt_token_ids),
+                output_tokens=n,
+                cached_tokens=r.num_cached_tokens,
+                preemptions=r.num_preemptions,
+            )
         )
+    return rows
+
+
+def summary(stats: EngineStats, requests: Mapping | Iterable, block_bytes: int) -> dict:
+    """The run in numbers, from `stats`' totals over every step and the finished `requests`:
+    steps, busy seconds, **output** tokens per second (generated tokens only: prompt tokens are
+    work, not output), mean and 90th-percentile TTFT and TPOT (s), peak KV blocks in use and
+    their bytes (`block_bytes` each), preemptions, prefix hit rate of first admissions (tokens
+    hit / tokens looked up) and, apart, of readmissions after a preemption (0 when none), and
+    tokens computed by kind (prefill, decode, recomputed)."""
+    rows = request_metrics(requests.values() if isinstance(requests, Mapping) else requests)
+    totals = stats.totals
+    busy = totals["seconds"]
+    out_tokens = sum(r["output_tokens"] for r in rows)
+    queries, readmitted = totals["prefix_query_tokens"], totals["preempted_query_tokens"]
+
+    def p90(values):
+        return statistics.quantiles(values, n=10)[-1] if len(values) > 1 else values[0]
+
+    ttft, tpot = [r["ttft_s"] for r in rows], [r["tpot_s"] for r in rows]
+    return dict(
+        requests=len(rows),
+        steps=stats.num_steps,
+        busy_s=busy,
+        output_tokens=out_tokens,
+        prompt_tokens=sum(r["prompt_tokens"] for r in rows),
+        output_tokens_per_s=out_tokens / busy if busy else math.nan,
+        mean_ttft_s=statistics.fmean(ttft) if ttft else math.nan,
+        p90_ttft_s=p90(ttft) if ttft else math.nan,
+        mean_tpot_s=statistics.fmean(tpot) if tpot else math.nan,
+        p90_tpot_s=p90(tpot) if tpot else math.nan,
+        peak_blocks=stats.peak_blocks,
+        peak_kv_bytes=stats.peak_blocks * block_bytes,
+        preemptions=totals["num_preemptions"],
+        prefix_hit_rate=totals["prefix_hit_tokens"] / queries if queries else 0.0,
+        preempted_hit_rate=(totals["preempted_hit_tokens"] / readmitted if readmitted else 0.0),
+        prefill_tokens=totals["num_prefill_tokens"],
+        decode_tokens=totals["num_decode_tokens"],
+        recomputed_tokens=totals["num_recomputed_tokens"],
+    )

@@ -34,6 +34,7 @@ from kvlib.ops.decode_checks import SUPPORTED_DTYPES, check_scales
 from kvlib.ops.decode_plan import LOG2_E, next_power_of_2
 from kvlib.ops.interpreter import INTERPRETED
 from kvlib.ops.paged_prefill import paged_prefill_attention
+from kvlib.ops.triton_import import import_triton_module
 
 __all__ = ["varlen_paged_attention", "varlen_paged_attention_ref"]
 
@@ -131,9 +132,7 @@ def varlen_paged_attention(
     )
     if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 1:
         raise ValueError(f"max_query_len: expected an int >= 1, got {max_query_len!r}")
-    from kvlib.kernels import _import_triton_module
-
-    module = _import_triton_module(
+    module = import_triton_module(
         "kvlib.ops.triton_prefill", "varlen_paged_attention", "kvlib.ops.varlen_attention"
     )
     kernel = module._varlen_paged_attention_kernel
