@@ -506,3 +506,22 @@ def test_recorded_sparse_sweep_spot_check_smollm2(smollm2):
         prefill_chunk_size=EVICTION_CHUNK,
     )
     assert int(correct) == sweep_rows("passkey", "quest", 8, 2, "correct")["0.5"]
+
+
+def test_captured_mass_is_causal():
+    """The trace's selection for query t uses no key after t (issue 55): keys after the query,
+    changed at will, change nothing, even with the query's own page left to its score."""
+    from kvlib.sparse.trace import captured_mass
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(6, 70, 16, generator=g), torch.randn(2, 70, 16, generator=g)
+    for t in (37, 40, 47, 50):  # queries early, mid and late in their pages
+        changed = k.clone()
+        changed[:, t + 1 :] = 10 * torch.randn(2, 70 - t - 1, 16, generator=g)
+        for recent in (0, 1):
+            full, future, cut = (
+                captured_mass(qq, kk, 16, 2, first_query=t, every=100, recent_pages=recent)
+                for qq, kk in ((q, k), (q, changed), (q[:, : t + 1], k[:, : t + 1]))
+            )
+            torch.testing.assert_close(full, future)
+            torch.testing.assert_close(full, cut)
