@@ -525,3 +525,23 @@ def test_captured_mass_is_causal():
             )
             torch.testing.assert_close(full, future)
             torch.testing.assert_close(full, cut)
+
+
+def test_bounds_dtype_in_the_equation():
+    """The bounds' dtype is the equation's argument (issue 55): float32 bounds over a 16-bit
+    cache are 2 / block_size of it; the default keeps the cache's dtype, as before."""
+    from kvlib.config import CONFIG_DIR
+    from kvlib.memory import kv_cache_bytes, page_bounds_bytes, sparse_decode_read_bytes
+
+    config = str(CONFIG_DIR / "llama-2-7b.json")
+    cache = kv_cache_bytes(config, 32768, cache_dtype="float16")
+    assert page_bounds_bytes(config, 32768, cache_dtype="float16") * 16 == cache
+    assert (
+        page_bounds_bytes(config, 32768, cache_dtype="float16", bounds_dtype="float32") * 8 == cache
+    )
+    same = sparse_decode_read_bytes(config, 32768, 128, cache_dtype="float16")
+    wide = sparse_decode_read_bytes(
+        config, 32768, 128, cache_dtype="float16", bounds_dtype="float32"
+    )
+    bounds_read = page_bounds_bytes(config, 32768, cache_dtype="float16") * 30 // 32  # 30 sparse
+    assert wide - same == bounds_read
