@@ -545,3 +545,34 @@ def test_bounds_dtype_in_the_equation():
     )
     bounds_read = page_bounds_bytes(config, 32768, cache_dtype="float16") * 30 // 32  # 30 sparse
     assert wide - same == bounds_read
+
+
+def test_sparse_long_shares_one_prefill(smollm2):
+    """kvlib.experiments.sparse_long: every selector decodes from a copy of one dense prefill, so
+    the copies start equal and the base cache is left as it was; the book's prose is long
+    enough for the recording."""
+    from kvlib.experiments.sparse_long import (
+        TEXT_TOKENS,
+        _with_selection,
+        long_text,
+        sparse_policies,
+    )
+    from kvlib.experiments.sparse_sweep import sparse_factory
+
+    model, tokenizer = smollm2
+    assert long_text(tokenizer).shape == (1, TEXT_TOKENS)
+    assert ("full", None, 0) in sparse_policies() and ("quest", 8, 0) in sparse_policies()
+    ids = long_text(tokenizer)[:, :40]
+    base = sparse_factory("quest", None, 0)(model, 1, 64)
+    with torch.no_grad():
+        model(ids, cache=base)
+    copy = _with_selection(base, "oracle", 2, 2)
+    assert (copy.selector, copy.budget_pages, base.selector, base.budget_pages) == (
+        "oracle",
+        2,
+        "quest",
+        None,
+    )
+    with torch.no_grad():
+        model(ids[:, -1:], cache=copy, validate=False)
+    assert int(base.seq_lens[0]) == 40 and int(copy.seq_lens[0]) == 41
