@@ -506,3 +506,73 @@ def test_recorded_sparse_sweep_spot_check_smollm2(smollm2):
         prefill_chunk_size=EVICTION_CHUNK,
     )
     assert int(correct) == sweep_rows("passkey", "quest", 8, 2, "correct")["0.5"]
+
+
+def test_captured_mass_is_causal():
+    """The trace's selection for query t uses no key after t (issue 55): keys after the query,
+    changed at will, change nothing, even with the query's own page left to its score."""
+    from kvlib.sparse.trace import captured_mass
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(6, 70, 16, generator=g), torch.randn(2, 70, 16, generator=g)
+    for t in (37, 40, 47, 50):  # queries early, mid and late in their pages
+        changed = k.clone()
+        changed[:, t + 1 :] = 10 * torch.randn(2, 70 - t - 1, 16, generator=g)
+        for recent in (0, 1):
+            full, future, cut = (
+                captured_mass(qq, kk, 16, 2, first_query=t, every=100, recent_pages=recent)
+                for qq, kk in ((q, k), (q, changed), (q[:, : t + 1], k[:, : t + 1]))
+            )
+            torch.testing.assert_close(full, future)
+            torch.testing.assert_close(full, cut)
+
+
+def test_bounds_dtype_in_the_equation():
+    """The bounds' dtype is the equation's argument (issue 55): float32 bounds over a 16-bit
+    cache are 2 / block_size of it; the default keeps the cache's dtype, as before."""
+    from kvlib.config import CONFIG_DIR
+    from kvlib.memory import kv_cache_bytes, page_bounds_bytes, sparse_decode_read_bytes
+
+    config = str(CONFIG_DIR / "llama-2-7b.json")
+    cache = kv_cache_bytes(config, 32768, cache_dtype="float16")
+    assert page_bounds_bytes(config, 32768, cache_dtype="float16") * 16 == cache
+    assert (
+        page_bounds_bytes(config, 32768, cache_dtype="float16", bounds_dtype="float32") * 8 == cache
+    )
+    same = sparse_decode_read_bytes(config, 32768, 128, cache_dtype="float16")
+    wide = sparse_decode_read_bytes(
+        config, 32768, 128, cache_dtype="float16", bounds_dtype="float32"
+    )
+    bounds_read = page_bounds_bytes(config, 32768, cache_dtype="float16") * 30 // 32  # 30 sparse
+    assert wide - same == bounds_read
+
+
+def test_sparse_long_shares_one_prefill(smollm2):
+    """kvlib.experiments.sparse_long: every selector decodes from a copy of one dense prefill, so
+    the copies start equal and the base cache is left as it was; the book's prose is long
+    enough for the recording."""
+    from kvlib.experiments.sparse_long import (
+        TEXT_TOKENS,
+        _with_selection,
+        long_text,
+        sparse_policies,
+    )
+    from kvlib.experiments.sparse_sweep import sparse_factory
+
+    model, tokenizer = smollm2
+    assert long_text(tokenizer).shape == (1, TEXT_TOKENS)
+    assert ("full", None, 0) in sparse_policies() and ("quest", 8, 0) in sparse_policies()
+    ids = long_text(tokenizer)[:, :40]
+    base = sparse_factory("quest", None, 0)(model, 1, 64)
+    with torch.no_grad():
+        model(ids, cache=base)
+    copy = _with_selection(base, "oracle", 2, 2)
+    assert (copy.selector, copy.budget_pages, base.selector, base.budget_pages) == (
+        "oracle",
+        2,
+        "quest",
+        None,
+    )
+    with torch.no_grad():
+        model(ids[:, -1:], cache=copy, validate=False)
+    assert int(base.seq_lens[0]) == 40 and int(copy.seq_lens[0]) == 41

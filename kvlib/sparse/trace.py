@@ -7,10 +7,13 @@
   as a decode step would make it: the query's own page forced in as the newest, the first page as
   the sink, and only pages up to the query's own counted.
 
-Selecting with every key already known is safe here for one reason: the only page whose bounds
-would include keys after the query is the query's own page, which is always read, so its score
-never matters. Chapter 15 uses this to show how concentrated attention is, how far the bound falls
-short of the oracle per layer, and two pitfalls (page size; queries before RoPE), without decoding
+The selection is causal: the bounds of every page before the query's own hold only keys the
+query sees, and the query's own (partial) page is bounded from its keys up to the query, as the
+cache's newest page is at that decode step (a bound over the whole page would use keys from the
+future; it matters only when that page is left to its score, `recent_pages=0`).
+
+Chapter 15 uses this to show how concentrated attention is, how far the bound falls short of the
+oracle per layer, and two pitfalls (page size; queries before RoPE), without decoding
 token by token. Decoding through `kvlib.sparse.SparsePagedCache` is what the quality sweeps measure.
 
 Layouts: queries (H, T, D), keys (H_kv, T, D), one sequence; page masses (T, P).
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 from kvlib.cache.paged_bounds import PageBoundsCache
 from kvlib.layers.llama import apply_rope
 from kvlib.sparse.baselines import random_page_scores
-from kvlib.sparse.bounds import quest_page_scores
+from kvlib.sparse.bounds import page_upper_bounds, quest_page_scores
 from kvlib.sparse.selection import select_pages
 
 __all__ = ["LayerInputs", "attention_inputs", "captured_mass", "page_mass"]
@@ -89,6 +92,20 @@ def _pool(keys: torch.Tensor, block_size: int) -> PageBoundsCache:
     return cache
 
 
+def _own_page_scores(source, keys, rows, block_size) -> torch.Tensor:
+    """(T',) Quest's score of each query's own page, bounded from the page's keys up to the query
+    (source (T', H, D) the bounding queries; keys (H_kv, T, D))."""
+    num_kv_heads, length, head_dim = keys.shape
+    start = (rows // block_size) * block_size  # (T',)
+    slots = start[:, None] + torch.arange(block_size)  # (T', bs)
+    seen = slots <= rows[:, None]  # keys up to the query
+    page = keys[:, slots.clamp(max=length - 1)].permute(1, 2, 0, 3)  # (T', bs, H_kv, D)
+    hidden = ~seen[:, :, None, None]
+    low = page.masked_fill(hidden, float("inf")).amin(dim=1)  # (T', H_kv, D)
+    high = page.masked_fill(hidden, float("-inf")).amax(dim=1)
+    return page_upper_bounds(source, low[:, None], high[:, None])[:, :, 0].sum(dim=1)
+
+
 def page_mass(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -145,5 +162,7 @@ def captured_mass(
         table = torch.tensor(cache.manager.block_tables[0]).expand(len(rows), -1)
         source = (queries if bound_queries is None else bound_queries)[:, rows].transpose(0, 1)
         scores = quest_page_scores(source, cache.key_min[0], cache.key_max[0], table)
+        own = rows // block_size
+        scores[torch.arange(len(rows)), own] = _own_page_scores(source, keys, rows, block_size)
     selected = select_pages(scores, num_pages, budget_pages, recent_pages=recent_pages)
     return (mass * selected).sum(dim=1) / mass.sum(dim=1)

@@ -1,0 +1,118 @@
+"""Bootstrap intervals for measurements that are not independent (chapter 15).
+
+Two cases recur in the course's quality measurements:
+
+- **positions of one text**: per-position KL or top-1 agreement along a text are autocorrelated
+  (a hard passage makes several neighbouring positions hard), so resampling positions one by one
+  understates the spread. `paired_block_bootstrap` resamples **blocks** of consecutive positions
+  (the moving-block bootstrap, Künsch, Annals of Statistics 1989), and resamples the same blocks
+  for the two methods compared, so the interval is for their **difference** on the same text;
+- **items grouped in documents**: recall facts come several to a document, and a document that is
+  hard for one fact is often hard for the others. `cluster_bootstrap` resamples whole documents
+  (clusters) and recomputes the pooled rate.
+
+Both are percentile intervals over `draws` resamples from a seeded generator: the same interval
+on every run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvlib._validate import check_positive_int
+
+__all__ = ["cluster_bootstrap", "paired_block_bootstrap"]
+
+
+def _check_level(level: float) -> float:
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level: expected a number in (0, 1), got {level!r}")
+    return float(level)
+
+
+def paired_block_bootstrap(
+    a,
+    b=None,
+    *,
+    block: int = 8,
+    draws: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """The mean of `a - b` (or of `a` when `b` is None) over positions, and its moving-block
+    bootstrap percentile interval.
+
+    Args:
+        a, b: (N,) per-position values of two methods on the same positions, in text order
+            (e.g. KL in nats per position); b None: an interval for the mean of `a` alone.
+        block: consecutive positions per resampled block (1: the ordinary bootstrap, which
+            assumes independent positions); blocks start anywhere in 0 .. N - block.
+        draws: resamples; level: the interval's coverage (0.95: the 2.5th to 97.5th percentile).
+        seed: of the generator.
+    Returns:
+        (mean, low, high), floats in the values' units.
+    Raises:
+        ValueError: a or b not 1-D, different lengths, fewer than `block` positions, a level
+        outside (0, 1); TypeError, ValueError: block or draws not a positive int.
+    """
+    a = np.asarray(a, dtype=np.float64)
+    b = a * 0 if b is None else np.asarray(b, dtype=np.float64)
+    if a.ndim != 1 or b.shape != a.shape:
+        raise ValueError(
+            f"a, b: expected two 1-D arrays of one length, got shapes {a.shape} and {b.shape}"
+        )
+    diff = a - b
+    block = check_positive_int("block", block)
+    draws = check_positive_int("draws", draws)
+    level = _check_level(level)
+    n = len(diff)
+    if n < block:
+        raise ValueError(f"a: expected at least block = {block} positions, got {n}")
+    rng = np.random.default_rng(seed)
+    per_draw = -(-n // block)  # blocks per resample, cut back to n positions
+    starts = rng.integers(0, n - block + 1, size=(draws, per_draw))  # (draws, n / block)
+    index = (starts[:, :, None] + np.arange(block)).reshape(draws, -1)[:, :n]
+    means = diff[index].mean(axis=1)
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(diff.mean()), float(low), float(high)
+
+
+def cluster_bootstrap(
+    successes,
+    totals,
+    *,
+    draws: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """The pooled rate `sum(successes) / sum(totals)` over clusters (documents) and its cluster
+    bootstrap percentile interval: whole clusters resampled with replacement.
+
+    Args:
+        successes, totals: (C,) per cluster, e.g. facts recalled and facts asked per document;
+            0 <= successes <= totals, totals > 0.
+        draws, level, seed: as `paired_block_bootstrap`.
+    Returns:
+        (rate, low, high), fractions in [0, 1].
+    Raises:
+        ValueError: arrays that are not 1-D of one length (at least 2 clusters), counts out of
+        range, a level outside (0, 1); TypeError, ValueError: draws not a positive int.
+    """
+    hits = np.asarray(successes, dtype=np.float64)
+    total = np.asarray(totals, dtype=np.float64)
+    if hits.ndim != 1 or hits.shape != total.shape or len(hits) < 2:
+        raise ValueError(
+            f"successes, totals: expected two 1-D arrays of one length >= 2, got shapes "
+            f"{hits.shape} and {total.shape}"
+        )
+    if (total <= 0).any() or (hits < 0).any() or (hits > total).any():
+        raise ValueError("successes, totals: expected 0 <= successes <= totals and totals > 0")
+    draws = check_positive_int("draws", draws)
+    level = _check_level(level)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(hits), size=(draws, len(hits)))
+    rates = hits[picks].sum(axis=1) / total[picks].sum(axis=1)
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(rates, [tail, 100 - tail])
+    return float(hits.sum() / total.sum()), float(low), float(high)
