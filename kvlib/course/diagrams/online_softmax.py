@@ -78,7 +78,7 @@ def merge_two_states(scores: np.ndarray, values: np.ndarray, split: int):
     ax.text(
         s + 2.0,
         1.1,
-        f"out = acc / ℓ = {acc / ell:.4f}\nsoftmax over all\nscores: {direct:.4f}",
+        f"out = acc / ℓ = {acc / ell:.4f}\none softmax over\nall scores: {direct:.4f}",
         va="center",
         size=9,
     )
