@@ -139,8 +139,8 @@ def test_no_parameter_in_range_gives_a_degenerate_distribution(
 ):
     """Whatever the temperature in [0, 2], top_p in (0, 1] and top_k: the token drawn has positive
     probability under the filtered distribution, which is finite and not empty; below 1e-5 (vLLM's
-    rule) and at a top_p the most likely token reaches alone, the token is the argmax. Before the fix,
-    temperature 1e-38 or top_p 1e-46 drew token 0 every step."""
+    rule) and at a top_p the most likely token reaches alone, the token is the argmax. Before
+    the fix, temperature 1e-38 or top_p 1e-46 drew token 0 every step."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(3, 64, generator=g) * scale
     logits[:, 0] = logits.min(dim=-1).values - 1  # token 0 is never the argmax, nor likely

@@ -212,6 +212,17 @@ class EngineLoop:
             return
         record = _last_step(self.engine)
         self._publish(record)
+        self._observe(record)  # metrics: the step's tokens, requests it scheduled first
+        for output in outputs:
+            sink = self.sinks.get(output.request_id)
+            if sink is not None:
+                _deliver(sink, output)
+            if output.finished:
+                self._finish(output.request_id, aborted=False)
+
+    def _observe(self, record) -> None:
+        """Hand the step's `StepStats` to `step_observer`; tell the sink of each request this
+        step computed for the first time (`Scheduled`), before the step's outputs."""
         if self.step_observer is not None:
             self.step_observer(record)
         now = time.perf_counter()
@@ -220,12 +231,6 @@ class EngineLoop:
             if sink is not None and request_id not in self._scheduled:
                 self._scheduled.add(request_id)
                 _deliver(sink, Scheduled(request_id, now))
-        for output in outputs:
-            sink = self.sinks.get(output.request_id)
-            if sink is not None:
-                _deliver(sink, output)
-            if output.finished:
-                self._finish(output.request_id, aborted=False)
 
     def _publish(self, record) -> None:
         """Replace `snapshot` (one reference assignment: readers see the old or the new one),

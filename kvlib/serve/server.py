@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over `LLMEngine` (chapter 13): FastAPI routes, server-sent
 events, errors; the engine runs in an `EngineLoop` thread.
 
-Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`; `GET /health`
+Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`; `GET /openapi.json`
+(the document as the server behaves: `kvlib.serve.openapi`); `GET /health`
 (200 while the engine loop lives, 503 once it died) and `GET /metrics` (Prometheus' text format,
 vLLM's names: `kvlib.serve.metrics`). A request is checked (body, model name, prompt length)
 before it reaches the engine; each of its choices becomes one engine request whose outputs come
@@ -52,6 +53,7 @@ from kvlib.serve.engine_loop import EngineLoop
 from kvlib.serve.job import Job
 from kvlib.serve.metrics import CONTENT_TYPE, ServerMetrics
 from kvlib.serve.models import ServedModel
+from kvlib.serve.openapi import true_openapi
 
 __all__ = ["MAX_BODY_BYTES", "BodyLimit", "ServerThread", "create_app", "free_port"]
 
@@ -88,6 +90,18 @@ def create_app(
         app.add_middleware(BearerAuth, api_key=api_key)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)  # outermost: before the key
     _add_error_handlers(app)
+
+    def openapi():  # the document as the server behaves (kvlib.serve.openapi), built once
+        if app.openapi_schema is None:
+            app.openapi_schema = true_openapi(
+                app,
+                model_name=served.name,
+                vocab_size=served.model.config.vocab_size,
+                keyed=api_key is not None,
+            )
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.get("/health")
     async def health():
