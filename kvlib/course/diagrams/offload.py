@@ -45,7 +45,7 @@ def tier_walk(found_in: Sequence[str | None], *, transfer: bool = True) -> Figur
             )
     stop = next((i for i, tier in enumerate(found_in) if tier is None), len(found_in))
     rows = 3 if transfer else 2
-    fig, ax = plt.subplots(figsize=(10, 1.4 + 1.3 * rows))
+    fig, ax = plt.subplots(figsize=(10, 1.0 + 1.1 * rows))
     width = min(1.4, 11.0 / len(found_in))
     y = 2.6 * (rows - 1) + 0.6
     for i, tier in enumerate(found_in):
@@ -162,7 +162,8 @@ def tier_walk(found_in: Sequence[str | None], *, transfer: bool = True) -> Figur
             fontsize=7,
         )
     ax.set_xlim(-0.2, max(len(found_in) * width, 11.6))
-    ax.set_ylim(y - 2.6 * (rows - 1) - 0.6, y + 1.4)
+    bottom = ty - 2.5 if transfer else ty - 0.8  # below the lowest row of boxes
+    ax.set_ylim(bottom, y + 1.4)
     ax.axis("off")
     handles = [
         Patch(facecolor=TIER_COLORS[t], alpha=0.85, label=f"found on {t}")
