@@ -63,7 +63,7 @@ from kvlib.course.remote import (  # noqa: F401 (the checks import them from her
 from kvlib.course.wire import ParentRows
 
 ENV_GRADING = "KVLIB_GRADING"  # "1" while a notebook is executed by the grader: check() is silent
-MESSAGE_CHARS = 400  # longest message kept per question
+MESSAGE_CHARS = 600  # longest message kept per question (a check's own, 400, and a mistake's name)
 
 
 @dataclasses.dataclass(frozen=True)
