@@ -71,7 +71,8 @@ _ACTIVE = [0]  # graded calls running in this process
 # earlier shares the page and obeys the same rules meanwhile
 _SHARED = mmap.mmap(-1, 1)
 _ORIGIN = os.getpid()
-_state: dict = {"question": "", "allowed": (), "always": False}
+_state: dict = {"question": "", "allowed": (), "always": False, "installed": False}
+_ORIGINAL: dict[int, tuple[types.FunctionType, types.CodeType]] = {}  # id(fn) -> (fn, its code)
 
 
 def graded_call_running() -> bool:
@@ -101,7 +102,7 @@ def _allowed(dotted: str) -> bool:
 
 def _guard(dotted: str) -> None:
     """The first statement of every guarded function."""
-    if not (_ACTIVE[0] or (_SHARED[0] == 1 and os.getpid() != _ORIGIN)):
+    if not _state["installed"] or not graded_call_running():
         return
     try:
         caller = sys._getframe(2).f_code  # 0: here, 1: the guarded function, 2: its caller
@@ -349,6 +350,7 @@ def _guard_function(fn: types.FunctionType) -> None:
             match = _copy_of(code)
         guarded = None if match is None else match[1]
     if guarded is not None and guarded.co_freevars == code.co_freevars:
+        _ORIGINAL.setdefault(id(fn), (fn, code))
         fn.__code__ = guarded
 
 
@@ -358,7 +360,7 @@ def install_guards(allowed: tuple[str, ...], question_id: str, copies: dict | No
     names; a class allows its methods) and no other. `copies`: the grader's `copy_table()`."""
     import gc
 
-    _state.update(question=question_id, allowed=tuple(allowed))
+    _state.update(question=question_id, allowed=tuple(allowed), installed=True)
     for key, entries in (copies or {}).items():
         _FOREIGN.setdefault(key, {}).update(entries)
     _install_import_hook()
@@ -366,6 +368,19 @@ def install_guards(allowed: tuple[str, ...], question_id: str, copies: dict | No
     for obj in gc.get_objects():
         if type(obj) is types.FunctionType:
             _guard_function(obj)
+
+
+def remove_guards() -> None:
+    """Undo `install_guards` in this process: every function it guarded gets its own code back,
+    kvlib modules imported from now on are not guarded, and the audit hook (which cannot be
+    removed) refuses nothing outside the grader's child. For a process that ran check() and goes
+    on with other work (a test runner)."""
+    for fn, code in _ORIGINAL.values():
+        if id(fn.__code__) in _GUARDED_IDS:
+            fn.__code__ = code
+    _ORIGINAL.clear()
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _GuardingFinder)]
+    _state.update(question="", allowed=(), installed=False)
 
 
 class _GuardingFinder(importlib.abc.MetaPathFinder):
@@ -432,13 +447,14 @@ def _audit(event: str, args: tuple) -> None:
     if event not in _EVENTS:
         return
     if event not in _CODE_EVENTS:
-        if confine.process_refused(event, args, _state["always"] or graded_call_running()):
+        rules_apply = _state["always"] or _state["installed"] and graded_call_running()
+        if confine.process_refused(event, args, rules_apply):
             raise GradingError(
                 f"{event} is not allowed while your code is graded: it runs without creating "
                 "processes or using ctypes (threads are fine)"
             )
         return
-    if not graded_call_running():
+    if not (_state["installed"] and graded_call_running()):
         return
     if event == "object.__setattr__":
         if len(args) < 3 or args[1] != "__code__":
@@ -461,7 +477,7 @@ def _install_audit_hook() -> None:
         sys.addaudithook(_audit)  # for the life of the process: an audit hook cannot be removed
         _state["audit_hook"] = True
         confine.wrap_fork_exec(
-            lambda: _state["always"] or graded_call_running(),
+            lambda: _state["always"] or _state["installed"] and graded_call_running(),
             lambda message: GradingError(message),
         )
 
