@@ -40,9 +40,10 @@ class Confinement:
 
     user: str = "the grader's own user"
     processes: str = "refused by Python's audit hooks only"
+    sight: str = "kvlib visible, guarded at the Python level only"
 
     def describe(self) -> str:
-        return f"learner code runs as {self.user}; process creation {self.processes}"
+        return f"learner code runs as {self.user}; process creation {self.processes}; {self.sight}"
 
 
 def unprivileged_ids() -> tuple[int, int]:
@@ -200,18 +201,128 @@ def limit_processes(extra: int) -> None:
     resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
 
 
-# --- peak resident memory, read from outside ------------------------------------------------------
+# --- peak memory, measured by the kernel ---------------------------------------------------------
+
+BALLAST_MARGIN = 2 * 2**20  # usage falling this far below a window's start voids the measurement
+
+
+def _own_cgroup() -> tuple[str, str] | None:
+    """("v1" or "v2", the folder of this process's memory cgroup), or None."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/cgroup") as table:
+            for line in table:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if "memory" in controllers.split(","):
+                    return "v1", "/sys/fs/cgroup/memory" + path
+            unified = [p for p in ("/sys/fs/cgroup/unified", "/sys/fs/cgroup")
+                       if os.path.exists(p + "/cgroup.controllers")]  # fmt: skip
+            if unified and line.startswith("0::"):
+                return "v2", unified[0] + line.rstrip("\n")[3:]
+    return None
+
+
+class CgroupMemory:
+    """The memory of one child process counted by the kernel, in a memory cgroup of its own that
+    the grader (root) makes and the child cannot write to: anonymous memory, the page cache of
+    files it writes, tmpfs. A window: `open()` resets the cgroup's peak to its usage and (v1)
+    asks the kernel to signal usage falling `BALLAST_MARGIN` below it; `close()` returns (peak
+    rise in bytes, whether usage fell that far). v1's `memory.max_usage_in_bytes`, or v2's
+    `memory.peak` (reset per file descriptor: Linux 6.12+). `available` is False where the
+    grader cannot make one (not root, no memory controller). Source: the kernel's cgroup-v1
+    memory.rst (usage thresholds) and cgroup-v2.rst."""
+
+    _count = 0
+
+    def __init__(self, pid: int):
+        self.path = self.version = None
+        self._fds: list[int] = []
+        own = _own_cgroup() if sys.platform == "linux" and os.geteuid() == 0 else None
+        if own is None:
+            return
+        CgroupMemory._count += 1
+        path = f"{own[1]}/kvlib-grade-{os.getpid()}-{CgroupMemory._count}"
+        try:
+            os.mkdir(path)
+            with open(f"{path}/cgroup.procs", "w") as procs:
+                procs.write(str(pid))
+            self.path, self.version = path, own[0]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+    @property
+    def available(self) -> bool:
+        return self.path is not None
+
+    def _read(self, name: str) -> int:
+        with open(f"{self.path}/{name}") as file:
+            return int(file.read().split()[0])
+
+    def open(self) -> None:
+        self._close_fds()
+        if self.version == "v1":
+            with open(f"{self.path}/memory.max_usage_in_bytes", "w") as peak:
+                peak.write("0")  # the peak becomes the usage now
+            self.base = self._read("memory.usage_in_bytes")
+            if self.base > BALLAST_MARGIN:
+                event = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                usage = os.open(f"{self.path}/memory.usage_in_bytes", os.O_RDONLY | os.O_CLOEXEC)
+                self._fds = [event, usage]
+                with open(f"{self.path}/cgroup.event_control", "w") as control:
+                    control.write(f"{event} {usage} {self.base - BALLAST_MARGIN}")
+        else:
+            peak = os.open(f"{self.path}/memory.peak", os.O_RDWR | os.O_CLOEXEC)
+            self._fds = [peak]
+            os.write(peak, b"reset")  # OSError before Linux 6.12: no window
+            self.base = self._read("memory.current")
+
+    def close(self) -> tuple[int, bool]:
+        if self.version == "v1":
+            peak, fell = self._read("memory.max_usage_in_bytes"), False
+            if self._fds:
+                with contextlib.suppress(BlockingIOError):
+                    fell = os.eventfd_read(self._fds[0]) > 0
+        else:
+            os.lseek(self._fds[0], 0, os.SEEK_SET)
+            peak, fell = int(os.read(self._fds[0], 64).split()[0]), False
+        self._close_fds()
+        return max(0, peak - self.base), fell
+
+    def _close_fds(self) -> None:
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+
+    def remove(self) -> None:
+        """Remove the cgroup (once its process has ended)."""
+        self._close_fds()
+        if self.path is not None:
+            for _ in range(50):
+                try:
+                    os.rmdir(self.path)
+                    break
+                except OSError:
+                    import time
+
+                    time.sleep(0.02)
+            self.path = None
 
 
 class PeakMemory:
-    """The peak resident memory of process `pid` over a span, read by another process:
-    `start()` resets the kernel's high-water mark (`clear_refs` 5) and notes the resident size,
-    `stop()` returns how far the high-water mark rose above it, in bytes. `available` is False
-    where /proc lacks either (not Linux, or not permitted)."""
+    """Where no cgroup is available (the grader not root, check()'s grader): the peak resident
+    memory of process `pid` read from /proc by another process of the same user. `open()` resets
+    the kernel's high-water mark (`clear_refs` 5) and notes the resident size, `close()` returns
+    how far the high-water mark rose above it (the process measured can reset it too: best
+    effort). `available` is False where /proc lacks either. Source: proc(5)."""
 
     def __init__(self, pid: int):
         self.pid, self.base = pid, 0
-        self.available = self._reset()
+        try:
+            self.open()
+            self.available = True
+        except OSError:
+            self.available = False
 
     def _status_kib(self, field: str) -> int:
         with open(f"/proc/{self.pid}/status") as status:
@@ -220,20 +331,13 @@ class PeakMemory:
                     return int(line.split()[1])
         raise OSError(f"/proc/{self.pid}/status has no {field}")
 
-    def _reset(self) -> bool:
-        try:
-            with open(f"/proc/{self.pid}/clear_refs", "w") as clear:
-                clear.write("5")
-            self.base = self._status_kib("VmRSS")
-            return True
-        except OSError:
-            return False
+    def open(self) -> None:
+        with open(f"/proc/{self.pid}/clear_refs", "w") as clear:
+            clear.write("5")
+        self.base = self._status_kib("VmRSS")
 
-    def start(self) -> None:
-        self.available = self._reset()
-
-    def stop(self) -> int:
-        return max(0, self._status_kib("VmHWM") - self.base) * 1024
+    def close(self) -> tuple[int, bool]:
+        return max(0, self._status_kib("VmHWM") - self.base) * 1024, False
 
 
 # --- no new processes: the Python-level rules (kvlib.course.guards' audit hook applies them) ------
@@ -296,3 +400,148 @@ def wrap_fork_exec(rules_apply, error) -> None:
         return original(*args, **kwargs)
 
     _posixsubprocess.fork_exec = fork_exec
+
+
+# --- kvlib out of sight: a mount namespace (Linux, as root) --------------------------------------
+
+_CLONE_NEWNS, _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x20000, 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 0x4000, 0x40000
+_STUB = (
+    "def {name}(*args, **kwargs):\n"
+    "    raise RuntimeError('{dotted} is unavailable while your notebook is graded: write it '\n"
+    "                       'yourself')\n"
+)
+_CLASS_STUB = (
+    "class {name}:\n"
+    "    def __init__(self, *args, **kwargs):\n"
+    "        raise RuntimeError('{dotted}.__init__ is unavailable while your notebook is '\n"
+    "                           'graded: '\n"
+    "                           'write it yourself')\n"
+)
+_MODULE_STUB = (
+    "def __getattr__(name):\n"
+    "    if name.startswith('__'):\n"
+    "        raise AttributeError(name)\n"
+    "    def unavailable(*args, **kwargs):\n"
+    "        raise RuntimeError(f'{module}.{{name}} is unavailable while your notebook is '\n"
+    "                           'graded: write it yourself')\n"
+    "    return unavailable\n"
+)
+_GRADING_STUB = (
+    "CHECKED_WHILE_GRADING = {}\n\n\n"
+    "def check(question_id, function, **kwargs):  # the grader grades every question itself\n"
+    "    CHECKED_WHILE_GRADING[question_id] = function\n\n\n"
+    "def show(function, *args, **kwargs):\n"
+    "    pass\n"
+)
+
+
+def _helper_source(path: str, name: str) -> str:
+    """kvlib's function `name` of file `path` alone, with its module's other imports."""
+    import ast
+
+    source = open(path, encoding="utf-8").read()
+    tree = ast.parse(source)
+    keep = [
+        node for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and not any(a.name.startswith("kvlib") for a in node.names)
+        and not (getattr(node, "module", None) or "").startswith("kvlib")
+        or isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name
+    ]  # fmt: skip
+    return "\n\n".join(ast.get_source_segment(source, node) for node in keep) + "\n"
+
+
+def _is_class(module: str, name: str) -> bool:
+    import importlib
+
+    try:
+        return isinstance(getattr(importlib.import_module(module), name), type)
+    except Exception:  # noqa: BLE001 - a name kvlib does not have: a function's stub
+        return False
+
+
+def minimal_package(cells: list[str], allowed, kvlib_dir: str) -> dict[str, str]:
+    """The files of the `kvlib` the learner's process sees ({path in the package: text}): for
+    every name the notebook imports from kvlib, the function itself where a question allows it,
+    else a stub that raises when called; `check` and `show` silent. Nothing else of kvlib."""
+    import ast
+
+    wanted: dict[str, set[str]] = {"course.grading": {"check", "show"}}
+    for cell in cells:
+        with contextlib.suppress(SyntaxError, ValueError):
+            for node in ast.walk(ast.parse(cell)):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvlib."):
+                    names = {a.name for a in node.names if a.name != "*"}
+                    wanted.setdefault(node.module.removeprefix("kvlib."), set()).update(names)
+                elif isinstance(node, ast.Import):
+                    for alias in node.names:
+                        if alias.name.startswith("kvlib."):
+                            wanted.setdefault(alias.name.removeprefix("kvlib."), set())
+    files = {"__init__.py": "", "course/checking.py": _GRADING_STUB}
+    for module, names in wanted.items():
+        parts = module.split(".")
+        for depth in range(1, len(parts)):
+            files.setdefault("/".join(parts[:depth]) + "/__init__.py", "")
+        body = []
+        if module == "course.grading":
+            body.append("from kvlib.course.checking import CHECKED_WHILE_GRADING, check, show\n")
+            names = names - {"check", "show"}
+        for name in sorted(names):
+            real, dotted = os.path.join(kvlib_dir, *parts) + ".py", f"kvlib.{module}.{name}"
+            if dotted in allowed and os.path.isfile(real):
+                body.append(_helper_source(real, name))
+            else:
+                stub = _CLASS_STUB if _is_class(f"kvlib.{module}", name) else _STUB
+                body.append(stub.format(dotted=dotted, name=name))
+        if module != "course.grading":
+            body.append(_MODULE_STUB.format(module="kvlib." + module))
+        files["/".join(parts) + ".py"] = "\n\n".join(body)
+    return files
+
+
+def isolate(kvlib_dirs: list[str], files: dict[str, str], home: str | None, keep=()) -> str:
+    """Put this process (root, before it drops privileges) in a mount namespace of its own where
+    kvlib's folders (`kvlib_dirs`: its source tree, its installed copy) hold only `files`
+    (read-only), /proc shows no other user's processes (`hidepid=2`), and /tmp, /var/tmp and
+    /dev/shm are a private tmpfs (its pages are charged to the process's memory; folders of `keep`
+    there are bound back read-only). Raises OSError
+    where the kernel refuses. Returns what it did. Source: mount_namespaces(7), proc(5)."""
+    ctypes, libc = _libc()
+    libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+
+    def mount(source, target, fstype, flags, data=None):
+        args = [x.encode() if isinstance(x, str) else x for x in (source, target, fstype)]
+        data = data.encode() if data else None
+        _check(libc.mount(*args, flags, data), f"mount {target}")
+
+    _check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+    for folder in kvlib_dirs:
+        mount("tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=8m,mode=755")
+        for relative, text in files.items():
+            path = os.path.join(folder, relative)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as file:
+                file.write(text)
+        mount(None, folder, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+        if not os.path.isdir(folder):
+            continue
+        # what the learner's code must read there (the notebook's folder) comes back read-only
+        inside = [p for p in keep if os.path.isdir(p) and p.startswith(folder + os.sep)]
+        fds = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in inside]
+        mount("tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=256m,mode=1777")
+        for path, fd in zip(inside, fds):
+            os.makedirs(path, exist_ok=True)
+            mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND)
+            mount(None, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID)
+            os.close(fd)
+    if home is not None:
+        os.makedirs(home, exist_ok=True)
+        os.chown(home, *unprivileged_ids())
+    mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "hidepid=2")
+    return (
+        "kvlib hidden in a mount namespace (only the helpers the questions allow), /proc "
+        "without other users' processes, a private tmpfs for temporary files"
+    )

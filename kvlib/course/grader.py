@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from kvlib.course.grading import (
+    MESSAGE_CHARS,
     ProcessEnded,
     Question,
     QuestionTimeout,
@@ -87,17 +88,59 @@ def _read_paths(cells_folder: str | None) -> list[str]:
     return paths + ([cells_folder] if cells_folder else [])
 
 
+ENV_ISOLATION = "KVLIB_GRADE_ISOLATION"  # "0": no mount namespace (the fallback, forced)
+
+
+def _package(cells: list[str], allowed, home: str | None) -> dict | None:
+    """What the child needs to hide kvlib in a mount namespace of its own (Linux, the grader
+    root): kvlib's folders and the minimal package shown there instead; None elsewhere."""
+    if sys.platform != "linux" or os.geteuid() != 0 or os.environ.get(ENV_ISOLATION) == "0":
+        return None
+    import importlib.util
+
+    from kvlib.course.confine import minimal_package
+    from kvlib.course.sandbox import _cell_code
+
+    kvlib_dir = str(Path(__file__).resolve().parents[1])
+    dirs = {kvlib_dir}
+    spec = importlib.util.find_spec("kvlib")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        dirs.add(str(Path(folder).resolve()))
+    sources = [_cell_code(cell) for cell in cells]
+    return {"dirs": sorted(dirs), "files": minimal_package(sources, allowed, kvlib_dir),
+            "home": home}  # fmt: skip
+
+
+def _memory_of(pid: int):
+    """How the grader measures the child's memory: a cgroup of its own (root, Linux), else its
+    peak resident memory read from /proc (Linux), else None (it measures itself)."""
+    from kvlib.course.confine import CgroupMemory, PeakMemory
+
+    for kind in (CgroupMemory, PeakMemory):
+        memory = kind(pid)
+        try:
+            memory.open()  # a window works here (v2 before Linux 6.12: no reset)
+            memory.close()
+            return memory
+        except (OSError, AttributeError, TypeError, ValueError):
+            if hasattr(memory, "remove"):
+                memory.remove()
+    return None
+
+
 class _ChildSide:
     """A child process that executed the notebook's cells and serves the test's calls. A cell that
     hangs or ends the process is skipped in a fresh child; a call that does either ends the child
     (killed from here: nothing the learner's code catches) and fails the question."""
 
     def __init__(self, cells: list[str], timeout_s: float, names: list[str],
-                 folder: str | None = None, skip: dict[int, str] | None = None):  # fmt: skip
+                 folder: str | None = None, skip: dict[int, str] | None = None,
+                 allowed: tuple[str, ...] = ()):  # fmt: skip
         self.cells, self.timeout_s, self.names, self.folder = cells, timeout_s, names, folder
+        self.allowed = allowed
         skip = {} if skip is None else skip  # cells that ended or hung a child: index -> error
         self.errors: list[str] = []
-        self.process = None
+        self.process = self.memory = None
         self.home = None
         self.confinement = ""
         self.skip = set(skip)
@@ -130,6 +173,7 @@ class _ChildSide:
         )
         os.close(to_child_r)
         os.close(to_grader_w)
+        self.memory = _memory_of(self.process.pid)
         self.channel = Channel(to_grader_r, to_child_w, trusted=False)
         self._fds = (to_grader_r, to_child_w)
         self.copies_sent = False
@@ -137,19 +181,21 @@ class _ChildSide:
     def _start(self, skip: set[int]) -> int | None:
         """Start a child and load the notebook; the index of a cell that killed or hung it."""
         from kvlib.course.guards import copy_table
-        from kvlib.course.wire import ChannelClosed, ChannelTimeout
+        from kvlib.course.wire import ChannelClosed, ChannelTimeout, Unsolicited
 
         self._spawn()
         self.deadline = time.monotonic() + self.timeout_s
-        self.confinement = self.request(("confine", _read_paths(self.folder), self.folder))[1]
+        package = _package(self.cells, self.allowed, self.home)
+        confine = ("confine", _read_paths(self.folder), self.folder, package)
+        self.confinement = str(self.request(confine)[1])
         # guards first (inactive until a graded call runs): whatever the notebook copies or
         # re-imports while it loads is a guarded function already
         self.request(("guard", [], "", copy_table()))
         self.copies_sent = True
-        self.channel.send(("load", self.cells, sorted(skip), self.names))
+        self.channel.tell(("load", self.cells, sorted(skip), self.names))
         for index in [i for i in range(len(self.cells)) if i not in skip]:
             try:
-                reply = self.channel.recv(self.timeout_s)
+                reply = self.channel.reply(self.timeout_s)
             except ChannelTimeout:
                 self.close()
                 self.errors.append(
@@ -157,6 +203,9 @@ class _ChildSide:
                     "loaded; the grader skipped it"
                 )
                 return index
+            except Unsolicited as exc:
+                self.close()
+                raise ProcessEnded(f"while the notebook loaded, {exc}") from None
             except ChannelClosed:
                 status = self.close()
                 self.errors.append(
@@ -164,29 +213,34 @@ class _ChildSide:
                     "skipped it"
                 )
                 return index
-            if reply[0] != "cell" or reply[1] != index:
+            if reply[1:2] != (index,) or reply[0] != "cell" or len(reply) != 3:
                 self.close()
                 raise ProcessEnded("the notebook's process sent something unexpected")
-            if reply[2]:
-                self.errors.append(reply[2])
+            if reply[2] is not None:
+                self.errors.append(str(reply[2])[:MESSAGE_CHARS])
         try:
-            self.channel.recv(self.timeout_s)
+            self.channel.reply(self.timeout_s)
         except (ChannelTimeout, ChannelClosed):
             self.close()
             raise ProcessEnded("the notebook's process ended after loading") from None
         return None
 
-    def request(self, message):
-        from kvlib.course.wire import ChannelClosed, ChannelTimeout
+    def request(self, message, *, compact: bool = False):
+        """Send `message`; the child's answer. A child that times out, ends, or sends what was
+        not asked for is ended (QuestionTimeout, ProcessEnded)."""
+        from kvlib.course.wire import ChannelClosed, ChannelTimeout, Unsolicited
 
         try:
-            self.channel.send(message)
-            return self.channel.recv(max(0.0, self.deadline - time.monotonic()))
+            wait = max(0.0, self.deadline - time.monotonic())
+            return self.channel.request(message, wait, compact=compact)
         except ChannelTimeout:
             self.close()
             raise QuestionTimeout(
                 f"timed out after {self.timeout_s:g} s (an infinite loop, or far too slow)"
             ) from None
+        except Unsolicited as exc:
+            self.close()
+            raise ProcessEnded(f"{exc}; the grader ended it") from None
         except ChannelClosed:
             status = self.close()
             raise ProcessEnded(
@@ -207,6 +261,8 @@ class _ChildSide:
             status = None
         _kill(self.process)
         self.process = None
+        if hasattr(self.memory, "remove"):
+            self.memory.remove()
         if self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
@@ -269,12 +325,19 @@ class GradeReport:
         for q, max_points in zip(self.questions, self.max_points):
             verdict = "pass" if q.passed else "FAIL"
             lines.append(
-                f"{q.id:<{width}}  {verdict:<6}  {q.points:>2}/{max_points:<3}  {q.message}"
+                f"{q.id:<{width}}  {verdict:<6}  {q.points:>2}/{max_points:<3}  "
+                f"{_printable(q.message)}"
             )
         lines.append(f"score: {self.score}/{self.max_score}")
         if self.sandbox:
             lines.append(f"({self.sandbox})")
         return "\n".join(lines)
+
+
+def _printable(text: str) -> str:
+    """Learner text on one line of the table: control characters (newlines, escapes) as `\\n`,
+    `\\x1b`, so that a message cannot add a row or a score."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def _grade_questions(cells: list[str], jobs: list[tuple[Question, str]], timeout_s: float,
@@ -285,23 +348,40 @@ def _grade_questions(cells: list[str], jobs: list[tuple[Question, str]], timeout
     what confined the child."""
     results, side, skip, confinement = [], None, {}, ""
     names = sorted({binding or q.function for q, binding in jobs})
+    allowed = tuple(sorted({name for q, _ in jobs for name in q.allowed}))
     for q, binding in jobs:
         try:
             if side is None:
-                side = _ChildSide(cells, timeout_s, names, folder, skip)
+                side = _ChildSide(cells, timeout_s, names, folder, skip, allowed)
                 confinement = side.confinement
             side.deadline = time.monotonic() + timeout_s
             passed, message = run_question(q, side, side.errors, seed, binding=binding)
-            if side.process is not None and side.request(("status",))[1]["threads"] > 1:
+            if side.process is not None and _threads(side) > 1:
                 side.close()
         except (QuestionTimeout, ProcessEnded) as exc:
             passed, message = False, str(exc)
+        except Exception as exc:  # noqa: BLE001 - what the learner's process sent, unreadable
+            if side is not None:
+                side.close()
+            passed = False
+            message = f"the grader could not read your process's answer ({type(exc).__name__})"
         if side is not None and side.process is None:
             side = None
         results.append(QuestionResult(q.id, passed, q.points if passed else 0, message))
     if side is not None:
         side.close()
     return results, confinement
+
+
+def _threads(side: _ChildSide) -> int:
+    """The child's thread count; a reply that is not one fails the question (ProcessEnded). Its
+    answer is also the last of the question: anything the child sent since shows here."""
+    reply = side.request(("status",))
+    threads = reply[1].get("threads") if len(reply) == 2 and type(reply[1]) is dict else None
+    if reply[0] != "status" or type(threads) is not int:
+        side.close()
+        raise ProcessEnded("your process answered the grader's last request out of turn")
+    return threads
 
 
 def _kill(process: subprocess.Popen) -> None:
