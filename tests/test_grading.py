@@ -3805,6 +3805,33 @@ def test_the_table_escapes_learner_text():
     assert "\x1b" not in report.table() and "\\n" in report.table()
 
 
+def test_the_seed_reaches_the_grader_unseen(tmp_path):
+    """`--seed -` reads the seed from standard input; and where the child is isolated (Linux,
+    root) no other process's command line is readable from it, `--seed N` included."""
+    source = (
+        "import os\n\n"
+        "def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):\n"
+        "    for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "        try:\n"
+        "            seen = b'--seed' in open(f'/proc/{pid}/cmdline', 'rb').read()\n"
+        "        except OSError:\n"
+        "            seen = False\n"
+        "        if seen and int(pid) != os.getpid():\n"
+        "            raise RuntimeError('the seed is readable')\n"
+        "    return 2 * num_layers * num_heads * head_dim * bytes_per_element * seq_len\n"
+    )
+    path = with_cell_replaced(SOLUTION_01, "kv_cache_bytes", source, tmp_path)
+    command = [sys.executable, "-m", "kvlib.course.grade", str(path), "--json",
+               "--question", "kv_cache_bytes", "--seed"]  # fmt: skip
+    piped = subprocess.run(command + ["-"], input="12345\n", capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+    assert piped.returncode == 0 and json.loads(piped.stdout)["seed"] == 12345, piped.stderr
+    if sys.platform == "linux" and os.geteuid() == 0:
+        shown = subprocess.run(command + ["7"], capture_output=True, text=True, timeout=600)
+        report = json.loads(shown.stdout)
+        assert report["score"] == 1 and "mount namespace" in report["sandbox"], report
+
+
 def test_a_pool_made_while_the_notebook_loads_is_refused(tmp_path):
     source = (
         "import multiprocessing\nfrom kvlib.ref.attention import softmax\n\n"

@@ -1,20 +1,22 @@
-"""What the operating system enforces and measures about the learner's process: the grader's
-child drops to an unprivileged user where the grader runs as root, cannot create processes (a
-seccomp filter on Linux: `fork`, `vfork`, `execve` and `clone` without `CLONE_THREAD` fail; threads
-are fine), and its peak resident memory is read from outside it (`/proc/PID/status`, reset through
-`/proc/PID/clear_refs`).
+"""What the operating system enforces and measures about the learner's process. Where the grader
+runs as root on Linux its child: runs in a mount namespace of its own where kvlib's folders hold
+only a minimal package (`minimal_package`: the helpers the questions allow, stubs that raise for
+the rest), /proc hides other processes and temporary folders are a private tmpfs (`isolate`);
+drops to an unprivileged user; cannot create processes (a seccomp filter: `fork`, `vfork`,
+`execve` and `clone` without `CLONE_THREAD` fail; threads are fine); and has its peak memory
+counted by the kernel in a memory cgroup the grader makes for it (`CgroupMemory`). Where it runs
+as another user, the peak resident memory is read from /proc (`PeakMemory`, which the child can
+reset: best effort).
 
-The same process rules at the Python level (`process_refused`, `wrap_fork_exec`: audit events for
-subprocess, os.system, fork, exec, spawn, signals to other processes and ctypes) are applied by
-`kvlib.course.guards`' audit hook: in the grader's child from before the notebook loads, in
-check()'s notebook while a graded call runs. Each OS-level piece says whether it took effect
-(`Confinement`); where the platform lacks it (macOS,
-Windows, a kernel without seccomp) the grader still runs, with the Python-level rules of
-`kvlib.course.guards` only, and the report says so. It does not limit the network, the CPU or the
-files the learner's code may read: those need a container (see book/setup.md).
+The same process rules at the Python level (`process_refused`, `wrap_fork_exec`) are applied by
+`kvlib.course.guards`' audit hook. Each OS-level piece says whether it took effect
+(`Confinement`); where the platform lacks it (macOS, Windows, a kernel without namespaces or
+seccomp) the grader still runs, with the Python-level rules only, and the report says so. It does
+not limit the network or the CPU: those need a container (see book/setup.md).
 
-Sources: seccomp(2), capabilities(7), prctl(2), proc(5) (`clear_refs`, `VmHWM`); Docker's default
-seccomp profile answers `clone3` with ENOSYS in the same way, so that glibc falls back to `clone`.
+Sources: seccomp(2), capabilities(7), prctl(2), proc(5), mount_namespaces(7), the kernel's
+cgroup-v1 memory.rst and cgroup-v2.rst; Docker's default seccomp profile answers `clone3` with
+ENOSYS in the same way, so that glibc falls back to `clone`.
 """
 
 from __future__ import annotations

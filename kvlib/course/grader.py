@@ -515,9 +515,17 @@ def main(argv: list[str] | None = None) -> int:
         "--question", action="append", metavar="ID", help="grade only this question (repeatable)"
     )
     parser.add_argument(
-        "--seed", type=int, help="the random cases' seed (default: drawn; the report says which)"
+        "--seed",
+        help="the random cases' seed (default: drawn; the report says which); '-': read it from "
+        "standard input, where the learner's process cannot see it (a command line can be)",
     )
     args = parser.parse_args(argv)
+    if args.seed is not None:
+        text = sys.stdin.readline().strip() if args.seed == "-" else args.seed
+        try:
+            args.seed = int(text)
+        except ValueError:
+            parser.error(f"--seed: expected an integer, got {text!r}")
     started = time.perf_counter()
     try:
         report = grade_notebook(

@@ -13,9 +13,10 @@ Two servers answer the grader's requests, with the same `handle_request`:
 
 A call runs as a graded call (`kvlib.course.guards`: kvlib unavailable but what the question
 allows, no processes) and, as the test asks, with the torch operators it ran recorded. While it
-runs it may ask the grader for more (`ask`): rows of an array the grader keeps
-(`kvlib.course.wire.ParentRows`), and the start and the end of a span whose peak memory the grader
-reads from outside the process.
+runs it may ask the grader for rows of an array the grader keeps (`kvlib.course.wire.ParentRows`).
+Its memory is measured by the grader from outside, over a window the grader opens before it
+sends the call and closes when the reply comes; only where it cannot does this process measure
+itself (`measure_memory == "self"`).
 """
 
 from __future__ import annotations
