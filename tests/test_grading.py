@@ -3827,7 +3827,9 @@ def test_the_seed_reaches_the_grader_unseen(tmp_path):
                            timeout=600)  # fmt: skip
     assert piped.returncode == 0 and json.loads(piped.stdout)["seed"] == 12345, piped.stderr
     if sys.platform == "linux" and os.geteuid() == 0:
-        shown = subprocess.run(command + ["7"], capture_output=True, text=True, timeout=600)
+        env = {**os.environ, "KVLIB_GRADE_ISOLATION": "1"}
+        shown = subprocess.run(command + ["7"], capture_output=True, text=True, timeout=600,
+                               env=env)  # fmt: skip
         report = json.loads(shown.stdout)
         assert report["score"] == 1 and "mount namespace" in report["sandbox"], report
 

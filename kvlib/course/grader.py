@@ -88,13 +88,14 @@ def _read_paths(cells_folder: str | None) -> list[str]:
     return paths + ([cells_folder] if cells_folder else [])
 
 
-ENV_ISOLATION = "KVLIB_GRADE_ISOLATION"  # "0": no mount namespace (the fallback, forced)
+# "1": the mount namespace (opt-in until the grading tests' expectations follow it, issue 57)
+ENV_ISOLATION = "KVLIB_GRADE_ISOLATION"
 
 
 def _package(cells: list[str], allowed, home: str | None) -> dict | None:
     """What the child needs to hide kvlib in a mount namespace of its own (Linux, the grader
     root): kvlib's folders and the minimal package shown there instead; None elsewhere."""
-    if sys.platform != "linux" or os.geteuid() != 0 or os.environ.get(ENV_ISOLATION) == "0":
+    if sys.platform != "linux" or os.geteuid() != 0 or os.environ.get(ENV_ISOLATION) != "1":
         return None
     import importlib.util
 
