@@ -230,7 +230,7 @@ class _PeerSide:
     """The learner's side as seen by check()'s grader subprocess: the notebook process."""
 
     def __init__(self, channel, deadline: float):
-        from kvlib.course.confine import PeakMemory
+        from kvlib.course.memory_window import PeakMemory
 
         self.channel, self.deadline = channel, deadline
         self.pid = os.getppid()  # the notebook started this process

@@ -1,23 +1,15 @@
 """Default-deny while a graded call runs: kvlib is unavailable to the learner's code, except the
 helpers its question allows, and no process may be created.
 
-**kvlib.** While a graded call runs (`call_learner`, or a thread the learner's code started
-meanwhile), a function of kvlib's library (kvlib outside kvlib/course) or of the grader's check
-modules that is called by anything but kvlib library code raises GradingError, unless the question
-names it in `@question(allowed=...)` (usually nothing, or a helper such as `hash_block_tokens`).
-Library code calling library code goes on, so an allowed helper works; the learner's own code, a
-thread or a callback it started, or a third-party function it handed a kvlib function to, is
-stopped. Every function of every imported kvlib module (and of each one imported later: an import
-hook) is recompiled from its source with a first statement that calls the guard, held as a
-constant of the code, not looked up by name; every alias, re-export, default argument and reloaded
-copy is the same function or gets the same code.
+**kvlib.** While a graded call runs (`call_learner`, or a thread it started), a function of
+kvlib's library or of the check modules called by anything but kvlib library code raises
+GradingError, unless the question allows it (`@question(allowed=...)`). Every function of every
+imported kvlib module (and of each imported later: an import hook) is recompiled from its source
+with a first statement that calls the guard, held as a constant of the code.
 
-**Copies.** kvlib's code compiled again from its source, under any name, file or line (an
-`exec`'d copy, a module loaded from a copied file, a code object taken out of one) is recognised by
-its content (`_fingerprint`: bytecode, names, local names and constants): at each `install_guards`
-every such function gets the guarded code, and while a graded call runs an audit hook refuses to
-execute, build or assign code that matches kvlib's, or to replace a guarded function's code. A
-copy retyped with a change is the learner's own code, as a paste of it would be.
+**Copies** of kvlib's code compiled again from its source are matched by content
+(`_fingerprint`) and guarded too: a best effort that the mount namespace (`kvlib.course.isolation`)
+makes moot where it applies; a copy retyped with a change is the learner's own code.
 
 **Processes.** The same audit hook refuses to create processes (`subprocess`, `os.system`,
 `os.fork`, `os.exec*`, `os.posix_spawn`, `os.spawn*`, `_posixsubprocess.fork_exec`), to signal
@@ -27,9 +19,8 @@ elsewhere while a graded call runs, in the process that runs it and in any proce
 earlier (a pool made while a notebook ran). Threads are allowed. In the grader's child on Linux a
 seccomp filter refuses the same in the kernel (`kvlib.course.confine`).
 
-All of this runs in the learner's own process: code that rewrites this module's state escapes it
-(that starts with reading the grader's source); the tests, the expected values and the verdict
-stay in the grader's process, and the kernel's limits hold whatever the learner's code does.
+All of this runs in the learner's own process, which can rewrite it: a best effort (see
+book/grader_guarantees.md for what the OS enforces where).
 """
 
 from __future__ import annotations
@@ -62,8 +53,7 @@ _PLACEHOLDER = "__kvlib_course_guard_placeholder__"
 
 
 class GradingError(RuntimeError):
-    """Raised in the learner's process for what a graded call may not do: call a kvlib function
-    its question does not allow, or create a process."""
+    """What a graded call may not do: call a kvlib function not allowed, create a process."""
 
 
 _ACTIVE = [0]  # graded calls running in this process
@@ -371,10 +361,8 @@ def install_guards(allowed: tuple[str, ...], question_id: str, copies: dict | No
 
 
 def remove_guards() -> None:
-    """Undo `install_guards` in this process: every function it guarded gets its own code back,
-    kvlib modules imported from now on are not guarded, and the audit hook (which cannot be
-    removed) refuses nothing outside the grader's child. For a process that ran check() and goes
-    on with other work (a test runner)."""
+    """Undo `install_guards` here (original code back, no import hook, the audit hook idle), for
+    a process that ran check() and goes on with other work (a test runner)."""
     for fn, code in _ORIGINAL.values():
         if id(fn.__code__) in _GUARDED_IDS:
             fn.__code__ = code
@@ -384,8 +372,7 @@ def remove_guards() -> None:
 
 
 class _GuardingFinder(importlib.abc.MetaPathFinder):
-    """Guards a kvlib module imported (again) after `install_guards`: its functions get the
-    guard before anyone can call them."""
+    """Guards a kvlib module imported (again) after `install_guards`, before any call."""
 
     def find_spec(self, fullname, path, target=None):
         if not fullname.startswith("kvlib"):

@@ -314,7 +314,9 @@ def _confine(read_paths, package: dict | None) -> str:
     if package and os.geteuid() == 0:
         try:
             keep = [os.path.realpath(p) for p in read_paths]
-            sight = confine.isolate(package["dirs"], package["files"], package["home"], keep)
+            from kvlib.course.isolation import isolate
+
+            sight = isolate(package["dirs"], package["files"], package["home"], keep)
             confinement.sight = sight
         except OSError as exc:
             confinement.sight = f"kvlib visible (no mount namespace: {exc})"
