@@ -21,6 +21,33 @@ EXERCISES = sorted((ROOT / "exercises").glob("[0-9][0-9]_*.ipynb"))
 TIMEOUT_S = 30
 
 
+@pytest.fixture(autouse=True)
+def _no_guards_left_behind():
+    """A test that runs check() in this process (a notebook's stand-in) takes its guards away
+    when it ends, as a notebook's process never does: the draws tests may run next in this
+    worker (issue 56, item 14)."""
+    yield
+    if "kvlib.course.guards" in sys.modules:
+        sys.modules["kvlib.course.guards"].remove_guards()
+
+
+def test_remove_guards_gives_kvlib_its_code_back(capsys):
+    """After check() and remove_guards, a call run as a graded call reaches kvlib again (what the
+    draws tests do in the same worker)."""
+    import numpy as np
+
+    from kvlib.course.grading import check
+    from kvlib.course.guards import GradingError, call_learner, remove_guards
+    from kvlib.ref.attention import softmax
+
+    x = np.array([0.0, 1.0])
+    assert check("stable_softmax", lambda x: softmax(x)) is False
+    with pytest.raises(GradingError):
+        call_learner(softmax, (x,), {}, None)
+    remove_guards()
+    assert call_learner(softmax, (x,), {}, None).shape == (2,)
+
+
 def test_every_exercise_has_a_solution_and_questions():
     assert [p.name for p in EXERCISES] == [p.name for p in SOLUTIONS] and EXERCISES
     for path in EXERCISES:
@@ -2721,7 +2748,7 @@ ALLOCATION_ANSWERS = [
         "float('-inf'))\n"
         "    return torch.softmax(scores, dim=-1) @ v\n",
         False,
-        "peak resident memory",
+        "measured from outside",
     ),
     (
         "06_mla.ipynb",
@@ -3305,7 +3332,7 @@ MEASURED_OUTSIDE = [
      "    if tracemalloc.is_tracing():\n"
      "        tracemalloc.reset_peak()\n"
      "    return out\n",
-     "peak resident memory"),
+     "measured from outside"),
     (N05, "grouped_attention",
      "import tracemalloc\nimport numpy as np\n\n"
      "def _repeated(q, k, v, mask):  # repeats K/V G times in numpy\n"
@@ -3320,7 +3347,7 @@ MEASURED_OUTSIDE = [
      "    if tracemalloc.is_tracing():\n"
      "        tracemalloc.reset_peak()\n"
      "    return out\n",
-     "peak resident memory"),
+     "measured from outside"),
     (N02, "static_cache_insert",
      "def static_cache_insert(buffer, length, k_new):  # a copy, dressed up as a view\n"
      "    end = length + k_new.shape[2]\n"
@@ -3597,6 +3624,91 @@ MEMORY_RULES = [
      None),
 ]  # fmt: skip
 
+# Issue 57, measurements from outside: the learner's process cannot steer its own memory figure
+# (where the grader is root on Linux the kernel counts it in a cgroup of its own, which the process
+# cannot reset; windows are opened and closed by the grader alone). Each cheat repeats K and V to
+# H heads (16 MiB each here, against at most 8 MiB) and hides it another way.
+_REPEAT = (
+    "    g = q.shape[1] // k.shape[1]\n"
+    "    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)\n"
+    "    scores = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, "
+    "float('-inf'))\n"
+    "    out = torch.softmax(scores, dim=-1) @ v\n"
+)
+_FOLDED = (
+    "    b, h, t, d = q.shape\n"
+    "    g = h // k.shape[1]\n"
+    "    scores = q.reshape(b, k.shape[1], g * t, d) @ k.transpose(-1, -2) / math.sqrt(d)\n"
+    "    scores = scores.view(b, k.shape[1], g, t, -1).masked_fill(~mask, float('-inf'))\n"
+    "    weights = torch.softmax(scores, dim=-1).view(b, k.shape[1], g * t, -1)\n"
+    "    out = (weights @ v).view(b, h, t, d)\n"
+)
+KERNEL_COUNTED = [
+    (N05, "grouped_attention",
+     "_ballast = [torch.ones(48 * 2**20 // 4)]  # held since the notebook loaded\n\n"
+     "def grouped_attention(q, k, v, mask):  # frees the ballast, repeats K/V, takes it back\n"
+     "    _ballast.clear()\n" + _REPEAT +
+     "    _ballast.append(torch.ones(48 * 2**20 // 4))\n"
+     "    return out\n",
+     "gave back memory"),
+    (N05, "grouped_attention",
+     "import os, tempfile\nimport numpy as np\n\n"
+     "def grouped_attention(q, k, v, mask):  # K and V repeated into a file: page cache\n"
+     "    g, d = q.shape[1] // k.shape[1], q.shape[-1]\n"
+     "    path = os.path.join(tempfile.mkdtemp(), 'kv')\n"
+     "    with open(path, 'wb') as file:\n"
+     "        for h in range(q.shape[1]):\n"
+     "            file.write(k[:, h // g].numpy().tobytes())\n"
+     "            file.write(v[:, h // g].numpy().tobytes())\n"
+     "    shape = (q.shape[1], 2, k.shape[0], k.shape[2], d)\n"
+     "    kv = np.memmap(path, dtype=np.float32, mode='r').reshape(shape)\n"
+     "    out = torch.empty_like(q)\n"
+     "    for h in range(q.shape[1]):\n"
+     "        kh, vh = torch.from_numpy(kv[h, 0].copy()), torch.from_numpy(kv[h, 1].copy())\n"
+     "        s = q[:, h] @ kh.transpose(-1, -2) / math.sqrt(d)\n"
+     "        s = s.masked_fill(~mask, float('-inf'))\n"
+     "        out[:, h] = torch.softmax(s, dim=-1) @ vh\n"
+     "    return out\n",
+     "peak allocation"),
+    (N05, "grouped_attention",
+     "def grouped_attention(q, k, v, mask):  # resets its own high-water mark after the peak\n"
+     + _REPEAT +
+     "    try:\n"
+     "        with open('/proc/self/clear_refs', 'w') as file:\n"
+     "            file.write('5')\n"
+     "    except OSError:\n"
+     "        pass\n"
+     "    return out\n",
+     "peak allocation"),
+    (N05, "grouped_attention",
+     "import gc\n\n"
+     "def grouped_attention(q, k, v, mask):  # 'the window starts now', after the peak\n"
+     + _REPEAT +
+     "    for channel in [o for o in gc.get_objects() if type(o).__name__ == 'Channel']:\n"
+     "        channel.answer(('measure', 'start'))\n"
+     "    return out\n",
+     "did not ask for"),
+    (N05, "grouped_attention",  # valid: the folded query rows, with ballast it keeps
+     "_kept = torch.ones(48 * 2**20 // 4)\n\n"
+     "def grouped_attention(q, k, v, mask):\n" + _FOLDED + "    return out\n",
+     None),
+    (N05, "grouped_attention",  # valid: one KV head at a time, a temporary file of its own
+     "import tempfile\n\n"
+     "def grouped_attention(q, k, v, mask):\n"
+     "    with tempfile.TemporaryFile() as file:\n"
+     "        file.write(b'notes')\n"
+     "    b, h, t, d = q.shape\n"
+     "    g = h // k.shape[1]\n"
+     "    out = torch.empty_like(q)\n"
+     "    for j in range(k.shape[1]):\n"
+     "        rows = q[:, j * g : (j + 1) * g]\n"
+     "        s = (rows @ k[:, j : j + 1].transpose(-1, -2) / math.sqrt(d)).masked_fill(\n"
+     "            ~mask, float('-inf'))\n"
+     "        out[:, j * g : (j + 1) * g] = torch.softmax(s, dim=-1) @ v[:, j : j + 1]\n"
+     "    return out\n",
+     None),
+]  # fmt: skip
+
 ANSWER_TABLES = {
     "wrong": [(n, q, s, p) for n, q, s, p in WRONG_ANSWERS],
     "twins": TWIN_ANSWERS,
@@ -3608,6 +3720,7 @@ ANSWER_TABLES = {
     "covered-rules": COVERED_RULES,
     "valid-variants": VALID_VARIANTS,
     "memory-rules": MEMORY_RULES,
+    "kernel-counted": KERNEL_COUNTED,
 }
 ANSWER_GROUPS: dict[tuple[str, str], list] = {}
 for table, rows in ANSWER_TABLES.items():
@@ -3630,6 +3743,105 @@ def test_answers_get_the_verdict_they_deserve(group, tmp_path):
         elif phrase is not None and (result.passed or phrase not in result.message):
             wrong.append(f"{label}: expected a failure naming {phrase!r}, got {result}")
     assert not wrong, "\n".join(wrong)
+
+
+# Issue 57: what the learner's process writes onto the grader's channel fails that answer only
+# (the grader ends the process; the next answer gets a fresh one), never the grader.
+_SEND = (
+    "import gc, os, pickle, struct\n\n"
+    "def _send(raw):\n"
+    "    for fd in range(3, 64):\n"
+    "        try:\n"
+    "            os.write(fd, raw)\n"
+    "        except OSError:\n"
+    "            pass\n\n"
+    "def _framed(obj):\n"
+    "    data = pickle.dumps(obj)\n"
+    "    return struct.pack('<QI', len(data), 0) + data\n\n"
+)
+_VALID_SOFTMAX = (
+    "    e = np.exp(x - x.max(axis=-1, keepdims=True))\n"
+    "    return e / e.sum(axis=-1, keepdims=True)\n"
+)
+MALFORMED_FRAMES = [
+    "_send(b'garbage')",  # not a frame
+    "_send(struct.pack('<QI', 2**40, 0))",  # a length past the limit
+    "_send(struct.pack('<QI', 1, 1000))",  # too many parts
+    "_send(struct.pack('<QI', 100, 0) + b'x' * 10)",  # a truncated frame
+    "_send(_framed(42))",  # a frame that is not a numbered message
+    "_send(_framed((10**6, ('returned', ('P', 1.0), None, ('P', None)))))",  # a wrong number
+    "_send(_framed(os.system))",  # a global (refused when read)
+    "[c.answer(('status', {'threads': 1})) for c in gc.get_objects()\n"
+    "     if type(c).__name__ == 'Channel']",  # the right number, out of turn
+    "[c.answer(('rows', 0, 0, 10**9)) for c in gc.get_objects()\n"
+    "     if type(c).__name__ == 'Channel']",  # rows the grader does not have
+]
+
+
+def test_malformed_frames_fail_their_answer_and_never_the_grader(tmp_path):
+    sources = []
+    for frame in MALFORMED_FRAMES:
+        sources.append(_SEND + f"def stable_softmax(x):\n    {frame}\n" + _VALID_SOFTMAX)
+        sources.append(f"def stable_softmax(x):  # valid, after it\n{_VALID_SOFTMAX}")
+    results = grade_answers(N01, "stable_softmax", sources, tmp_path)
+    verdicts = [(r.passed, r.message) for r in results]
+    assert [passed for passed, _ in verdicts] == [False, True] * len(MALFORMED_FRAMES), verdicts
+    for _, message in verdicts[::2]:
+        assert any(
+            phrase in message for phrase in ("did not ask for", "cannot read", "larger than")
+        ), message
+
+
+def test_frames_written_while_the_notebook_loads_score_zero_and_exit_0(tmp_path):
+    source = _SEND + "_send(_framed((1, ('cell', 0, None))))\n_send(b'junk' * 100)\n"
+    path = with_cells(SOLUTION_01, [source], tmp_path, at=1)
+    completed = subprocess.run(
+        [sys.executable, "-m", "kvlib.course.grade", str(path), "--json", "--timeout", "30"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    report = json.loads(completed.stdout)
+    assert report["score"] == 0 and report["max_score"] > 0, report
+    assert all("loaded" in q["message"] for q in report["questions"]), report
+
+
+def test_the_table_escapes_learner_text():
+    from kvlib.course.grader import GradeReport, QuestionResult
+
+    message = "your code raised ValueError: x\nfake   pass   1/1\nscore: 9/9\x1b[2K"
+    report = GradeReport("n.ipynb", [QuestionResult("q", False, 0, message)], [1], 1, "n", "")
+    lines = report.table().splitlines()
+    assert not any(line.startswith(("fake", "score: 9")) for line in lines), lines
+    assert "\x1b" not in report.table() and "\\n" in report.table()
+
+
+def test_the_seed_reaches_the_grader_unseen(tmp_path):
+    """`--seed -` reads the seed from standard input; and where the child is isolated (Linux,
+    root) no other process's command line is readable from it, `--seed N` included."""
+    source = (
+        "import os\n\n"
+        "def kv_cache_bytes(num_layers, num_heads, head_dim, bytes_per_element, seq_len):\n"
+        "    for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "        try:\n"
+        "            seen = b'--seed' in open(f'/proc/{pid}/cmdline', 'rb').read()\n"
+        "        except OSError:\n"
+        "            seen = False\n"
+        "        if seen and int(pid) != os.getpid():\n"
+        "            raise RuntimeError('the seed is readable')\n"
+        "    return 2 * num_layers * num_heads * head_dim * bytes_per_element * seq_len\n"
+    )
+    path = with_cell_replaced(SOLUTION_01, "kv_cache_bytes", source, tmp_path)
+    command = [sys.executable, "-m", "kvlib.course.grade", str(path), "--json",
+               "--question", "kv_cache_bytes", "--seed"]  # fmt: skip
+    piped = subprocess.run(command + ["-"], input="12345\n", capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+    assert piped.returncode == 0 and json.loads(piped.stdout)["seed"] == 12345, piped.stderr
+    if sys.platform == "linux" and os.geteuid() == 0:
+        env = {**os.environ, "KVLIB_GRADE_ISOLATION": "1"}
+        shown = subprocess.run(command + ["7"], capture_output=True, text=True, timeout=600,
+                               env=env)  # fmt: skip
+        report = json.loads(shown.stdout)
+        assert report["score"] == 1 and "mount namespace" in report["sandbox"], report
 
 
 def test_a_pool_made_while_the_notebook_loads_is_refused(tmp_path):

@@ -119,7 +119,7 @@ def check(
     process, channel = _CHECKER
     try:
         with _deadline(timeout_s, CheckTimeout):
-            channel.send(("question", question_id, float(timeout_s), int(seed)))
+            channel.answer(("question", question_id, float(timeout_s), int(seed)))
             verdict = serve(channel, _OnlyFunction(function), until="verdict")
     except CheckTimeout:  # the grader is out of step: the next check starts a fresh one
         _stop_checker()
@@ -229,19 +229,25 @@ class _PeerSide:
     """The learner's side as seen by check()'s grader subprocess: the notebook process."""
 
     def __init__(self, channel, deadline: float):
+        from kvlib.course.memory_window import PeakMemory
+
         self.channel, self.deadline = channel, deadline
         self.pid = os.getppid()  # the notebook started this process
+        memory = PeakMemory(self.pid)  # best effort: the notebook's process can reset it
+        self.memory = memory if memory.available else None
 
-    def request(self, message):
-        from kvlib.course.wire import ChannelClosed, ChannelTimeout
+    def request(self, message, *, compact: bool = False):
+        from kvlib.course.wire import ChannelClosed, ChannelTimeout, Unsolicited
 
-        self.channel.send(message)
         try:
-            return self.channel.recv(max(0.0, self.deadline - time.monotonic()))
+            wait = max(0.0, self.deadline - time.monotonic())
+            return self.channel.request(message, wait, compact=compact)
         except ChannelTimeout:
             raise QuestionTimeout(
                 f"timed out after {self.timeout_s:g} s (an infinite loop, or far too slow)"
             ) from None
+        except Unsolicited as exc:
+            raise ProcessEnded(str(exc)) from None
         except ChannelClosed:
             raise ProcessEnded("the notebook's process ended") from None
 
@@ -256,10 +262,11 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
     copies_sent = False
     while True:
         try:
-            request = channel.recv()
+            frame = channel.recv()
         except ChannelClosed:
             return
-        if not (isinstance(request, tuple) and len(request) == 4 and request[0] == "question"):
+        request = frame[1] if type(frame) is tuple and len(frame) == 2 else None
+        if not (type(request) is tuple and len(request) == 4 and request[0] == "question"):
             return
         _, question_id, limit, seed = request
         if isinstance(limit, float) and limit > 0:
@@ -267,7 +274,7 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
         try:
             q = _find_question(str(question_id))
         except ValueError as exc:
-            channel.send(("verdict", None, str(exc), 0))
+            channel.tell(("verdict", None, str(exc), 0))
             continue
         side = _PeerSide(channel, time.monotonic() + timeout_s)
         side.timeout_s, side.copies_sent = timeout_s, copies_sent
@@ -275,10 +282,10 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
             passed, message = run_question(q, side, [], int(seed))
         except (QuestionTimeout, ProcessEnded) as exc:
             with contextlib.suppress(Exception):
-                channel.send(("verdict", False, str(exc), q.points))
+                channel.tell(("verdict", False, str(exc), q.points))
             return
         copies_sent = side.copies_sent
-        channel.send(("verdict", passed, message, q.points))
+        channel.tell(("verdict", passed, message, q.points))
 
 
 def _peer_entry(read_fd: int, write_fd: int) -> None:

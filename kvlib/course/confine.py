@@ -1,20 +1,22 @@
-"""What the operating system enforces and measures about the learner's process: the grader's
-child drops to an unprivileged user where the grader runs as root, cannot create processes (a
-seccomp filter on Linux: `fork`, `vfork`, `execve` and `clone` without `CLONE_THREAD` fail; threads
-are fine), and its peak resident memory is read from outside it (`/proc/PID/status`, reset through
-`/proc/PID/clear_refs`).
+"""What the operating system enforces and measures about the learner's process. Where the grader
+runs as root on Linux its child: runs in a mount namespace of its own where kvlib's folders hold
+only a minimal package (`minimal_package`: the helpers the questions allow, stubs that raise for
+the rest), /proc hides other processes and temporary folders are a private tmpfs (`isolate`);
+drops to an unprivileged user; cannot create processes (a seccomp filter: `fork`, `vfork`,
+`execve` and `clone` without `CLONE_THREAD` fail; threads are fine); and has its peak memory
+counted by the kernel in a memory cgroup the grader makes for it (`CgroupMemory`). Where it runs
+as another user, the peak resident memory is read from /proc (`PeakMemory`, which the child can
+reset: best effort).
 
-The same process rules at the Python level (`process_refused`, `wrap_fork_exec`: audit events for
-subprocess, os.system, fork, exec, spawn, signals to other processes and ctypes) are applied by
-`kvlib.course.guards`' audit hook: in the grader's child from before the notebook loads, in
-check()'s notebook while a graded call runs. Each OS-level piece says whether it took effect
-(`Confinement`); where the platform lacks it (macOS,
-Windows, a kernel without seccomp) the grader still runs, with the Python-level rules of
-`kvlib.course.guards` only, and the report says so. It does not limit the network, the CPU or the
-files the learner's code may read: those need a container (see book/setup.md).
+The same process rules at the Python level (`process_refused`, `wrap_fork_exec`) are applied by
+`kvlib.course.guards`' audit hook. Each OS-level piece says whether it took effect
+(`Confinement`); where the platform lacks it (macOS, Windows, a kernel without namespaces or
+seccomp) the grader still runs, with the Python-level rules only, and the report says so. It does
+not limit the network or the CPU: those need a container (see book/setup.md).
 
-Sources: seccomp(2), capabilities(7), prctl(2), proc(5) (`clear_refs`, `VmHWM`); Docker's default
-seccomp profile answers `clone3` with ENOSYS in the same way, so that glibc falls back to `clone`.
+Sources: seccomp(2), capabilities(7), prctl(2), proc(5), mount_namespaces(7), the kernel's
+cgroup-v1 memory.rst and cgroup-v2.rst; Docker's default seccomp profile answers `clone3` with
+ENOSYS in the same way, so that glibc falls back to `clone`.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ class Confinement:
 
     user: str = "the grader's own user"
     processes: str = "refused by Python's audit hooks only"
+    sight: str = "kvlib visible, guarded at the Python level only"
 
     def describe(self) -> str:
-        return f"learner code runs as {self.user}; process creation {self.processes}"
+        return f"learner code runs as {self.user}; process creation {self.processes}; {self.sight}"
 
 
 def unprivileged_ids() -> tuple[int, int]:
@@ -198,42 +201,6 @@ def limit_processes(extra: int) -> None:
                         count += len(os.listdir(f"/proc/{entry.name}/task"))
     limit = count + extra
     resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
-
-
-# --- peak resident memory, read from outside ------------------------------------------------------
-
-
-class PeakMemory:
-    """The peak resident memory of process `pid` over a span, read by another process:
-    `start()` resets the kernel's high-water mark (`clear_refs` 5) and notes the resident size,
-    `stop()` returns how far the high-water mark rose above it, in bytes. `available` is False
-    where /proc lacks either (not Linux, or not permitted)."""
-
-    def __init__(self, pid: int):
-        self.pid, self.base = pid, 0
-        self.available = self._reset()
-
-    def _status_kib(self, field: str) -> int:
-        with open(f"/proc/{self.pid}/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-        raise OSError(f"/proc/{self.pid}/status has no {field}")
-
-    def _reset(self) -> bool:
-        try:
-            with open(f"/proc/{self.pid}/clear_refs", "w") as clear:
-                clear.write("5")
-            self.base = self._status_kib("VmRSS")
-            return True
-        except OSError:
-            return False
-
-    def start(self) -> None:
-        self.available = self._reset()
-
-    def stop(self) -> int:
-        return max(0, self._status_kib("VmHWM") - self.base) * 1024
 
 
 # --- no new processes: the Python-level rules (kvlib.course.guards' audit hook applies them) ------

@@ -19,17 +19,14 @@ failed; only a run that ended prints a score.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from kvlib.course.child import _ChildSide, child_env  # noqa: F401 (check() imports child_env)
 from kvlib.course.grading import (
     ProcessEnded,
     Question,
@@ -38,180 +35,6 @@ from kvlib.course.grading import (
     chapter_questions,
     run_question,
 )
-
-
-def child_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLIB_")}
-    # Triton kernels are graded under the interpreter on every machine (CPU tensors, exact)
-    env.update(MPLBACKEND="Agg", PYTHONHASHSEED="0", TRITON_INTERPRET="1")
-    return env
-
-
-def _sandbox_env(home: str | None) -> dict:
-    """The grader's child's environment: child_env(), glibc's malloc returning large blocks
-    (kvlib.course.confine.MALLOC_ENV), and a home of its own where it runs as another user."""
-    from kvlib.course.confine import MALLOC_ENV
-
-    env = {**child_env(), **MALLOC_ENV}
-    if home is not None:
-        env.update(HOME=home, XDG_CACHE_HOME=os.path.join(home, ".cache"),
-                   MPLCONFIGDIR=os.path.join(home, ".matplotlib"),
-                   TRITON_CACHE_DIR=os.path.join(home, ".triton"))  # fmt: skip
-    return env
-
-
-def _child_home() -> str | None:
-    """Where the grader runs as root: a fresh folder owned by the unprivileged user the child
-    becomes (its HOME, for caches); else None."""
-    if os.name != "posix" or os.geteuid() != 0:
-        return None
-    import tempfile
-
-    from kvlib.course.confine import unprivileged_ids
-
-    home = tempfile.mkdtemp(prefix="kvlib-grade-")
-    os.chown(home, *unprivileged_ids())
-    return home
-
-
-def _read_paths(cells_folder: str | None) -> list[str]:
-    """What the learner's code must be able to read: the interpreter, the packages, kvlib, the
-    notebook's folder and the working folder."""
-    import site
-    import sysconfig
-
-    paths = [sys.prefix, sys.base_prefix, os.getcwd(), str(Path(__file__).resolve().parents[2])]
-    paths += [sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")]
-    with contextlib.suppress(AttributeError):
-        paths += site.getsitepackages()
-    return paths + ([cells_folder] if cells_folder else [])
-
-
-class _ChildSide:
-    """A child process that executed the notebook's cells and serves the test's calls. A cell that
-    hangs or ends the process is skipped in a fresh child; a call that does either ends the child
-    (killed from here: nothing the learner's code catches) and fails the question."""
-
-    def __init__(self, cells: list[str], timeout_s: float, names: list[str],
-                 folder: str | None = None, skip: dict[int, str] | None = None):  # fmt: skip
-        self.cells, self.timeout_s, self.names, self.folder = cells, timeout_s, names, folder
-        skip = {} if skip is None else skip  # cells that ended or hung a child: index -> error
-        self.errors: list[str] = []
-        self.process = None
-        self.home = None
-        self.confinement = ""
-        self.skip = set(skip)
-        self.errors.extend(skip.values())
-        while True:
-            failed = self._start(self.skip)
-            if failed is None:
-                return
-            self.skip.add(failed)
-            skip[failed] = self.errors[-1]
-
-    @property
-    def pid(self) -> int | None:
-        return None if self.process is None else self.process.pid
-
-    def _spawn(self):
-        from kvlib.course.wire import Channel
-
-        to_child_r, to_child_w = os.pipe()
-        to_grader_r, to_grader_w = os.pipe()
-        self.home = _child_home()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvlib.course.sandbox", str(to_child_r), str(to_grader_w)],
-            pass_fds=(to_child_r, to_grader_w),
-            env=_sandbox_env(self.home),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=(os.name == "posix"),
-        )
-        os.close(to_child_r)
-        os.close(to_grader_w)
-        self.channel = Channel(to_grader_r, to_child_w, trusted=False)
-        self._fds = (to_grader_r, to_child_w)
-        self.copies_sent = False
-
-    def _start(self, skip: set[int]) -> int | None:
-        """Start a child and load the notebook; the index of a cell that killed or hung it."""
-        from kvlib.course.guards import copy_table
-        from kvlib.course.wire import ChannelClosed, ChannelTimeout
-
-        self._spawn()
-        self.deadline = time.monotonic() + self.timeout_s
-        self.confinement = self.request(("confine", _read_paths(self.folder), self.folder))[1]
-        # guards first (inactive until a graded call runs): whatever the notebook copies or
-        # re-imports while it loads is a guarded function already
-        self.request(("guard", [], "", copy_table()))
-        self.copies_sent = True
-        self.channel.send(("load", self.cells, sorted(skip), self.names))
-        for index in [i for i in range(len(self.cells)) if i not in skip]:
-            try:
-                reply = self.channel.recv(self.timeout_s)
-            except ChannelTimeout:
-                self.close()
-                self.errors.append(
-                    f"cell {index}: ran longer than {self.timeout_s:g} s while the notebook "
-                    "loaded; the grader skipped it"
-                )
-                return index
-            except ChannelClosed:
-                status = self.close()
-                self.errors.append(
-                    f"cell {index}: ended the Python process (exit status {status}); the grader "
-                    "skipped it"
-                )
-                return index
-            if reply[0] != "cell" or reply[1] != index:
-                self.close()
-                raise ProcessEnded("the notebook's process sent something unexpected")
-            if reply[2]:
-                self.errors.append(reply[2])
-        try:
-            self.channel.recv(self.timeout_s)
-        except (ChannelTimeout, ChannelClosed):
-            self.close()
-            raise ProcessEnded("the notebook's process ended after loading") from None
-        return None
-
-    def request(self, message):
-        from kvlib.course.wire import ChannelClosed, ChannelTimeout
-
-        try:
-            self.channel.send(message)
-            return self.channel.recv(max(0.0, self.deadline - time.monotonic()))
-        except ChannelTimeout:
-            self.close()
-            raise QuestionTimeout(
-                f"timed out after {self.timeout_s:g} s (an infinite loop, or far too slow)"
-            ) from None
-        except ChannelClosed:
-            status = self.close()
-            raise ProcessEnded(
-                f"the grading process ended (exit status {status}) before the test finished: "
-                "does the notebook call sys.exit, os._exit or crash Python?"
-            ) from None
-
-    def close(self):
-        """Kill the child's whole process group (threads, grandchildren); its exit status."""
-        if self.process is None:
-            return None
-        for fd in self._fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        try:
-            status = self.process.wait(timeout=0.2)
-        except subprocess.TimeoutExpired:
-            status = None
-        _kill(self.process)
-        self.process = None
-        if self.home is not None:
-            shutil.rmtree(self.home, ignore_errors=True)
-            self.home = None
-        return status if status is not None else "killed"
-
 
 # --- the grader -----------------------------------------------------------------------------------
 
@@ -269,12 +92,19 @@ class GradeReport:
         for q, max_points in zip(self.questions, self.max_points):
             verdict = "pass" if q.passed else "FAIL"
             lines.append(
-                f"{q.id:<{width}}  {verdict:<6}  {q.points:>2}/{max_points:<3}  {q.message}"
+                f"{q.id:<{width}}  {verdict:<6}  {q.points:>2}/{max_points:<3}  "
+                f"{_printable(q.message)}"
             )
         lines.append(f"score: {self.score}/{self.max_score}")
         if self.sandbox:
             lines.append(f"({self.sandbox})")
         return "\n".join(lines)
+
+
+def _printable(text: str) -> str:
+    """Learner text on one line of the table: control characters (newlines, escapes) as `\\n`,
+    `\\x1b`, so that a message cannot add a row or a score."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def _grade_questions(cells: list[str], jobs: list[tuple[Question, str]], timeout_s: float,
@@ -285,17 +115,23 @@ def _grade_questions(cells: list[str], jobs: list[tuple[Question, str]], timeout
     what confined the child."""
     results, side, skip, confinement = [], None, {}, ""
     names = sorted({binding or q.function for q, binding in jobs})
+    allowed = tuple(sorted({name for q, _ in jobs for name in q.allowed}))
     for q, binding in jobs:
         try:
             if side is None:
-                side = _ChildSide(cells, timeout_s, names, folder, skip)
+                side = _ChildSide(cells, timeout_s, names, folder, skip, allowed)
                 confinement = side.confinement
             side.deadline = time.monotonic() + timeout_s
             passed, message = run_question(q, side, side.errors, seed, binding=binding)
-            if side.process is not None and side.request(("status",))[1]["threads"] > 1:
+            if side.process is not None and _threads(side) > 1:
                 side.close()
         except (QuestionTimeout, ProcessEnded) as exc:
             passed, message = False, str(exc)
+        except Exception as exc:  # noqa: BLE001 - what the learner's process sent, unreadable
+            if side is not None:
+                side.close()
+            passed = False
+            message = f"the grader could not read your process's answer ({type(exc).__name__})"
         if side is not None and side.process is None:
             side = None
         results.append(QuestionResult(q.id, passed, q.points if passed else 0, message))
@@ -304,13 +140,15 @@ def _grade_questions(cells: list[str], jobs: list[tuple[Question, str]], timeout
     return results, confinement
 
 
-def _kill(process: subprocess.Popen) -> None:
-    if os.name == "posix":
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    else:
-        process.kill()
-    process.wait()
+def _threads(side: _ChildSide) -> int:
+    """The child's thread count; a reply that is not one fails the question (ProcessEnded). Its
+    answer is also the last of the question: anything the child sent since shows here."""
+    reply = side.request(("status",))
+    threads = reply[1].get("threads") if len(reply) == 2 and type(reply[1]) is dict else None
+    if reply[0] != "status" or type(threads) is not int:
+        side.close()
+        raise ProcessEnded("your process answered the grader's last request out of turn")
+    return threads
 
 
 def read_code_cells(path: Path) -> list[str]:
@@ -435,9 +273,17 @@ def main(argv: list[str] | None = None) -> int:
         "--question", action="append", metavar="ID", help="grade only this question (repeatable)"
     )
     parser.add_argument(
-        "--seed", type=int, help="the random cases' seed (default: drawn; the report says which)"
+        "--seed",
+        help="the random cases' seed (default: drawn; the report says which); '-': read it from "
+        "standard input, where the learner's process cannot see it (a command line can be)",
     )
     args = parser.parse_args(argv)
+    if args.seed is not None:
+        text = sys.stdin.readline().strip() if args.seed == "-" else args.seed
+        try:
+            args.seed = int(text)
+        except ValueError:
+            parser.error(f"--seed: expected an integer, got {text!r}")
     started = time.perf_counter()
     try:
         report = grade_notebook(

@@ -14,26 +14,24 @@ runs a test against either learner's side:
   runs the same test with the same protocol against the notebook's process.
 
 **What an instructor can rely on** (the grader, every platform): the test, the expected values
-and the verdict stay in the grader's process, which receives only plain data; while a question is
-graded the learner's code may call no kvlib function but those the question allows (their copies
-included) and create no process (`kvlib.course.guards`); random cases are drawn afresh on every
-run from a seed the report prints (`--seed` replays it), and `check()` draws its own, so no table
-can list them in advance; where a rule is about memory, the grader reads the learner's process's
-peak resident memory from outside it (Linux; elsewhere the process measures itself); arrays a
-rule forbids holding whole (chapter 4's K and V) stay in the grader's process, served a slice at a
-time and counted there; whether a result is a view of an input is read from the memory the values
-lie in, through accessors the learner's code cannot patch. Where the grader runs as root, the
-child becomes an unprivileged user before any learner code runs (it cannot signal the grader,
-write to its output or change the repository), and on Linux a seccomp filter refuses processes in
-the kernel; the JSON report carries a per-run nonce the child never sees, and an abnormal end
-prints no score and exits non-zero: read the exit status and the JSON, never stdout alone.
+and the verdict stay in the grader's process, which receives only plain data, numbered frames it
+asked for (anything else ends the learner's process and fails that question, never the grader);
+random cases are drawn afresh on every run from a seed the report prints (`--seed` replays it,
+`--seed -` reads it from standard input), and `check()` draws its own; arrays a rule forbids
+holding whole (chapter 4's K and V) stay in the grader's process, served a slice at a time and
+counted there. Where the grader runs as root on Linux (`kvlib.course.confine`) the child also runs
+as an unprivileged user (with KVLIB_GRADE_ISOLATION=1, in a mount namespace where kvlib holds
+only the helpers the questions allow, other processes are hidden and temporary files are a
+private tmpfs); it cannot create
+processes (seccomp); its peak memory is counted by the kernel in a cgroup of its own, over windows
+the grader opens and closes. Elsewhere the Python-level guard (`kvlib.course.guards`) keeps kvlib
+unavailable as a best effort, and memory is read from /proc or measured by the child itself; the
+report's `sandbox` line says which applied (book/grader_guarantees.md).
 
-**What needs a container**: the learner's code runs on the grader's machine, with network access,
-CPU and memory of its own, and (where the grader is not root) the grader's own user, which can
-read and write what that user can; learner code that rewrites the grader's guards in its own
-process escapes them (the tests, values and verdict stay out of its reach). An instructor grading
-untrusted notebooks runs the grader in a container without network or secrets (book/setup.md).
-Nor does the grader grade prose.
+**What needs a container**: the learner's code runs on the grader's machine, with network access
+and CPU of its own. An instructor grading untrusted notebooks runs the grader as root in a
+container without network or secrets (book/setup.md). The grader does not grade prose, nor judge
+whether code was copied: an instructor reads the notebook.
 
 `check`, `show`, `grade_notebook` and the rest of the grader's API stay importable from here.
 """

@@ -1,23 +1,15 @@
 """Default-deny while a graded call runs: kvlib is unavailable to the learner's code, except the
 helpers its question allows, and no process may be created.
 
-**kvlib.** While a graded call runs (`call_learner`, or a thread the learner's code started
-meanwhile), a function of kvlib's library (kvlib outside kvlib/course) or of the grader's check
-modules that is called by anything but kvlib library code raises GradingError, unless the question
-names it in `@question(allowed=...)` (usually nothing, or a helper such as `hash_block_tokens`).
-Library code calling library code goes on, so an allowed helper works; the learner's own code, a
-thread or a callback it started, or a third-party function it handed a kvlib function to, is
-stopped. Every function of every imported kvlib module (and of each one imported later: an import
-hook) is recompiled from its source with a first statement that calls the guard, held as a
-constant of the code, not looked up by name; every alias, re-export, default argument and reloaded
-copy is the same function or gets the same code.
+**kvlib.** While a graded call runs (`call_learner`, or a thread it started), a function of
+kvlib's library or of the check modules called by anything but kvlib library code raises
+GradingError, unless the question allows it (`@question(allowed=...)`). Every function of every
+imported kvlib module (and of each imported later: an import hook) is recompiled from its source
+with a first statement that calls the guard, held as a constant of the code.
 
-**Copies.** kvlib's code compiled again from its source, under any name, file or line (an
-`exec`'d copy, a module loaded from a copied file, a code object taken out of one) is recognised by
-its content (`_fingerprint`: bytecode, names, local names and constants): at each `install_guards`
-every such function gets the guarded code, and while a graded call runs an audit hook refuses to
-execute, build or assign code that matches kvlib's, or to replace a guarded function's code. A
-copy retyped with a change is the learner's own code, as a paste of it would be.
+**Copies** of kvlib's code compiled again from its source are matched by content
+(`_fingerprint`) and guarded too: a best effort that the mount namespace (`kvlib.course.isolation`)
+makes moot where it applies; a copy retyped with a change is the learner's own code.
 
 **Processes.** The same audit hook refuses to create processes (`subprocess`, `os.system`,
 `os.fork`, `os.exec*`, `os.posix_spawn`, `os.spawn*`, `_posixsubprocess.fork_exec`), to signal
@@ -27,9 +19,8 @@ elsewhere while a graded call runs, in the process that runs it and in any proce
 earlier (a pool made while a notebook ran). Threads are allowed. In the grader's child on Linux a
 seccomp filter refuses the same in the kernel (`kvlib.course.confine`).
 
-All of this runs in the learner's own process: code that rewrites this module's state escapes it
-(that starts with reading the grader's source); the tests, the expected values and the verdict
-stay in the grader's process, and the kernel's limits hold whatever the learner's code does.
+All of this runs in the learner's own process, which can rewrite it: a best effort (see
+book/grader_guarantees.md for what the OS enforces where).
 """
 
 from __future__ import annotations
@@ -62,8 +53,7 @@ _PLACEHOLDER = "__kvlib_course_guard_placeholder__"
 
 
 class GradingError(RuntimeError):
-    """Raised in the learner's process for what a graded call may not do: call a kvlib function
-    its question does not allow, or create a process."""
+    """What a graded call may not do: call a kvlib function not allowed, create a process."""
 
 
 _ACTIVE = [0]  # graded calls running in this process
@@ -71,7 +61,8 @@ _ACTIVE = [0]  # graded calls running in this process
 # earlier shares the page and obeys the same rules meanwhile
 _SHARED = mmap.mmap(-1, 1)
 _ORIGIN = os.getpid()
-_state: dict = {"question": "", "allowed": (), "always": False}
+_state: dict = {"question": "", "allowed": (), "always": False, "installed": False}
+_ORIGINAL: dict[int, tuple[types.FunctionType, types.CodeType]] = {}  # id(fn) -> (fn, its code)
 
 
 def graded_call_running() -> bool:
@@ -101,7 +92,7 @@ def _allowed(dotted: str) -> bool:
 
 def _guard(dotted: str) -> None:
     """The first statement of every guarded function."""
-    if not (_ACTIVE[0] or (_SHARED[0] == 1 and os.getpid() != _ORIGIN)):
+    if not _state["installed"] or not graded_call_running():
         return
     try:
         caller = sys._getframe(2).f_code  # 0: here, 1: the guarded function, 2: its caller
@@ -349,6 +340,7 @@ def _guard_function(fn: types.FunctionType) -> None:
             match = _copy_of(code)
         guarded = None if match is None else match[1]
     if guarded is not None and guarded.co_freevars == code.co_freevars:
+        _ORIGINAL.setdefault(id(fn), (fn, code))
         fn.__code__ = guarded
 
 
@@ -358,7 +350,7 @@ def install_guards(allowed: tuple[str, ...], question_id: str, copies: dict | No
     names; a class allows its methods) and no other. `copies`: the grader's `copy_table()`."""
     import gc
 
-    _state.update(question=question_id, allowed=tuple(allowed))
+    _state.update(question=question_id, allowed=tuple(allowed), installed=True)
     for key, entries in (copies or {}).items():
         _FOREIGN.setdefault(key, {}).update(entries)
     _install_import_hook()
@@ -368,9 +360,19 @@ def install_guards(allowed: tuple[str, ...], question_id: str, copies: dict | No
             _guard_function(obj)
 
 
+def remove_guards() -> None:
+    """Undo `install_guards` here (original code back, no import hook, the audit hook idle), for
+    a process that ran check() and goes on with other work (a test runner)."""
+    for fn, code in _ORIGINAL.values():
+        if id(fn.__code__) in _GUARDED_IDS:
+            fn.__code__ = code
+    _ORIGINAL.clear()
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _GuardingFinder)]
+    _state.update(question="", allowed=(), installed=False)
+
+
 class _GuardingFinder(importlib.abc.MetaPathFinder):
-    """Guards a kvlib module imported (again) after `install_guards`: its functions get the
-    guard before anyone can call them."""
+    """Guards a kvlib module imported (again) after `install_guards`, before any call."""
 
     def find_spec(self, fullname, path, target=None):
         if not fullname.startswith("kvlib"):
@@ -432,13 +434,14 @@ def _audit(event: str, args: tuple) -> None:
     if event not in _EVENTS:
         return
     if event not in _CODE_EVENTS:
-        if confine.process_refused(event, args, _state["always"] or graded_call_running()):
+        rules_apply = _state["always"] or _state["installed"] and graded_call_running()
+        if confine.process_refused(event, args, rules_apply):
             raise GradingError(
                 f"{event} is not allowed while your code is graded: it runs without creating "
                 "processes or using ctypes (threads are fine)"
             )
         return
-    if not graded_call_running():
+    if not (_state["installed"] and graded_call_running()):
         return
     if event == "object.__setattr__":
         if len(args) < 3 or args[1] != "__code__":
@@ -461,7 +464,7 @@ def _install_audit_hook() -> None:
         sys.addaudithook(_audit)  # for the life of the process: an audit hook cannot be removed
         _state["audit_hook"] = True
         confine.wrap_fork_exec(
-            lambda: _state["always"] or graded_call_running(),
+            lambda: _state["always"] or _state["installed"] and graded_call_running(),
             lambda message: GradingError(message),
         )
 

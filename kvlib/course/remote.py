@@ -85,28 +85,56 @@ class Remote:
         return self._finish(args, options, reply)
 
     def _exchange(self, args, kwargs, options) -> tuple:
-        """Send the call; answer what the learner's side asks meanwhile (rows of a ParentRows,
-        the span of a memory measurement); the reply, with its info decoded."""
+        """Send the call; answer the rows the learner's side asks for meanwhile; the reply, with
+        its info decoded. A memory measurement is a window the grader opens before it sends the
+        call and closes when the reply arrives (`side.memory`: the kernel's count), less the
+        call's own frame (the inputs, unpickled there); where there is none, the learner's
+        process measures itself (best effort, said in the hint)."""
         from kvlib.course.wire import decode
 
         submission = self._submission
-        exchange = _Exchange(args, submission._side)
+        side = submission._side
+        exchange = _Exchange(args)
+        window = getattr(side, "memory", None) if options.get("measure_memory") else None
+        if options.get("measure_memory"):
+            options["measure_memory"] = "parent" if window is not None else "self"
+            options["return_args"] = False  # in the window: the reply holds the result only
         message = ("call", self._target, list(args), kwargs, options)
-        direct = getattr(submission._side, "call_direct", None)
+        direct = getattr(side, "call_direct", None)
         if direct is not None:  # a learner's side in this process (the draws tests)
             reply = direct(message, exchange.answer)
         else:
-            reply = submission._request(message)
-            while reply[0] in ("rows", "measure"):
+            if window is not None:
+                submission._request(("collect",))  # the garbage of earlier calls goes first
+                window.open()
+            reply = side.request(message, compact=True) if window else side.request(message)
+            sent = side.channel.sent_bytes
+            while reply[0] == "rows":
                 reply = submission._request(exchange.answer(reply))
+            if window is not None:
+                peak, fell = window.close()
+                if fell:
+                    raise AssertionError(
+                        f"`{self.name}` gave back memory it held before the call while the "
+                        "grader measured the call's peak memory: it is measured from what your "
+                        "process held when the call started"
+                    )
+                exchange.measured.update(peak_bytes=max(0, peak - sent), measured_by="grader")
         info_at = 3
         try:
             info = decode(reply[info_at]) if len(reply) > info_at else {}
         except (ValueError, TypeError, RecursionError):
             info = {}
+        if not isinstance(info, dict):
+            info = {}
+        for key in ("peak_bytes", "measured_by"):  # the grader's alone
+            info.pop(key, None)
         info.update(exchange.measured)
-        if "peak_bytes" not in info and "torch_peak_bytes" in info:
-            info["peak_bytes"] = info["torch_peak_bytes"] + info["python_peak_bytes"]
+        if "peak_bytes" not in info and options.get("measure_memory") == "self":
+            torch_peak, python_peak = info.get("torch_peak_bytes"), info.get("python_peak_bytes")
+            if type(torch_peak) is not int or type(python_peak) is not int:
+                raise AssertionError(f"`{self.name}`'s memory could not be measured")
+            info["peak_bytes"] = torch_peak + python_peak
             info["measured_by"] = "your process"
         return (*reply[:info_at], info, *reply[info_at + 1 :])
 
@@ -183,34 +211,22 @@ class Remote:
 
 class _Exchange:
     """The grader's answers to what the learner's side asks while one call runs: rows of an
-    argument the grader keeps (`ParentRows`), and the start and end of a memory measurement,
-    read from outside the learner's process where the platform allows (`measured`)."""
+    argument the grader keeps (`ParentRows`); `measured`: the call's peak memory, where the
+    grader measured it."""
 
-    def __init__(self, args, side):
-        self.args, self.side = args, side
-        self.peak = None
+    def __init__(self, args):
+        self.args = args
         self.measured: dict = {}
 
     def answer(self, ask: tuple) -> tuple:
         from kvlib.course.wire import encode
 
-        if ask[0] == "rows":
+        if len(ask) == 4 and all(type(n) is int for n in ask[1:]):
             _, index, start, stop = ask
             rows = self.args[index] if 0 <= index < len(self.args) else None
-            if not isinstance(rows, ParentRows) or not 0 <= stop - start <= rows.max_rows:
-                return ("error", "no such rows")
-            return ("rows", encode(rows.rows(start, stop)))
-        if ask[:2] == ("measure", "start"):
-            from kvlib.course.confine import PeakMemory
-
-            pid = getattr(self.side, "pid", None)
-            self.peak = PeakMemory(pid) if pid else None
-            return ("measure", "parent" if self.peak is not None and self.peak.available else "-")
-        if ask[:2] == ("measure", "stop"):
-            if self.peak is not None and self.peak.available:
-                self.measured.update(peak_bytes=self.peak.stop(), measured_by="grader")
-            return ("measure", "done")
-        return ("error", f"unknown request {ask[0]!r}")
+            if isinstance(rows, ParentRows) and 0 <= stop - start <= rows.max_rows:
+                return ("rows", encode(rows.rows(start, stop)))
+        return ("error", "no such rows")
 
 
 def _aliases(result, args_after: list, info: dict) -> list[int]:
@@ -278,7 +294,10 @@ def peak_allocation(info: dict) -> tuple[int, str]:
     for a hint saying what measured it, in MiB."""
     peak = info["peak_bytes"]
     if info.get("measured_by") == "grader":
-        return peak, f"{peak / 2**20:.1f} MiB (the peak resident memory of your process)"
+        return (
+            peak,
+            f"{peak / 2**20:.1f} MiB (your process's peak memory, measured from outside it)",
+        )
     return peak, (
         f"{peak / 2**20:.1f} MiB (PyTorch's CPU allocator "
         f"{info['torch_peak_bytes'] / 2**20:.1f} MiB + numpy/Python "

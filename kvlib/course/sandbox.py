@@ -13,9 +13,10 @@ Two servers answer the grader's requests, with the same `handle_request`:
 
 A call runs as a graded call (`kvlib.course.guards`: kvlib unavailable but what the question
 allows, no processes) and, as the test asks, with the torch operators it ran recorded. While it
-runs it may ask the grader for more (`ask`): rows of an array the grader keeps
-(`kvlib.course.wire.ParentRows`), and the start and the end of a span whose peak memory the grader
-reads from outside the process.
+runs it may ask the grader for rows of an array the grader keeps (`kvlib.course.wire.ParentRows`).
+Its memory is measured by the grader from outside, over a window the grader opens before it
+sends the call and closes when the reply comes; only where it cannot does this process measure
+itself (`measure_memory == "self"`).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _measured_in_process(stack: contextlib.ExitStack, info: dict) -> None:
     stack.callback(collect)
 
 
-def _run_call(fn, args, kwargs, options: dict, ask) -> tuple:
+def _run_call(fn, args, kwargs, options: dict) -> tuple:
     """Call the learner's `fn`, measured as `options` asks. Returns (outcome, info)."""
     info: dict = {"extents_before": [extents(a) for a in args]}
     grid = options.get("grid")
@@ -129,7 +130,6 @@ def _run_call(fn, args, kwargs, options: dict, ask) -> tuple:
             fn, interpreter.InterpretedFunction
         )
     ops: set = set()
-    measure = options.get("measure_memory")
     with contextlib.ExitStack() as stack:
         if options.get("torch_ops"):
             # the profiler records every operator at the dispatcher's entry, composite ones
@@ -141,9 +141,9 @@ def _run_call(fn, args, kwargs, options: dict, ask) -> tuple:
             holder: list = []
             stack.callback(lambda: ops.update(e.name for e in holder[0].events()))  # after exit
             holder.append(stack.enter_context(profile(activities=[ProfilerActivity.CPU])))
-        if measure:
+        if options.get("measure_memory"):
             _fixed_malloc()
-            if ask(("measure", "start"))[1] != "parent":
+            if options["measure_memory"] == "self":  # the grader cannot measure from outside
                 _measured_in_process(stack, info)
         try:
             result = call_learner(fn, args, kwargs, grid)
@@ -151,9 +151,6 @@ def _run_call(fn, args, kwargs, options: dict, ask) -> tuple:
             raise  # check()'s deadline: the notebook's cell stops here
         except BaseException as exc:  # noqa: BLE001 - report anything, SystemExit included
             return ("raised", type(exc).__name__, _safe_str(exc)[:MESSAGE_CHARS], exc), info
-        finally:
-            if measure:
-                ask(("measure", "stop"))
     if options.get("torch_ops"):
         info["torch_ops"] = sorted(ops)
     info["extents"] = {"result": extents(result), "args": [extents(a) for a in args]}
@@ -218,12 +215,17 @@ def handle_request(request, namespace: dict, ask=None):
         import threading
 
         return ("status", {"threads": threading.active_count()})
+    if kind == "collect":  # before a memory window: what earlier calls left behind goes now
+        import gc
+
+        gc.collect()
+        return ("collected",)
     if kind == "call":
         _, name, args, kwargs, options = request
         for value in [*args, *kwargs.values()]:
             if isinstance(value, ParentRows):
                 value._ask = ask
-        outcome, info = _run_call(namespace.get(name), args, kwargs, options, ask)
+        outcome, info = _run_call(namespace.get(name), args, kwargs, options)
         memo: dict = {}  # the result first, then the arguments: the grader decodes them so
         try:
             encoded = encode(outcome[1], memo) if outcome[0] == "returned" else None
@@ -250,14 +252,14 @@ def serve(channel: Channel, namespace: dict, *, until: str = "end"):
     """Answer requests until one of kind `until` arrives; returns that request."""
 
     def ask(message):
-        channel.send(message)
-        return channel.recv()
+        channel.answer(message)
+        return channel.next_request()
 
     while True:
-        request = channel.recv()
+        request = channel.next_request()
         if request[0] == until:
             return request
-        channel.send(handle_request(request, namespace, ask))
+        channel.answer(handle_request(request, namespace, ask))
 
 
 # --- the child process: confine, load a notebook, then serve --------------------------------------
@@ -299,16 +301,25 @@ def _load(channel: Channel, namespace: dict, cells: list[str], skip: set[int], n
         for name in names:
             if namespace.get(name) is not before[name]:
                 defined[name] = index
-        channel.send(("cell", index, error))
+        channel.answer(("cell", index, error))
 
 
-def _confine(read_paths) -> str:
+def _confine(read_paths, package: dict | None) -> str:
     """Confine this process before any learner code runs (see kvlib.course.confine)."""
     import ctypes  # noqa: F401 (imported now: its own import opens a library, refused later)
 
     from kvlib.course import confine, guards
 
     confinement = confine.Confinement()
+    if package and os.geteuid() == 0:
+        try:
+            keep = [os.path.realpath(p) for p in read_paths]
+            from kvlib.course.isolation import isolate
+
+            sight = isolate(package["dirs"], package["files"], package["home"], keep)
+            confinement.sight = sight
+        except OSError as exc:
+            confinement.sight = f"kvlib visible (no mount namespace: {exc})"
     if os.name == "posix" and os.geteuid() == 0:
         try:
             confinement.user = confine.drop_privileges(read_paths)
@@ -331,19 +342,20 @@ def child_main(read_fd: int, write_fd: int) -> None:
     os.dup2(devnull, 2)
     channel = Channel(read_fd, write_fd, trusted=True)
     os.environ["KVLIB_GRADING"] = "1"
-    _, read_paths, folder = channel.recv()  # ("confine", what it must read, the notebook's)
-    channel.send(("confined", _confine(read_paths)))
+    # ("confine", what it must read, the notebook's folder, the kvlib it may see or None)
+    _, read_paths, folder, package = channel.next_request()
+    channel.answer(("confined", _confine(read_paths, package)))
     if folder:
         os.chdir(folder)  # as Jupyter runs a notebook (imports still come from where they were)
     namespace: dict = {"__name__": "__main__"}
-    request = channel.recv()
+    request = channel.next_request()
     if request[0] == "guard":  # guards first: whatever the notebook copies is guarded already
-        channel.send(handle_request(request, namespace))
-        request = channel.recv()
+        channel.answer(handle_request(request, namespace))
+        request = channel.next_request()
     if request[0] == "load":
         _, cells, skip, names = request
         _load(channel, namespace, cells, set(skip), names)
-        channel.send(("loaded",))
+        channel.answer(("loaded",))
     serve(channel, namespace)
     os._exit(0)
 

@@ -31,6 +31,12 @@ class ChannelTimeout(Exception):
     """Nothing arrived in time."""
 
 
+class Unsolicited(ChannelClosed):
+    """The learner's side sent a frame the grader did not ask for, or one it cannot read: the
+    grader ends that process (a fresh one serves the next question), so the channel never
+    shifts."""
+
+
 # --- transport ------------------------------------------------------------------------------------
 
 
@@ -41,52 +47,137 @@ class _NoGlobals(pickle.Unpickler):
 
 class Channel:
     """Frames over a pair of file descriptors. `trusted`: unpickle with every global allowed (only
-    where the sender is the grader); otherwise no global at all (the reply is encoded data)."""
+    where the sender is the grader); otherwise no global at all (the reply is encoded data).
+
+    Every frame is `(number, message)`: the grader numbers its requests (`request`, `tell`), the
+    learner's side answers with the number of the last frame it received (`next_request`,
+    `answer`), and the grader accepts only an answer to its last request (`reply`)."""
 
     def __init__(self, read_fd: int, write_fd: int, *, trusted: bool):
         self.read_fd, self.write_fd, self.trusted = read_fd, write_fd, trusted
+        self.seq = 0
 
-    def send(self, obj) -> None:
-        data = pickle.dumps(obj, protocol=4)
-        payload = struct.pack("<Q", len(data)) + data
-        view = memoryview(payload)
-        while view:
-            try:
-                written = os.write(self.write_fd, view)
-            except (BrokenPipeError, OSError) as exc:
-                raise ChannelClosed(str(exc)) from None
-            view = view[written:]
+    # the grader's side
+    def request(self, message, timeout_s: float | None = None, *, compact: bool = False):
+        """Send request `message`; the learner's side's answer to it."""
+        self.tell(message, compact=compact)
+        return self.reply(timeout_s)
 
-    def _read(self, size: int, deadline: float | None) -> bytes:
+    def tell(self, message, *, compact: bool = False) -> None:
+        """Send `message`, numbered: the next answers must carry its number."""
+        self.seq += 1
+        self.send((self.seq, message), compact=compact)
+
+    def reply(self, timeout_s: float | None = None) -> tuple:
+        """The next frame, which must answer the last request: a tuple whose first item is a
+        string. Raises Unsolicited otherwise."""
+        frame = self.recv(timeout_s)
+        if type(frame) is tuple and len(frame) == 2 and frame[0] == self.seq:
+            message = frame[1]
+            if type(message) is tuple and message and type(message[0]) is str:
+                return message
+        raise Unsolicited(
+            f"your process sent the grader a message it did not ask for ({_safe_repr(frame)[:80]})"
+        )
+
+    # the learner's side
+    def next_request(self):
+        """The next request (its number is echoed by `answer`)."""
+        self.seq, message = self.recv()
+        return message
+
+    def answer(self, message) -> None:
+        self.send((self.seq, message))
+
+    def send(self, obj, *, compact: bool = False) -> None:
+        """Send `obj` (pickled). `compact`: arrays and CPU tensors travel as raw buffers after the
+        pickle (protocol 5) and are rebuilt on them without a copy, so that the receiver holds
+        each input once (a memory window subtracts `sent_bytes`)."""
+        buffers: list = []
+        stream = io.BytesIO()
+        pickler = _Compact(stream, buffers) if compact else pickle.Pickler(stream, protocol=4)
+        pickler.dump(obj)
+        data = stream.getbuffer()
+        raws = [b.raw() for b in buffers]
+        self.sent_bytes = len(data) + sum(r.nbytes for r in raws)
+        header = struct.pack(f"<QI{len(raws)}Q", len(data), len(raws), *(r.nbytes for r in raws))
+        for part in (header, data, *raws):  # not joined: no copy of a large one
+            view = memoryview(part).cast("B")
+            while view:
+                try:
+                    written = os.write(self.write_fd, view)
+                except (BrokenPipeError, OSError) as exc:
+                    raise ChannelClosed(str(exc)) from None
+                view = view[written:]
+
+    def _read(self, size: int, deadline: float | None, into: bytearray | None = None):
         import time
 
-        chunks, left = [], size
-        while left:
+        out = bytearray(size) if into is None else into
+        view, done = memoryview(out), 0
+        while done < size:
             if deadline is not None:
                 wait = deadline - time.monotonic()
                 if wait <= 0 or not select.select([self.read_fd], [], [], wait)[0]:
                     raise ChannelTimeout()
             try:
-                chunk = os.read(self.read_fd, min(left, 1 << 20))
+                count = os.readv(self.read_fd, [view[done : done + (1 << 20)]])
             except OSError as exc:
                 raise ChannelClosed(str(exc)) from None
-            if not chunk:
+            if not count:
                 raise ChannelClosed("end of stream")
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+            done += count
+        return out
 
     def recv(self, timeout_s: float | None = None):
         import time
 
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        (size,) = struct.unpack("<Q", self._read(8, deadline))
-        if size > MAX_FRAME_BYTES:
-            raise ChannelClosed(f"a reply of {size:,} bytes is larger than the grader accepts")
+        size, count = struct.unpack("<QI", self._read(12, deadline))
+        sizes = struct.unpack(f"<{count}Q", self._read(8 * count, deadline)) if count < 64 else ()
+        if count >= 64 or size + sum(sizes) > MAX_FRAME_BYTES:
+            raise Unsolicited(
+                f"your process sent the grader a frame of {size + sum(sizes):,} bytes in {count} "
+                "parts, larger than it accepts"
+            )
         data = self._read(size, deadline)
+        buffers = [self._read(n, deadline) for n in sizes]
         if self.trusted:
-            return pickle.loads(data)
-        return _NoGlobals(io.BytesIO(data)).load()
+            return pickle.loads(data, buffers=buffers)
+        try:
+            return _NoGlobals(io.BytesIO(data), buffers=buffers).load()
+        except Exception as exc:  # noqa: BLE001 - any malformed frame
+            raise Unsolicited(
+                f"your process sent the grader a frame it cannot read ({type(exc).__name__})"
+            ) from None
+
+
+class _Compact(pickle.Pickler):
+    """Pickles numpy arrays' and CPU tensors' data out of band (protocol 5)."""
+
+    def __init__(self, stream, buffers: list):
+        super().__init__(stream, protocol=5, buffer_callback=buffers.append)
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if (
+            torch is not None
+            and type(obj) is torch.Tensor
+            and obj.device.type == "cpu"
+            and obj.layout == torch.strided
+            and not obj.requires_grad
+            and obj.dtype not in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+            and obj.is_contiguous()
+            and obj.untyped_storage().nbytes() == obj.nbytes  # owns its storage: no views of it
+        ):
+            return _tensor, (obj.numpy(),)
+        return NotImplemented
+
+
+def _tensor(array):
+    import torch
+
+    return torch.from_numpy(array)
 
 
 # --- values by value ------------------------------------------------------------------------------

@@ -1,0 +1,156 @@
+"""kvlib out of the learner's sight (Linux, the grader root, KVLIB_GRADE_ISOLATION=1): the
+grader's child enters a mount namespace of its own where kvlib's folders hold only a minimal
+package (`minimal_package`), /proc hides other processes and temporary folders are a private
+tmpfs (`isolate`). Source: mount_namespaces(7), mount(2), proc(5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from kvlib.course.confine import _check, _libc, unprivileged_ids
+
+# --- kvlib out of sight: a mount namespace (Linux, as root) --------------------------------------
+
+_CLONE_NEWNS, _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x20000, 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 0x4000, 0x40000
+_STUB = (
+    "def {name}(*args, **kwargs):\n"
+    "    raise RuntimeError('{dotted} is unavailable while your notebook is graded: write it '\n"
+    "                       'yourself')\n"
+)
+_CLASS_STUB = (
+    "class {name}:\n"
+    "    def __init__(self, *args, **kwargs):\n"
+    "        raise RuntimeError('{dotted}.__init__ is unavailable while your notebook is '\n"
+    "                           'graded: '\n"
+    "                           'write it yourself')\n"
+)
+_MODULE_STUB = (
+    "def __getattr__(name):\n"
+    "    if name.startswith('__'):\n"
+    "        raise AttributeError(name)\n"
+    "    def unavailable(*args, **kwargs):\n"
+    "        raise RuntimeError(f'{module}.{{name}} is unavailable while your notebook is '\n"
+    "                           'graded: write it yourself')\n"
+    "    return unavailable\n"
+)
+_GRADING_STUB = (
+    "CHECKED_WHILE_GRADING = {}\n\n\n"
+    "def check(question_id, function, **kwargs):  # the grader grades every question itself\n"
+    "    CHECKED_WHILE_GRADING[question_id] = function\n\n\n"
+    "def show(function, *args, **kwargs):\n"
+    "    pass\n"
+)
+
+
+def _helper_source(path: str, name: str) -> str:
+    """kvlib's function `name` of file `path` alone, with its module's other imports."""
+    import ast
+
+    source = open(path, encoding="utf-8").read()
+    tree = ast.parse(source)
+    keep = [
+        node for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and not any(a.name.startswith("kvlib") for a in node.names)
+        and not (getattr(node, "module", None) or "").startswith("kvlib")
+        or isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name
+    ]  # fmt: skip
+    return "\n\n".join(ast.get_source_segment(source, node) for node in keep) + "\n"
+
+
+def _is_class(module: str, name: str) -> bool:
+    import importlib
+
+    try:
+        return isinstance(getattr(importlib.import_module(module), name), type)
+    except Exception:  # noqa: BLE001 - a name kvlib does not have: a function's stub
+        return False
+
+
+def minimal_package(cells: list[str], allowed, kvlib_dir: str) -> dict[str, str]:
+    """The files of the `kvlib` the learner's process sees ({path in the package: text}): for
+    every name the notebook imports from kvlib, the function itself where a question allows it,
+    else a stub that raises when called; `check` and `show` silent. Nothing else of kvlib."""
+    import ast
+
+    wanted: dict[str, set[str]] = {"course.grading": {"check", "show"}}
+    for cell in cells:
+        with contextlib.suppress(SyntaxError, ValueError):
+            for node in ast.walk(ast.parse(cell)):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvlib."):
+                    names = {a.name for a in node.names if a.name != "*"}
+                    wanted.setdefault(node.module.removeprefix("kvlib."), set()).update(names)
+                elif isinstance(node, ast.Import):
+                    for alias in node.names:
+                        if alias.name.startswith("kvlib."):
+                            wanted.setdefault(alias.name.removeprefix("kvlib."), set())
+    files = {"__init__.py": "", "course/checking.py": _GRADING_STUB}
+    for module, names in wanted.items():
+        parts = module.split(".")
+        for depth in range(1, len(parts)):
+            files.setdefault("/".join(parts[:depth]) + "/__init__.py", "")
+        body = []
+        if module == "course.grading":
+            body.append("from kvlib.course.checking import CHECKED_WHILE_GRADING, check, show\n")
+            names = names - {"check", "show"}
+        for name in sorted(names):
+            real, dotted = os.path.join(kvlib_dir, *parts) + ".py", f"kvlib.{module}.{name}"
+            if dotted in allowed and os.path.isfile(real):
+                body.append(_helper_source(real, name))
+            else:
+                stub = _CLASS_STUB if _is_class(f"kvlib.{module}", name) else _STUB
+                body.append(stub.format(dotted=dotted, name=name))
+        if module != "course.grading":
+            body.append(_MODULE_STUB.format(module="kvlib." + module))
+        files["/".join(parts) + ".py"] = "\n\n".join(body)
+    return files
+
+
+def isolate(kvlib_dirs: list[str], files: dict[str, str], home: str | None, keep=()) -> str:
+    """Put this process (root, before it drops privileges) in a mount namespace of its own where
+    kvlib's folders (`kvlib_dirs`: its source tree, its installed copy) hold only `files`
+    (read-only), /proc shows no other user's processes (`hidepid=2`), and /tmp, /var/tmp and
+    /dev/shm are a private tmpfs (its pages are charged to the process's memory; folders of `keep`
+    there are bound back read-only). Raises OSError
+    where the kernel refuses. Returns what it did. Source: mount_namespaces(7), proc(5)."""
+    ctypes, libc = _libc()
+    libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+
+    def mount(source, target, fstype, flags, data=None):
+        args = [x.encode() if isinstance(x, str) else x for x in (source, target, fstype)]
+        data = data.encode() if data else None
+        _check(libc.mount(*args, flags, data), f"mount {target}")
+
+    _check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    mount(None, "/", None, _MS_REC | _MS_PRIVATE)
+    for folder in kvlib_dirs:
+        mount("tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=8m,mode=755")
+        for relative, text in files.items():
+            path = os.path.join(folder, relative)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as file:
+                file.write(text)
+        mount(None, folder, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+        if not os.path.isdir(folder):
+            continue
+        # what the learner's code must read there (the notebook's folder) comes back read-only
+        inside = [p for p in keep if os.path.isdir(p) and p.startswith(folder + os.sep)]
+        fds = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in inside]
+        mount("tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=256m,mode=1777")
+        for path, fd in zip(inside, fds):
+            os.makedirs(path, exist_ok=True)
+            mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND)
+            mount(None, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID)
+            os.close(fd)
+    if home is not None:
+        os.makedirs(home, exist_ok=True)
+        os.chown(home, *unprivileged_ids())
+    mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "hidepid=2")
+    return (
+        "kvlib hidden in a mount namespace (only the helpers the questions allow), /proc "
+        "without other users' processes, a private tmpfs for temporary files"
+    )
