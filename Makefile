@@ -101,12 +101,7 @@ nbval-portable: $(DEV_STAMP)
 
 <<<<<<< HEAD
 grading: $(DEV_STAMP)
-	$(BIN)/python -m pytest -n auto tests/test_grading.py  # one worker per core
-	$(BIN)/python -m pytest -n auto tests/test_grading_draws.py  # apart: graders leave guards behind
-=======
-grading: $(STAMP)
 	$(BIN)/python -m pytest -n auto tests/test_grading.py tests/test_grading_draws.py  # a worker per core
->>>>>>> grader
 
 # On a machine with a CUDA GPU: the GPU tests (tests/test_gpu.py: generate, the engine and the
 # quantized kernel against the CPU; tests/test_kernels.py: the compiled kernel in bf16 at large
