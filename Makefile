@@ -99,7 +99,6 @@ chapter-times: $(DEV_STAMP)
 nbval-portable: $(DEV_STAMP)
 	env -u PYTHONPATH $(PORTABLE_ENV) $(BIN)/python .ci/standalone.py
 
-<<<<<<< HEAD
 grading: $(DEV_STAMP)
 	$(BIN)/python -m pytest -n auto tests/test_grading.py tests/test_grading_draws.py  # a worker per core
 
