@@ -25,7 +25,13 @@ from kvlib.sparse import SparsePagedCache
 from kvlib.sparse.baselines import attention_mass_per_page
 from kvlib.sparse.bounds import gather_page_bounds, page_upper_bounds
 from kvlib.sparse.selection import compact_block_tables, select_pages
-from kvlib.sparse.trace import attention_inputs, captured_mass
+from kvlib.sparse.trace import (
+    attention_inputs,
+    captured_mass,
+    heaviest_old_pages,
+    page_overlap,
+    page_selection,
+)
 
 
 @pytest.fixture(scope="module")
@@ -338,6 +344,43 @@ def test_the_oracle_captures_most_and_quest_beats_random(course_model):
         }
         assert ((shares["oracle"] >= shares["quest"] - 1e-6) & (shares["quest"] <= 1 + 1e-6)).all()
         assert (shares["oracle"] >= shares["random"] - 1e-6).all()
+
+
+def test_heaviest_old_pages_never_count_an_excluded_page():
+    """A query with fewer than k old pages gets no picks (a top-k over fewer candidates returns
+    excluded pages: the sink, its own page or the skipped ones), and picks are the heaviest
+    candidates; the overlap counts only pairs with picks."""
+    mass = torch.rand(60, 8, generator=torch.Generator().manual_seed(0))  # queries 64..123
+    for skip in (0, 2):
+        picks = heaviest_old_pages(mass, 64, 16, 2, skip=skip)
+        for i, chosen in enumerate(picks):
+            end = (64 + i) // 16 - skip  # candidates: pages 1 .. end - 1
+            if end - 1 < 2:
+                assert chosen is None
+            else:
+                best = set((torch.argsort(mass[i, 1:end], descending=True)[:2] + 1).tolist())
+                assert chosen == best and all(1 <= j < end for j in chosen)
+    picks = heaviest_old_pages(mass, 64, 16, 2, skip=2)  # queries 64..79 have one candidate
+    assert picks[0] is None and picks[16] is not None
+    assert page_overlap([{1, 2}, None, {2, 3}, {2, 3}], 1) == 1.0  # only the (2, 3) pair
+    assert page_overlap([{1, 2}, {2, 3}, {4, 5}], 2) == 0.0
+    with pytest.raises(ValueError, match="no pair"):
+        page_overlap([None, {1, 2}], 1)
+    with pytest.raises(ValueError, match="k, skip"):
+        heaviest_old_pages(mass, 64, 16, 0)
+
+
+def test_page_selection_is_what_captured_mass_counts(course_model):
+    from kvlib import data
+
+    doc = torch.from_numpy(data.recall_documents(128, 1)[0].tokens)[None]
+    layer = attention_inputs(course_model, doc)[2]
+    mass, chosen = page_selection(layer.queries, layer.keys, 16, 4, first_query=64, recent_pages=0)
+    assert chosen.shape == mass.shape and (chosen.sum(dim=1) <= 4).all()
+    share = captured_mass(layer.queries, layer.keys, 16, 4, first_query=64, recent_pages=0)
+    torch.testing.assert_close(share, (mass * chosen).sum(dim=1) / mass.sum(dim=1))
+    with pytest.raises(ValueError, match="selector"):
+        page_selection(layer.queries, layer.keys, 16, 4, selector="best")
 
 
 def test_attention_mass_per_page_sums_to_the_group_size():

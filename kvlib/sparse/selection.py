@@ -4,7 +4,11 @@ table that hands the selection to chapter 11's kernel (Quest; Tang et al., ICML 
 - `select_pages`: per sequence, the `budget` pages of highest score, with the first `sink_pages`
   (the attention sinks of StreamingLLM, Xiao et al., ICLR 2024, live in the first tokens) and the
   last `recent_pages` (the newest page, partly filled, holds the query's own key and its nearest
-  neighbours) always among them.
+  neighbours) always among them. Forcing the first page in is this course's addition (chapter
+  8's attention sinks). Quest's kernel path forces the newest page and ranks the others by their
+  bounds (`decode_estimate` scores every page but the last); its accuracy harness
+  (`evaluation/quest_attention.py`, github.com/mit-han-lab/Quest at commit 24c9c6f) ranks every
+  chunk, the newest included, keeping the top max(3, budget // chunk): `recent_pages=0`.
 - `compact_block_tables`: the selected pages' physical blocks, in logical order, as a shorter
   block table, and the length that table holds. The selection is metadata: nothing is copied,
   the kernel reads the blocks where they are. Every selected page but the newest is full, so the

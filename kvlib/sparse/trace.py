@@ -2,10 +2,12 @@
 
 - `attention_inputs`: run a model once over a text and keep, per layer, the queries before and
   after RoPE and the keys after RoPE (the keys a cache holds);
-- `captured_mass`: for every query of a layer from `first_query` on, the share of the layer's
-  attention mass (summed over heads) that falls in the pages a selector picks, the selection made
-  as a decode step would make it: the query's own page forced in as the newest, the first page as
-  the sink, and only pages up to the query's own counted.
+- `heaviest_old_pages` and `page_overlap`: each query's heaviest old pages, and how many of them
+  a later query shares (how much the heavy pages move);
+- `page_selection` and `captured_mass`: for every query of a layer from `first_query` on, the
+  pages a selector picks, and the share of the layer's attention mass (summed over heads) that
+  falls in them, the selection made as a decode step would make it: the query's own page forced
+  in as the newest, the first page as the sink, and only pages up to the query's own counted.
 
 The selection is causal: the bounds of every page before the query's own hold only keys the
 query sees, and the query's own (partial) page is bounded from its keys up to the query, as the
@@ -32,7 +34,15 @@ from kvlib.sparse.baselines import random_page_scores
 from kvlib.sparse.bounds import page_upper_bounds, quest_page_scores
 from kvlib.sparse.selection import select_pages
 
-__all__ = ["LayerInputs", "attention_inputs", "captured_mass", "page_mass"]
+__all__ = [
+    "LayerInputs",
+    "attention_inputs",
+    "captured_mass",
+    "heaviest_old_pages",
+    "page_mass",
+    "page_overlap",
+    "page_selection",
+]
 
 
 @dataclasses.dataclass
@@ -127,6 +137,47 @@ def page_mass(
     return weights.view(num_heads, len(rows), pages, block_size).sum(dim=(0, 3))  # (T', P)
 
 
+def page_selection(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    block_size: int,
+    budget_pages: int,
+    *,
+    selector: str = "quest",
+    first_query: int = 0,
+    every: int = 1,
+    bound_queries: torch.Tensor | None = None,
+    recent_pages: int = 1,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages `selector` ("quest", "oracle" or "random") picks for each query t =
+    `first_query`, `first_query + every`, ..., as a decode step would (see the module docstring):
+    `(mass, selected)`, the page masses (T', P) float32 (`page_mass`) and the selection (T', P)
+    bool (`kvlib.sparse.selection.select_pages`, the sink forced in, and the newest page when
+    `recent_pages` is 1). Arguments as for `captured_mass`.
+
+    Raises:
+        ValueError: an unknown `selector`, or what `select_pages` rejects.
+    """
+    if selector not in ("quest", "oracle", "random"):
+        raise ValueError(f"selector: expected 'quest', 'oracle' or 'random', got {selector!r}")
+    mass = page_mass(queries, keys, block_size, first_query, every)  # (T', P)
+    rows = torch.arange(first_query, queries.shape[1], every)
+    num_pages = rows // block_size + 1  # pages up to the query's own
+    if selector == "oracle":
+        scores = mass
+    elif selector == "random":
+        scores = random_page_scores(len(rows), mass.shape[1], torch.Generator().manual_seed(seed))
+    else:
+        cache = _pool(keys, block_size)
+        table = torch.tensor(cache.manager.block_tables[0]).expand(len(rows), -1)
+        source = (queries if bound_queries is None else bound_queries)[:, rows].transpose(0, 1)
+        scores = quest_page_scores(source, cache.key_min[0], cache.key_max[0], table)
+        own = rows // block_size
+        scores[torch.arange(len(rows)), own] = _own_page_scores(source, keys, rows, block_size)
+    return mass, select_pages(scores, num_pages, budget_pages, recent_pages=recent_pages)
+
+
 def captured_mass(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -149,20 +200,61 @@ def captured_mass(
         bound_queries: (H, T, D), the queries Quest's bound is computed from (default
             `queries`; chapter 15's pitfall passes them before RoPE).
         recent_pages: pages always read at the end (chapter 15's pitfall passes 0).
+
+    Raises:
+        ValueError: as `page_selection`.
     """
-    mass = page_mass(queries, keys, block_size, first_query, every)  # (T', P)
-    rows = torch.arange(first_query, queries.shape[1], every)
-    num_pages = rows // block_size + 1  # pages up to the query's own
-    if selector == "oracle":
-        scores = mass
-    elif selector == "random":
-        scores = random_page_scores(len(rows), mass.shape[1], torch.Generator().manual_seed(seed))
-    else:
-        cache = _pool(keys, block_size)
-        table = torch.tensor(cache.manager.block_tables[0]).expand(len(rows), -1)
-        source = (queries if bound_queries is None else bound_queries)[:, rows].transpose(0, 1)
-        scores = quest_page_scores(source, cache.key_min[0], cache.key_max[0], table)
-        own = rows // block_size
-        scores[torch.arange(len(rows)), own] = _own_page_scores(source, keys, rows, block_size)
-    selected = select_pages(scores, num_pages, budget_pages, recent_pages=recent_pages)
+    mass, selected = page_selection(
+        queries,
+        keys,
+        block_size,
+        budget_pages,
+        selector=selector,
+        first_query=first_query,
+        every=every,
+        bound_queries=bound_queries,
+        recent_pages=recent_pages,
+        seed=seed,
+    )
     return (mass * selected).sum(dim=1) / mass.sum(dim=1)
+
+
+def heaviest_old_pages(
+    mass: torch.Tensor, first_query: int, block_size: int, k: int, *, skip: int = 0
+) -> list[set[int] | None]:
+    """Each query's `k` heaviest old pages: for row i of `mass` (T', P) (`page_mass` with
+    `every=1`: query t = `first_query` + i), the indices of the `k` pages of most mass among pages
+    1 .. own - `skip` - 1 (not the sink, page 0; not the query's own page, own = t //
+    `block_size`; nor the `skip` pages before it), as a set; None for a query with fewer than `k`
+    such pages, so that no excluded page is ever counted as a pick.
+
+    Raises:
+        ValueError: `mass` not 2-D, `k` < 1 or `skip` < 0.
+    """
+    if mass.dim() != 2:
+        raise ValueError(f"mass: expected a (T', P) tensor, got shape {tuple(mass.shape)}")
+    if k < 1 or skip < 0:
+        raise ValueError(f"k, skip: expected k >= 1 and skip >= 0, got k={k}, skip={skip}")
+    picks: list[set[int] | None] = []
+    for i, row in enumerate(mass):
+        end = (first_query + i) // block_size - skip  # candidates: pages 1 .. end - 1
+        if end - 1 < k:
+            picks.append(None)
+        else:
+            picks.append({int(j) + 1 for j in row[1:end].topk(k).indices})
+    return picks
+
+
+def page_overlap(picks: list[set[int] | None], gap: int) -> float:
+    """The mean share |S_t & S_(t+gap)| / |S_t| of query t's picks (`heaviest_old_pages`) that
+    the query `gap` steps later also picks, over the pairs where both have picks.
+
+    Raises:
+        ValueError: `gap` < 1, or no pair where both have picks.
+    """
+    if gap < 1:
+        raise ValueError(f"gap: expected >= 1, got {gap}")
+    pairs = [(a, b) for a, b in zip(picks, picks[gap:]) if a is not None and b is not None]
+    if not pairs:
+        raise ValueError(f"picks: no pair {gap} apart where both queries have picks")
+    return sum(len(a & b) / len(a) for a, b in pairs) / len(pairs)
