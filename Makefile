@@ -85,7 +85,7 @@ nbval: $(DEV_STAMP)
 # Each chapter's run time, measured as `make nbval` runs it (two notebooks at a time, one thread
 # each), into book/chapter_times.csv; then every chapter's header is regenerated from it
 # (kvlib.course.path: prerequisites, reading and run time, what the learner can do after it).
-CHAPTERS := $(filter-out notebooks/15_%,$(sort $(wildcard notebooks/[01][0-9]_*.ipynb)))  # 1-14
+CHAPTERS := $(sort $(wildcard notebooks/[01][0-9]_*.ipynb))
 chapter-times: $(DEV_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(NBVAL_FLAGS) -n 2 --dist loadfile \
 		-p tests.notebook_times --record-notebook-times book/chapter_times.csv $(CHAPTERS)

@@ -1,6 +1,6 @@
 """A path through the course (issue 54): each chapter's prerequisites, what a learner can do after
 it, the time to read it (from its prose's word count) and to run it (from its measured nbval time,
-book/chapter_times.csv, written by `make chapter-times`); the header each chapter 1-14 opens with,
+book/chapter_times.csv, written by `make chapter-times`); the header each chapter opens with,
 and the map of which chapters build on which, drawn for the landing page.
 
 `python -m kvlib.course.path write` rewrites every chapter's header (between its markers, in the
@@ -80,8 +80,9 @@ CHAPTERS = {
                 "stop strings, metrics and API keys"),
         Chapter(14, "offload", (7, 12), "spill a cache to host memory and disk, and move it "
                 "between a prefill and a decode process"),
-        Chapter(15, "sparse attention", (7, 8, 11), "read only the pages a query needs "
-                "(Quest) and weigh it against eviction"),
+        Chapter(15, "sparse attention", (7, 8, 11), "bound a page's scores from its keys' "
+                "minima and maxima, read only the pages a query needs through an unchanged "
+                "kernel, count what a sparse step reads, and weigh it against eviction"),
     )
 }  # fmt: skip
 
@@ -229,8 +230,8 @@ def draw_chapter_map(out: Path | None = None):
 
 
 def write_all(times: Path | None = None) -> list[str]:
-    """Rewrite chapters 1-14's headers and the map. Returns what changed."""
-    changed = [notebook_path(n).name for n in range(1, 15) if write_header(n, times)]
+    """Rewrite every chapter's header and the map. Returns what changed."""
+    changed = [notebook_path(n).name for n in CHAPTERS if write_header(n, times)]
     before = MAP.read_bytes() if MAP.exists() else b""
     draw_chapter_map()
     if MAP.read_bytes() != before:
@@ -242,5 +243,5 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["write"]:
         print("\n".join(write_all()) or "chapter headers and map up to date")
     else:
-        for n in range(1, 15):
+        for n in CHAPTERS:
             print(chapter_header(n) + "\n")
