@@ -167,13 +167,14 @@ class Scheduler:
                 self.add_request(child)
 
     def fork_children(self, out: SchedulerOutput) -> list[Request]:
-        """For each parent whose prompt the launched step `out` completes (the block manager
-        then holds exactly the prompt's tokens): **fork** its children (`BlockManager.fork`:
-        they share its blocks, chapter 7's copy-on-write), each keeping all but the prompt's
-        last token, which it recomputes next step (one token) to sample its own first token.
-        A child runs at once only while fewer than `max_num_seqs` requests run and a free block
-        can take its copy of the shared last block; otherwise it queues as an ordinary request.
-        Returns the children now running."""
+        """For each parent whose prompt the launched step `out` completes (the block
+        manager then holds exactly the prompt's tokens): **fork** its children
+        (`BlockManager.fork`: they share its blocks, chapter 7's copy-on-write), each
+        keeping all but the prompt's last token, which it recomputes next step (one
+        token) to sample its own first token. A child runs at once only while fewer
+        than `max_num_seqs` requests run and a free block can take its copy of the
+        shared last block; otherwise it queues as an ordinary request. Returns the
+        children now running."""
         forked = []
         for request, num_new in out.scheduled:
             children = self._pending_forks.get(request.request_id)

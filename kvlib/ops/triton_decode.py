@@ -11,6 +11,7 @@ from __future__ import annotations
 # TRITON_INTERPRET then: kvlib.ops.interpreter sets it (without CUDA) before `import triton`.
 # isort: off
 from kvlib.ops.interpreter import require_interpretable_triton
+from kvlib.ops.triton_tiles import load_kv_tile
 
 import triton
 import triton.language as tl
@@ -91,33 +92,29 @@ def _decode_split_kernel(
 
     offsets = tl.arange(0, BLOCK_N)
     for tile_start in range(start, end, BLOCK_N):
-        # --- block-table lookup: logical token -> (physical block, slot) ---
         tokens = tile_start + offsets  # [BLOCK_N]
         token_mask = tokens < end
-        physical = tl.load(
-            block_tables_ptr + batch * stride_bt_b + tokens // BLOCK_SIZE, mask=token_mask, other=0
+        k, v, k_s, v_s = load_kv_tile(  # via the block table (ops/triton_tiles)
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            block_tables_ptr + batch * stride_bt_b,
+            tokens,
+            token_mask,
+            kv_head,
+            dims,
+            dim_mask,
+            q,
+            stride_cb,
+            stride_ct,
+            stride_ch,
+            stride_sb,
+            stride_st,
+            BLOCK_SIZE,
+            COMPUTE_FP32,
+            QUANTIZED,
         )
-        physical = physical.to(tl.int64)  # block offsets of large caches pass 2**31 elements
-        slot = tokens % BLOCK_SIZE
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        # one address computation serves K and V: the same slot of the same block in each pool
-        kv_offsets = (
-            physical[:, None] * stride_cb
-            + slot[:, None] * stride_ct
-            + kv_head * stride_ch
-            + dims[None, :]
-        )  # [BLOCK_N, BLOCK_D]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        if QUANTIZED:  # codes -> q's dtype in registers (exact: int8 and fp8 fit in fp16/bf16)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-            scale_offsets = physical * stride_sb + slot * stride_st + kv_head
-            k_s = tl.load(k_scale_ptr + scale_offsets, mask=token_mask, other=0.0).to(tl.float32)
-            v_s = tl.load(v_scale_ptr + scale_offsets, mask=token_mask, other=0.0).to(tl.float32)
-        if COMPUTE_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
 
         # --- scores in the log2 domain, masked past the end: [BLOCK_G, BLOCK_N] ---
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale

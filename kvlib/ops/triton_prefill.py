@@ -12,6 +12,7 @@ from __future__ import annotations
 # before `import triton`, as for the decode kernel.
 # isort: off
 from kvlib.ops.interpreter import require_interpretable_triton
+from kvlib.ops.triton_tiles import load_kv_tile
 
 import triton
 import triton.language as tl
@@ -84,31 +85,29 @@ def _varlen_paged_attention_kernel(
     last_key = context + tl.minimum((tile + 1) * BLOCK_M, query_len)  # one past the last visible
     offsets = tl.arange(0, BLOCK_N)
     for key_start in range(0, last_key, BLOCK_N):
-        # --- block-table lookup: logical token -> (physical block, slot) ---
         tokens = key_start + offsets  # [BLOCK_N]
         token_mask = tokens < last_key
-        physical = tl.load(
-            block_tables_ptr + seq * stride_bt_b + tokens // BLOCK_SIZE, mask=token_mask, other=0
-        ).to(tl.int64)
-        slot = tokens % BLOCK_SIZE
-        kv_offsets = (
-            physical[:, None] * stride_cb
-            + slot[:, None] * stride_ct
-            + kv_head * stride_ch
-            + dims[None, :]
-        )  # [BLOCK_N, BLOCK_D]
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        if QUANTIZED:  # codes -> q's dtype in registers; the scales act on scores and weights
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-            scale_offsets = physical * stride_sb + slot * stride_st + kv_head
-            k_s = tl.load(k_scale_ptr + scale_offsets, mask=token_mask, other=0.0).to(tl.float32)
-            v_s = tl.load(v_scale_ptr + scale_offsets, mask=token_mask, other=0.0).to(tl.float32)
-        if COMPUTE_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v, k_s, v_s = load_kv_tile(  # via the block table (ops/triton_tiles)
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            block_tables_ptr + seq * stride_bt_b,
+            tokens,
+            token_mask,
+            kv_head,
+            dims,
+            dim_mask,
+            q,
+            stride_cb,
+            stride_ct,
+            stride_ch,
+            stride_sb,
+            stride_st,
+            BLOCK_SIZE,
+            COMPUTE_FP32,
+            QUANTIZED,
+        )
 
         # --- scores [BLOCK_M, BLOCK_N], log2 domain; query r sees keys 0 .. context + r ---
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
