@@ -327,6 +327,7 @@ def test_workload_is_seeded_and_follows_its_distributions():
         assert len(r.prompt_token_ids) + r.max_tokens <= w.max_model_len
 
 
+@pytest.mark.recorded
 def test_recorded_serving_runs_reproduce(course):
     """The schedule depends only on the workload's lengths: a rerun of a course-model
     configuration finds the recorded steps, preemptions, peak blocks and prefix hit rate."""

@@ -75,6 +75,7 @@ def test_passkey_prompt_hides_the_key_at_the_requested_depth(smollm2):
         passkey_prompt(tokenizer, 200, 1.5, 48213)
 
 
+@pytest.mark.recorded
 def test_recorded_passkey_sweep_is_reproduced(smollm2):
     """CI recomputes a sample of `results/passkey_smollm2.csv` (`python -m kvlib.metrics
     passkey`): the two shortest fillers, at the middle depth (the longest take ~15 s each)."""

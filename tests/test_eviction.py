@@ -250,10 +250,12 @@ def test_streamed_logits_follow_the_full_forward(gqa_model):
         streamed_logits(gqa_model, ids, DynamicCache(TINY.num_hidden_layers), prefill_len=21)
 
 
+@pytest.mark.recorded
 def test_recorded_sweep_spot_check_recall():
     spot_check_recall(RESULTS, "H2O", 64, eviction_factory("H2O", 64, snapkv_window=8))
 
 
+@pytest.mark.recorded
 @pytest.mark.slow
 def test_recorded_sweep_spot_check_smollm2(smollm2):
     spot_check_smollm2(

@@ -145,6 +145,7 @@ def recorded_rows():
         return list(csv.DictReader(f))
 
 
+@pytest.mark.recorded
 def test_recorded_uptraining_sweep_is_complete_and_reproduced():
     """CI recomputes two points of `results/gqa_uptraining.csv` (`python -m
     kvlib.experiments.gqa_uptraining`): a conversion without uptraining, which must match to
@@ -167,6 +168,7 @@ def test_recorded_uptraining_sweep_is_complete_and_reproduced():
             assert abs(float(recorded[column]) - fresh[column]) <= recall_tol, (key, column)
 
 
+@pytest.mark.recorded
 def test_recorded_smollm2_conversion_is_reproduced(smollm2):
     """CI recomputes the text metrics of every variant in `results/gqa_smollm2.json` and one of
     the MQA model's passkey trials."""

@@ -273,6 +273,7 @@ def test_uptraining_point_validates_attention():
         uptraining_point("GQA-4", 0.0)
 
 
+@pytest.mark.recorded
 def test_recorded_mla_sweep_is_complete_and_reproduced():
     """CI recomputes points of `results/mla_uptraining.csv` (`python -m
     kvlib.experiments.mla_uptraining`): a conversion without uptraining, which must match to

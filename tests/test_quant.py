@@ -475,10 +475,12 @@ def test_smollm2_generates_on_quantized_caches(smollm2):
     assert kivi.shape == full.shape
 
 
+@pytest.mark.recorded
 def test_recorded_sweep_spot_check_recall():
     spot_check_recall(RESULTS, "int2 KIVI", 32, quant_factory("int2 KIVI", 32))
 
 
+@pytest.mark.recorded
 @pytest.mark.slow
 def test_recorded_sweep_spot_check_smollm2(smollm2):
     spot_check_smollm2(
@@ -489,6 +491,7 @@ def test_recorded_sweep_spot_check_smollm2(smollm2):
     )
 
 
+@pytest.mark.recorded
 @pytest.mark.slow
 def test_recorded_flush_unit_control_spot_check(smollm2):
     from kvlib.experiments.quant_flush_unit import FLUSH_UNIT_LABELS, flush_unit_factory

@@ -501,6 +501,7 @@ def sweep_rows(task, policy, budget, dense_layers, metric) -> dict:
     }
 
 
+@pytest.mark.recorded
 def test_recorded_sparse_sweep_spot_check_recall(course_model):
     """Quest at 4 pages on the course model's recall at the shortest and longest distances, and
     the matched eviction budgets, as recorded (a flipped argmax moves a cell by 1/128)."""
@@ -517,6 +518,7 @@ def test_recorded_sparse_sweep_spot_check_recall(course_model):
         assert sweep_rows("recall", S.BEST_EVICTION["recall"], budget, 0, "recall"), budget
 
 
+@pytest.mark.recorded
 @pytest.mark.slow
 def test_recorded_sparse_sweep_spot_check_smollm2(smollm2):
     """SmolLM2: Quest at 8 pages on the essay (streamed a token at a time) within 5% of the

@@ -12,7 +12,7 @@ The same process rules at the Python level (`process_refused`, `wrap_fork_exec`)
 `kvlib.course.guards`' audit hook. Each OS-level piece says whether it took effect
 (`Confinement`); where the platform lacks it (macOS, Windows, a kernel without namespaces or
 seccomp) the grader still runs, with the Python-level rules only, and the report says so. It does
-not limit the network or the CPU: those need a container (see book/setup.md).
+not limit the network or the CPU: those need a container (see book/grader_guarantees.md).
 
 Sources: seccomp(2), capabilities(7), prctl(2), proc(5), mount_namespaces(7), the kernel's
 cgroup-v1 memory.rst and cgroup-v2.rst; Docker's default seccomp profile answers `clone3` with

@@ -30,8 +30,8 @@ report's `sandbox` line says which applied (book/grader_guarantees.md).
 
 **What needs a container**: the learner's code runs on the grader's machine, with network access
 and CPU of its own. An instructor grading untrusted notebooks runs the grader as root in a
-container without network or secrets (book/setup.md). The grader does not grade prose, nor judge
-whether code was copied: an instructor reads the notebook.
+container without network or secrets (book/grader_guarantees.md). The grader does not grade
+prose, nor judge whether code was copied: an instructor reads the notebook.
 
 `check`, `show`, `grade_notebook` and the rest of the grader's API stay importable from here.
 """

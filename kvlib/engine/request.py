@@ -33,7 +33,8 @@ class SamplingParams:
     """How a request picks its next token, and when it stops (vLLM's `SamplingParams`).
 
     Args:
-        temperature: 0 for greedy (argmax); > 0 samples from softmax(logits / temperature).
+        temperature: below `GREEDY_TEMPERATURE` (1e-5; 0 included) for greedy (argmax); above
+            it samples from softmax(logits / temperature).
         top_k: sample among the k most likely tokens only (None: all).
         top_p: nucleus sampling: the smallest set of most likely tokens whose probability sums to
             at least top_p (Holtzman et al., 2020, "The Curious Case of Neural Text
