@@ -32,9 +32,8 @@ PORTABLE_ENV := ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 OPENBLAS_NUM_THREA
                 NPY_DISABLE_CPU_FEATURES="AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL"
 
 .PHONY: install dev notebooks test test-gpu gpu-check gpu-branches lint unit spot-checks nbval \
-        nbval-portable \
-        grading book browser book-check chapter-times outputs install-cells recorded \
-        clean
+        nbval-portable grading book browser book-check chapter-times outputs install-cells \
+        recorded clean
 
 install: $(STAMP)
 
@@ -70,19 +69,21 @@ lint: $(DEV_STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 
+# The unit tests and the spot checks: a worker per core (pytest-xdist), one thread each
+# (tests/conftest.py); worksteal: a long test does not leave one worker with the rest of a file.
+PARALLEL_PYTEST = OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist worksteal
+
 # (tests/test_gpu_recordings.py runs with `make gpu-branches`, in CI: the notebooks' GPU sections)
-# A worker per core (pytest-xdist), one thread each (tests/conftest.py); worksteal: the long
-# recorded-result spot checks do not leave one worker with the rest of a file's queue.
 unit: $(DEV_STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist worksteal tests \
-		-m "not gpu and not book and not recorded" --ignore=tests/test_grading.py \
-		--ignore=tests/test_grading_draws.py --ignore=tests/test_gpu_recordings.py
+	$(PARALLEL_PYTEST) tests -m "not gpu and not book and not recorded" \
+		--ignore=tests/test_grading.py --ignore=tests/test_grading_draws.py \
+		--ignore=tests/test_gpu_recordings.py
 
 # The recorded results' spot checks (tests marked `recorded`): each recomputes a point or two of a
 # sweep in results/ and compares it with the committed file (COURSE.md, "Recorded results"). About
 # 6 minutes of CPU, so CI (.ci/run) runs them after `make test` rather than inside its 15 minutes.
 spot-checks: $(DEV_STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n auto --dist worksteal tests -m recorded
+	$(PARALLEL_PYTEST) tests -m recorded
 
 # The solutions' outputs are compared by nbval-portable (CI); `make test` grades them instead, which
 # executes each one question by question, so comparing them here too would run them twice.
