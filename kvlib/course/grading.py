@@ -153,7 +153,8 @@ def chapter_of(notebook: str | os.PathLike) -> str:
 
 
 class Submission:
-    """The learner's definitions, as the tests see them: `function(name)` is a `Remote`.
+    """The learner's definitions, as the tests see them: `function(name)` is a `Remote`, which
+    sends its calls through `side` (the learner's side: `request(message)` -> its reply).
 
     Random cases come from `rng()` / `torch_generator()`, seeded by the run's `seed` and the
     question. `draws_only`: skip the fixed cases and checks (`fixed()`, `fixed_cases`), for the
@@ -161,7 +162,7 @@ class Submission:
 
     def __init__(self, side, question: Question, errors: list[str] | None = None, *,
                  seed: int = 0, binding: str = "", draws_only: bool = False):  # fmt: skip
-        self._side, self.question = side, question
+        self.side, self.question = side, question
         self.errors = errors or []
         self.seed, self.binding, self.draws_only = int(seed), binding, draws_only
         self.seed_used = False
@@ -176,14 +177,11 @@ class Submission:
         """`cases`, or none when only the random cases are run."""
         return [] if self.draws_only else list(cases)
 
-    def _request(self, message):
-        return self._side.request(message)
-
     def function(self, name: str) -> Remote:
         """The learner's function `name`; fails the question with a clear message if missing."""
         target = self.binding if self.binding and name == self.question.function else name
         own = self.question.id if target == name else ""  # check() saw the question's own
-        _, description = self._request(("describe", target, own))
+        _, description = self.side.request(("describe", target, own))
         if description["kind"] == "missing":
             hint = f" The notebook raised while it ran: {self.errors[0]}" if self.errors else ""
             raise AssertionError(

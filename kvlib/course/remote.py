@@ -92,8 +92,7 @@ class Remote:
         process measures itself (best effort, said in the hint)."""
         from kvlib.course.wire import decode
 
-        submission = self._submission
-        side = submission._side
+        side = self._submission.side  # the channel to the learner's process
         exchange = _Exchange(args)
         window = getattr(side, "memory", None) if options.get("measure_memory") else None
         if options.get("measure_memory"):
@@ -105,12 +104,12 @@ class Remote:
             reply = direct(message, exchange.answer)
         else:
             if window is not None:
-                submission._request(("collect",))  # the garbage of earlier calls goes first
+                side.request(("collect",))  # the garbage of earlier calls goes first
                 window.open()
             reply = side.request(message, compact=True) if window else side.request(message)
             sent = side.channel.sent_bytes
             while reply[0] == "rows":
-                reply = submission._request(exchange.answer(reply))
+                reply = side.request(exchange.answer(reply))
             if window is not None:
                 peak, fell = window.close()
                 if fell:

@@ -418,6 +418,11 @@ class ParentRows:
     def __repr__(self) -> str:
         return f"<rows of a {self.shape} array, read {self.max_rows} at a time>"
 
+    def connect(self, ask) -> None:
+        """The learner's side: read rows through `ask(message)` -> the grader's reply (the channel
+        of the call now running; `None`: no call runs, and reading raises)."""
+        self._ask = ask
+
     def rows(self, start: int, stop: int):
         """The grader's side: rows start..stop-1, counted."""
         import numpy as np

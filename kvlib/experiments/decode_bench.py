@@ -21,6 +21,7 @@ import functools
 
 import numpy as np
 
+from kvlib.experiments import options
 from kvlib.experiments.cli import write_rows
 from kvlib.experiments.timing import copy_bandwidth_gbps, device_facts, graph_time_ms, time_ms
 
@@ -276,27 +277,19 @@ def decode_benchmark(
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvlib.experiments.decode_bench [--out CSV] [--quick] [--dry-run]`."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m kvlib.experiments.decode_bench",
-        description="Paged decode attention vs SDPA on a GPU, GB/s against the copy bandwidth.",
-    )
-    parser.add_argument(
-        "--out",
-        default="results/decode_bench.csv",
-        help="CSV to write (default results/decode_bench.csv)",
-    )
-    parser.add_argument("--quick", action="store_true", help="a handful of shapes only")
-    parser.add_argument(
-        "--tiny",
-        action="store_true",
-        help="without CUDA: a few small cases under the Triton interpreter (checks the code path)",
-    )
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="list the cases and their cache sizes; time nothing (no GPU needed)",
+    parser = options.parser(
+        "python -m kvlib.experiments.decode_bench",
+        "Paged decode attention vs SDPA on a GPU, GB/s against the copy bandwidth.",
+        {
+            "--out": {
+                "default": "results/decode_bench.csv",
+                "help": "CSV to write (default results/decode_bench.csv)",
+            },
+            "--quick": "a handful of shapes only",
+            "--tiny": "without CUDA: a few small cases under the Triton interpreter (checks the "
+            "code path)",
+            "--dry-run": "list the cases and their cache sizes; time nothing (no GPU needed)",
+        },
     )
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -307,10 +300,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'ragged' if case['ragged'] else 'uniform':<7} K+V bytes={case['cache_bytes']:,}"
             )
         return 0
-    import torch
-
-    if not torch.cuda.is_available() and not args.tiny:
-        parser.error("decode needs a CUDA GPU (try --dry-run to list the cases, or --tiny)")
+    options.need_cuda(
+        parser,
+        "decode needs a CUDA GPU (try --dry-run to list the cases, or --tiny)",
+        unless=args.tiny,
+    )
     import pathlib
 
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)

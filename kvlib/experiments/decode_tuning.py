@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from kvlib.experiments import options
 from kvlib.experiments.cli import write_rows
 from kvlib.experiments.decode_bench import kv_bytes_read, paged_decode_inputs
 from kvlib.experiments.timing import commit_label, copy_bandwidth_gbps, device_facts
@@ -227,22 +228,19 @@ def ab_decode(out_csv: str, base: str = "e40ecea", *, rounds: int = 5) -> list[d
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvlib.experiments.decode_tuning [--out CSV]`: the launch sweep;
     `--ab [--base REV] [--out CSV]`: the kernel at a base commit against the working tree's."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m kvlib.experiments.decode_tuning",
-        description="Sweep the decode kernel's launch options on a few shapes (a CUDA GPU).",
+    parser = options.parser(
+        "python -m kvlib.experiments.decode_tuning",
+        "Sweep the decode kernel's launch options on a few shapes (a CUDA GPU).",
+        {
+            "--out": {
+                "help": "CSV to write (default results/decode_tuning.csv; --ab: decode_ab.csv)"
+            },
+            "--ab": "A/B the kernel against --base",
+            "--base": {"default": "e40ecea", "help": "git revision to compare against"},
+        },
     )
-    parser.add_argument(
-        "--out", help="CSV to write (default results/decode_tuning.csv; --ab: decode_ab.csv)"
-    )
-    parser.add_argument("--ab", action="store_true", help="A/B the kernel against --base")
-    parser.add_argument("--base", default="e40ecea", help="git revision to compare against")
     args = parser.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        parser.error("the tuning sweep and --ab need a CUDA GPU")
+    options.need_cuda(parser, "the tuning sweep and --ab need a CUDA GPU")
     if args.ab:
         out = args.out or "decode_ab.csv"
         rows = ab_decode(out, args.base)

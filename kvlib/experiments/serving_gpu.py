@@ -41,6 +41,7 @@ import time
 
 import numpy as np
 
+from kvlib.experiments import options
 from kvlib.experiments.cli import write_rows
 from kvlib.serve.load import latency_percentiles, poisson_arrival_times
 
@@ -339,24 +340,24 @@ def record(out_csv: str, timeout_s: int = 150, contenders=CONTENDERS) -> str:
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvlib.experiments.serving_gpu [--out CSV]`; `--one NAME --json PATH` runs one
     contender (what `record` launches)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m kvlib.experiments.serving_gpu",
-        description="kvlib's engine vs transformers serving SmolLM2 on a CUDA GPU.",
-    )
-    parser.add_argument("--out", default="results/serving_gpu.csv", help="CSV to write")
-    parser.add_argument("--one", choices=CONTENDERS, help="run one contender only")
-    parser.add_argument("--json", help="with --one: where to write its result")
-    parser.add_argument("--timeout-s", type=int, default=150, help="per contender (default 150)")
-    parser.add_argument(
-        "--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS, help="a subset to run"
+    parser = options.parser(
+        "python -m kvlib.experiments.serving_gpu",
+        "kvlib's engine vs transformers serving SmolLM2 on a CUDA GPU.",
+        {
+            "--out": {"default": "results/serving_gpu.csv", "help": "CSV to write"},
+            "--one": {"choices": CONTENDERS, "help": "run one contender only"},
+            "--json": {"help": "with --one: where to write its result"},
+            "--timeout-s": {"type": int, "default": 150, "help": "per contender (default 150)"},
+            "--contenders": {
+                "nargs": "+",
+                "choices": CONTENDERS,
+                "default": CONTENDERS,
+                "help": "a subset to run",
+            },
+        },
     )
     args = parser.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        parser.error("the GPU serving benchmark needs a CUDA GPU")
+    options.need_cuda(parser, "the GPU serving benchmark needs a CUDA GPU")
     if args.one:
         try:
             result = run_contender(args.one)

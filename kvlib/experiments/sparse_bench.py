@@ -39,6 +39,7 @@ BLOCK_SIZE = 16
 PROVENANCE_SOURCES = (
     "kvlib/cache/block_table.py",
     "kvlib/experiments/cli.py",
+    "kvlib/experiments/options.py",
     "kvlib/experiments/sparse_bench.py",
     "kvlib/experiments/timing.py",
     "kvlib/kernels.py",
@@ -214,24 +215,26 @@ def sparse_bench(out_csv: str | None, *, tiny: bool = False, quick: bool = False
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvlib.experiments.sparse_bench [--out CSV] [--tiny | --quick]`."""
-    import argparse
+    from kvlib.experiments import options
 
-    parser = argparse.ArgumentParser(
-        prog="python -m kvlib.experiments.sparse_bench",
-        description="Sparse (Quest) vs dense decode attention through chapter 11's kernel.",
+    parser = options.parser(
+        "python -m kvlib.experiments.sparse_bench",
+        "Sparse (Quest) vs dense decode attention through chapter 11's kernel.",
+        {
+            "--out": {
+                "default": "results/sparse_bench.csv",
+                "help": "CSV to write (default: %(default)s)",
+            },
+            "--tiny": "small float32 cases (the interpreter on a CPU)",
+            "--quick": "batch 1, 32k and 128k, 4 fractions",
+        },
     )
-    parser.add_argument(
-        "--out", default="results/sparse_bench.csv", help="CSV to write (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--tiny", action="store_true", help="small float32 cases (the interpreter on a CPU)"
-    )
-    parser.add_argument("--quick", action="store_true", help="batch 1, 32k and 128k, 4 fractions")
     args = parser.parse_args(argv)
-    import torch
-
-    if not args.tiny and not torch.cuda.is_available():
-        parser.error("the benchmark needs a CUDA GPU (--tiny runs small cases on the CPU)")
+    options.need_cuda(
+        parser,
+        "the benchmark needs a CUDA GPU (--tiny runs small cases on the CPU)",
+        unless=args.tiny,
+    )
     rows = sparse_bench(args.out, tiny=args.tiny, quick=args.quick)
     print(f"wrote {len(rows)} rows to {args.out}")
     return 0

@@ -8,12 +8,12 @@ quarter of an hour on 2 cores).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 
+from kvlib.experiments import options
 from kvlib.loaders.course_model import COURSE_CONFIG, COURSE_MODEL_DIR
 from kvlib.loaders.hf import save_hf_checkpoint
 from kvlib.model import LlamaModel
@@ -69,23 +69,23 @@ def plot_loss_curve(log: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m kvlib.experiments.train_course_model",
-        description="Train the course model (defaults reproduce the committed one).",
-    )
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--scale",
-        type=float,
-        default=1.0,
-        help="multiply every phase's steps (e.g. 0.1 for a quick smoke run)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=COURSE_MODEL_DIR,
-        help=f"output directory (default {COURSE_MODEL_DIR})",
+    parser = options.parser(
+        "python -m kvlib.experiments.train_course_model",
+        "Train the course model (defaults reproduce the committed one).",
+        {
+            "--lr": {"type": float, "default": 3e-3},
+            "--seed": {"type": int, "default": 0},
+            "--scale": {
+                "type": float,
+                "default": 1.0,
+                "help": "multiply every phase's steps (e.g. 0.1 for a quick smoke run)",
+            },
+            "--out": {
+                "type": Path,
+                "default": COURSE_MODEL_DIR,
+                "help": f"output directory (default {COURSE_MODEL_DIR})",
+            },
+        },
     )
     args = parser.parse_args(argv)
     train(curriculum=scaled_curriculum(args.scale), lr=args.lr, seed=args.seed, out_dir=args.out)
