@@ -6,8 +6,10 @@ process, through the sandbox's own request handler (as in tests/test_grading_dra
 from __future__ import annotations
 
 import functools
+import linecache
 import os
 import textwrap
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -41,11 +43,16 @@ def _solution(chapter: str) -> dict:
     return namespace
 
 
-def _grade(chapter: str, question: str, source: str | None, seed: int = 0) -> tuple[bool, str]:
+def _grade(chapter: str, question: str, source: str | None, seed: int = 0, *,
+           draws_only: bool = False) -> tuple[bool, str]:  # fmt: skip
     namespace = dict(_solution(chapter))
     if source is not None:
-        exec(textwrap.dedent(source), namespace)
-    return run_question(_QUESTIONS[question], LocalSide(namespace), [], seed)
+        text = textwrap.dedent(source)
+        filename = f"<mistaken {question} {zlib.crc32(text.encode())}>"  # Triton reads the source
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+        exec(compile(text, filename, "exec"), namespace)
+    side = LocalSide(namespace)
+    return run_question(_QUESTIONS[question], side, [], seed, draws_only=draws_only)
 
 
 # (chapter, question, a mistaken answer, the hint its failure must carry)
@@ -172,6 +179,45 @@ def reorder_for_beams(layer_caches, beam_indices):
     return [(keys[beam_indices], values) for keys, values in layer_caches]
 """,
         "the values left as they were",
+    ),
+    (
+        "02",
+        "static_cache_insert",
+        """
+def static_cache_insert(buffer, length, k_new):
+    end = length + k_new.shape[2]
+    if end > buffer.shape[2]:
+        raise ValueError("full")
+    buffer[:, :, length:end] = k_new
+    return buffer[:, :, length:end]
+""",
+        "the view of the new rows only",
+    ),
+    (
+        "02",
+        "static_cache_insert",
+        """
+def static_cache_insert(buffer, length, k_new):
+    end = length + k_new.shape[2]
+    if end > buffer.shape[2]:
+        raise ValueError("full")
+    buffer[:, :, length:end] = k_new
+    return buffer
+""",
+        "the whole buffer returned",
+    ),
+    (
+        "02",
+        "static_cache_insert",
+        """
+def static_cache_insert(buffer, length, k_new):
+    end = length + k_new.shape[2]
+    if end > buffer.shape[2]:
+        raise ValueError("full")
+    buffer[:, :, : k_new.shape[2]] = k_new
+    return buffer[:, :, :end]
+""",
+        "the new rows written at position 0",
     ),
     (
         "03",
@@ -417,6 +463,105 @@ def slot_mapping(block_table, positions, block_size):
         "block id + offset",
     ),
     (
+        "07",
+        "append_token",
+        """
+def append_token(block_table, num_tokens, ref_cnt, free_blocks, block_size):
+    if num_tokens % block_size == 0:
+        new = free_blocks.pop(0)
+        ref_cnt[new] = 1
+        block_table.append(new)
+    block = block_table[num_tokens // block_size]
+    return block * block_size + num_tokens % block_size, None
+""",
+        "no copy-on-write",
+    ),
+    (
+        "07",
+        "append_token",
+        """
+def append_token(block_table, num_tokens, ref_cnt, free_blocks, block_size):
+    copy = None
+    if num_tokens % block_size == 0:
+        new = free_blocks.pop(0)
+        ref_cnt[new] = 1
+        block_table.append(new)
+    elif ref_cnt[block_table[-1]] > 1:
+        old, new = block_table[-1], free_blocks.pop(0)
+        ref_cnt[new] = 1
+        block_table[-1] = new
+        copy = (old, new)
+    block = block_table[num_tokens // block_size]
+    return block * block_size + num_tokens % block_size, copy
+""",
+        "the old block's reference kept",
+    ),
+    (
+        "07",
+        "append_token",
+        """
+def append_token(block_table, num_tokens, ref_cnt, free_blocks, block_size):
+    copy = None
+    if num_tokens % block_size == 0:
+        new = free_blocks.pop()
+        ref_cnt[new] = 1
+        block_table.append(new)
+    elif ref_cnt[block_table[-1]] > 1:
+        old, new = block_table[-1], free_blocks.pop()
+        ref_cnt[old] -= 1
+        ref_cnt[new] = 1
+        block_table[-1] = new
+        copy = (old, new)
+    block = block_table[num_tokens // block_size]
+    return block * block_size + num_tokens % block_size, copy
+""",
+        "the last free block taken",
+    ),
+    (
+        "07",
+        "prefix_hit_tokens",
+        """
+def prefix_hit_tokens(token_ids, cached, block_size):
+    parent, hits = None, 0
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        if parent not in cached:
+            break
+        hits += block_size
+    return hits
+""",
+        "the whole prompt taken from the cache",
+    ),
+    (
+        "07",
+        "prefix_hit_tokens",
+        """
+def prefix_hit_tokens(token_ids, cached, block_size):
+    hits = 0
+    for i in range((len(token_ids) - 1) // block_size):
+        if hash_block(None, token_ids[i * block_size : (i + 1) * block_size]) not in cached:
+            break
+        hits += block_size
+    return hits
+""",
+        "each block hashed without its parent",
+    ),
+    (
+        "07",
+        "prefix_hit_tokens",
+        """
+def prefix_hit_tokens(token_ids, cached, block_size):
+    parent, hits = None, 0
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        if parent not in cached:
+            break
+        hits += 1
+    return hits
+""",
+        "the cached blocks counted, not their tokens",
+    ),
+    (
         "08",
         "h2o_update",
         """
@@ -441,6 +586,167 @@ def h2o_update(scores, weights):
         "TOVA's rule",
     ),
     (
+        "08",
+        "snapkv_select",
+        """
+def snapkv_select(votes, budget, window, kernel_size):
+    h_kv, s = votes.shape
+    if s <= budget:
+        return torch.arange(s).expand(h_kv, s).clone()
+    scores = votes.clone()
+    scores[:, s - window :] = float("inf")
+    return scores.sort(dim=1, descending=True, stable=True).indices[:, :budget].sort(dim=1).values
+""",
+        "the votes not pooled",
+    ),
+    (
+        "08",
+        "snapkv_select",
+        """
+def snapkv_select(votes, budget, window, kernel_size):
+    h_kv, s = votes.shape
+    if s <= budget:
+        return torch.arange(s).expand(h_kv, s).clone()
+    pooled = torch.nn.functional.max_pool1d(votes[:, None], kernel_size, 1, kernel_size // 2)[:, 0]
+    return pooled.sort(dim=1, descending=True, stable=True).indices[:, :budget].sort(dim=1).values
+""",
+        "the observation window left to its votes",
+    ),
+    (
+        "08",
+        "snapkv_select",
+        """
+def snapkv_select(votes, budget, window, kernel_size):
+    h_kv, s = votes.shape
+    if s <= budget:
+        return torch.arange(s).expand(h_kv, s).clone()
+    pooled = torch.nn.functional.max_pool1d(votes[:, None], kernel_size, 1, kernel_size // 2)[:, 0]
+    pooled[:, s - window :] = float("inf")
+    return pooled.sort(dim=1, descending=True, stable=True).indices[:, :budget]
+""",
+        "the indices in the order of their pooled votes",
+    ),
+    (
+        "09",
+        "blocks_freeable",
+        """
+def blocks_freeable(live, block_size):
+    n = len(live)
+    return -(-n // block_size) - -(-sum(live) // block_size)
+""",
+        "the blocks a compaction would free",
+    ),
+    (
+        "09",
+        "blocks_freeable",
+        """
+def blocks_freeable(live, block_size):
+    return sum(not any(live[i * block_size : (i + 1) * block_size])
+               for i in range(len(live) // block_size))
+""",
+        "the partly filled last block left out",
+    ),
+    (
+        "09",
+        "blocks_freeable",
+        """
+def blocks_freeable(live, block_size):
+    return sum(not all(live[s : s + block_size]) for s in range(0, len(live), block_size))
+""",
+        "every block with an evicted slot counted",
+    ),
+    (
+        "09",
+        "repack",
+        """
+def repack(slots, live):
+    survivors = live.nonzero()[:, 0]
+    slots = torch.cat([slots[survivors], slots[~live]])
+    return int((survivors != torch.arange(len(survivors))).sum())
+""",
+        "the slots left as they were",
+    ),
+    (
+        "09",
+        "repack",
+        """
+def repack(slots, live):
+    holes = (~live).nonzero()[:, 0].tolist()
+    survivors = live.nonzero()[:, 0].tolist()
+    copied = 0
+    for hole, src in zip(holes, reversed(survivors)):
+        if hole > src:
+            break
+        slots[hole] = slots[src]
+        copied += 1
+    return copied
+""",
+        "hole-filling's moves",
+    ),
+    (
+        "09",
+        "repack",
+        """
+def repack(slots, live):
+    survivors = live.nonzero()[:, 0]
+    slots[: len(survivors)] = slots[survivors].clone()
+    return len(survivors)
+""",
+        "every survivor counted",
+    ),
+    (
+        "09",
+        "repack",
+        """
+def repack(slots, live):
+    survivors = live.nonzero()[:, 0]
+    slots[: len(survivors)] = slots[survivors].clone()
+    return int((~live).sum())
+""",
+        "the evicted slots counted",
+    ),
+    (
+        "09",
+        "positions_after_hole_filling",
+        """
+def positions_after_hole_filling(positions):
+    return [p for p in positions if p >= 0]
+""",
+        "the repack's map",
+    ),
+    (
+        "09",
+        "positions_after_hole_filling",
+        """
+def positions_after_hole_filling(positions):
+    moved = list(positions)
+    holes = [i for i, p in enumerate(positions) if p < 0]
+    survivors = [i for i, p in enumerate(positions) if p >= 0]
+    for hole, src in zip(holes, reversed(survivors)):
+        if hole > src:
+            break
+        moved[hole] = positions[src]
+    return moved
+""",
+        "the whole map returned",
+    ),
+    (
+        "09",
+        "positions_after_hole_filling",
+        """
+def positions_after_hole_filling(positions):
+    moved = list(positions)
+    holes = [i for i, p in enumerate(positions) if p < 0]
+    survivors = [i for i, p in enumerate(positions) if p >= 0]
+    for hole, src in zip(holes, reversed(survivors)):
+        if hole > src:
+            break
+        moved[hole] = positions[src]
+    return [p for p in moved if p >= 0]
+""",
+        "the -1 entries dropped",
+    ),
+    (
         "10",
         "bytes_per_token",
         """
@@ -459,6 +765,338 @@ def bytes_per_token(num_layers, num_kv_heads, head_dim, bits, group_size, scale_
     return num_layers * num_kv_heads * 2 * per_vector
 """,
         "bits counted as bytes",
+    ),
+    (
+        "10",
+        "kivi_key_scales",
+        """
+def kivi_key_scales(keys, group_size):
+    s, d = keys.shape
+    groups = keys.reshape(s // group_size, group_size, d)
+    zero = groups.amin(dim=2)
+    return (groups.amax(dim=2) - zero) / 3, zero
+""",
+        "per-token scales",
+    ),
+    (
+        "10",
+        "kivi_key_scales",
+        """
+def kivi_key_scales(keys, group_size):
+    s, d = keys.shape
+    groups = keys.reshape(s // group_size, group_size, d)
+    zero = groups.amin(dim=1)
+    return (groups.amax(dim=1) - zero) / 4, zero
+""",
+        "scale = (max - min) / 4",
+    ),
+    (
+        "10",
+        "kivi_key_scales",
+        """
+def kivi_key_scales(keys, group_size):
+    s, d = keys.shape
+    groups = keys.reshape(group_size, s // group_size, d)
+    zero = groups.amin(dim=0)
+    return (groups.amax(dim=0) - zero) / 3, zero
+""",
+        "strided groups",
+    ),
+    (
+        "12",
+        "schedule_step",
+        """
+def schedule_step(running, waiting, token_budget, max_num_seqs):
+    plan, budget = [], token_budget
+    for request_id, left in running:
+        if left > budget:
+            break
+        plan.append((request_id, left))
+        budget -= left
+    num_running = len(running)
+    for request_id, left in waiting:
+        if left > budget or budget == 0 or num_running >= max_num_seqs:
+            break
+        plan.append((request_id, left))
+        budget -= left
+        num_running += 1
+    return plan
+""",
+        "a prompt scheduled only whole",
+    ),
+    (
+        "12",
+        "schedule_step",
+        """
+def schedule_step(running, waiting, token_budget, max_num_seqs):
+    plan, budget = [], token_budget
+    for request_id, left in running + waiting:
+        if budget == 0:
+            break
+        plan.append((request_id, min(left, budget)))
+        budget -= min(left, budget)
+    return plan
+""",
+        "max_num_seqs not enforced",
+    ),
+    (
+        "12",
+        "schedule_step",
+        """
+def schedule_step(running, waiting, token_budget, max_num_seqs):
+    plan = []
+    for request_id, left in running:
+        plan.append((request_id, min(left, token_budget)))
+    num_running = len(running)
+    for request_id, left in waiting:
+        if num_running >= max_num_seqs:
+            break
+        plan.append((request_id, min(left, token_budget)))
+        num_running += 1
+    return plan
+""",
+        "the budget never spent",
+    ),
+    (
+        "12",
+        "preemption_victims",
+        """
+def preemption_victims(running, index, blocks_needed, free_blocks, blocks_held):
+    running, preempted = list(running), []
+    me = running[index]
+    while free_blocks < blocks_needed:
+        victim = running.pop(0)
+        preempted.append(victim)
+        free_blocks += blocks_held[victim]
+        if victim == me:
+            break
+    return preempted
+""",
+        "the oldest running request preempted first",
+    ),
+    (
+        "12",
+        "preemption_victims",
+        """
+def preemption_victims(running, index, blocks_needed, free_blocks, blocks_held):
+    running, preempted = list(running), []
+    while running and free_blocks < blocks_needed:
+        victim = running.pop()
+        preempted.append(victim)
+        free_blocks += blocks_held[victim]
+    return preempted
+""",
+        "requests older than the one that needs blocks",
+    ),
+    (
+        "12",
+        "preemption_victims",
+        """
+def preemption_victims(running, index, blocks_needed, free_blocks, blocks_held):
+    running, preempted = list(running), []
+    while free_blocks <= blocks_needed:
+        victim = running.pop()
+        preempted.append(victim)
+        free_blocks += blocks_held[victim]
+        if len(running) == index:
+            break
+    return preempted
+""",
+        "a request preempted although the blocks already fit",
+    ),
+    (
+        "12",
+        "first_step",
+        """
+def first_step(token_ids, cached_hashes, block_size, token_budget):
+    cached, parent = 0, None
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+        if parent not in cached_hashes:
+            break
+        cached += block_size
+    new = min(len(token_ids) - cached, token_budget)
+    return cached, new, -(-(cached + new) // block_size) - cached // block_size
+""",
+        "the last token's block taken from the cache",
+    ),
+    (
+        "12",
+        "first_step",
+        """
+def first_step(token_ids, cached_hashes, block_size, token_budget):
+    cached, parent = 0, None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+        if parent not in cached_hashes:
+            break
+        cached += block_size
+    new = min(len(token_ids) - cached, token_budget)
+    return cached, new, -(-(cached + new) // block_size)
+""",
+        "the cached blocks allocated too",
+    ),
+    (
+        "12",
+        "first_step",
+        """
+def first_step(token_ids, cached_hashes, block_size, token_budget):
+    cached, parent = 0, None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+        if parent not in cached_hashes:
+            break
+        cached += block_size
+    new = min(len(token_ids) - cached, token_budget)
+    return cached, new, -(-(len(token_ids) - cached) // block_size)
+""",
+        "blocks for the whole prompt",
+    ),
+    (
+        "13",
+        "utf8_deltas",
+        """
+def utf8_deltas(token_bytes):
+    return [b.decode("utf-8", errors="replace") for b in token_bytes]
+""",
+        "errors='replace'",
+    ),
+    (
+        "13",
+        "utf8_deltas",
+        """
+def utf8_deltas(token_bytes):
+    return [b.decode("utf-8", errors="ignore") for b in token_bytes]
+""",
+        "errors='ignore'",
+    ),
+    (
+        "13",
+        "utf8_deltas",
+        """
+def utf8_deltas(token_bytes):
+    pending, deltas = b"", []
+    for token in token_bytes:
+        pending += token
+        try:
+            text = pending.decode("utf-8")
+        except UnicodeDecodeError:
+            deltas.append("")
+            continue
+        deltas.append(text)
+        pending = b""
+    return deltas
+""",
+        "nothing released until every pending byte decodes",
+    ),
+    (
+        "13",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):
+    sent = []
+    for piece in pieces:
+        hits = [piece.find(s) for s in stops if s in piece]
+        if hits:
+            sent.append(piece[: min(hits)])
+            return sent, True
+        sent.append(piece)
+    sent.append("")
+    return sent, False
+""",
+        "each piece searched on its own",
+    ),
+    (
+        "13",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):
+    received, sent = "", []
+    for piece in pieces:
+        before = len(received)
+        received += piece
+        hits = [received.find(s) for s in stops if s in received]
+        if hits:
+            sent.append(received[before : min(hits)])
+            return sent, True
+        sent.append(piece)
+    sent.append("")
+    return sent, False
+""",
+        "each piece sent as it arrives",
+    ),
+    (
+        "13",
+        "stop_stream",
+        """
+def stop_stream(pieces, stops):
+    held, sent = "", []
+    for piece in pieces:
+        held += piece
+        for s in stops:
+            if s in held:
+                sent.append(held[: held.find(s)])
+                return sent, True
+        keep = 0
+        for s in stops:
+            for n in range(min(len(s) - 1, len(held)), keep, -1):
+                if held.endswith(s[:n]):
+                    keep = n
+                    break
+        sent.append(held[: len(held) - keep])
+        held = held[len(held) - keep :]
+    sent.append(held)
+    return sent, False
+""",
+        "the first stop string of `stops` found",
+    ),
+    (
+        "13",
+        "slo_goodput",
+        """
+def slo_goodput(requests, ttft_slo_s, tpot_slo_s):
+    good = 0
+    for arrival, token_times in requests:
+        ttft = token_times[0] - arrival
+        tpot = (token_times[-1] - token_times[0]) / len(token_times)
+        good += ttft <= ttft_slo_s and tpot <= tpot_slo_s
+    start = min(a for a, _ in requests)
+    end = max(t[-1] for _, t in requests)
+    return good, good / (end - start)
+""",
+        "TPOT divided by the tokens",
+    ),
+    (
+        "13",
+        "slo_goodput",
+        """
+def slo_goodput(requests, ttft_slo_s, tpot_slo_s):
+    good = 0
+    for arrival, token_times in requests:
+        ttft = token_times[0] - arrival
+        n = len(token_times)
+        tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+        good += ttft < ttft_slo_s and tpot < tpot_slo_s
+    start = min(a for a, _ in requests)
+    end = max(t[-1] for _, t in requests)
+    return good, good / (end - start)
+""",
+        "a request exactly at a bound left out",
+    ),
+    (
+        "13",
+        "slo_goodput",
+        """
+def slo_goodput(requests, ttft_slo_s, tpot_slo_s):
+    good = 0
+    for arrival, token_times in requests:
+        ttft = token_times[0] - arrival
+        n = len(token_times)
+        tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
+        good += ttft <= ttft_slo_s and tpot <= tpot_slo_s
+    return good, good / (requests[-1][1][-1] - requests[0][0])
+""",
+        "the run timed from the first listed request",
     ),
     (
         "14",
@@ -487,6 +1125,125 @@ def break_even_gbps(config, num_tokens, flops_per_s):
     return 2 * L * H_kv * D * 2 * n * flops_per_s / flops / 1e9
 """,
         "the full n x n attention",
+    ),
+    (
+        "14",
+        "salted_block_keys",
+        """
+def salted_block_keys(salt, token_ids, block_size):
+    keys, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+        keys.append(hashlib.sha256(parent).digest())
+    return keys
+""",
+        "the salt left out",
+    ),
+    (
+        "14",
+        "salted_block_keys",
+        """
+def salted_block_keys(salt, token_ids, block_size):
+    blocks = [token_ids[i : i + block_size] for i in range(0, len(token_ids), block_size)]
+    return [
+        hashlib.sha256(salt + hash_block_tokens(None, block)).digest()
+        for block in blocks
+        if len(block) == block_size
+    ]
+""",
+        "each block hashed without its parent",
+    ),
+    (
+        "14",
+        "salted_block_keys",
+        """
+def salted_block_keys(salt, token_ids, block_size):
+    keys, parent = [], None
+    for start in range(0, len(token_ids), block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        keys.append(hashlib.sha256(salt + parent).digest())
+    return keys
+""",
+        "a key for the partial last block",
+    ),
+    (
+        "14",
+        "two_tier_lru",
+        """
+def two_tier_lru(host_blocks, disk_blocks, operations):
+    host, disk, found = [], [], []
+    def insert(key):
+        host.append(key)
+        if len(host) > host_blocks:
+            disk.append(host.pop(0))
+            if len(disk) > disk_blocks:
+                disk.pop(0)
+    for op, key in operations:
+        where = "host" if key in host else "disk" if key in disk else None
+        if op == "get":
+            found.append(where)
+            if where == "disk":
+                disk.remove(key)
+                insert(key)
+        else:
+            if where is not None:
+                (host if where == "host" else disk).remove(key)
+            insert(key)
+    return found, host, disk
+""",
+        "a hit in host memory left where it was",
+    ),
+    (
+        "14",
+        "two_tier_lru",
+        """
+def two_tier_lru(host_blocks, disk_blocks, operations):
+    host, disk, found = [], [], []
+    def insert(key):
+        host.append(key)
+        if len(host) > host_blocks:
+            disk.append(host.pop(0))
+            if len(disk) > disk_blocks:
+                disk.pop(0)
+    for op, key in operations:
+        where = "host" if key in host else "disk" if key in disk else None
+        if op == "get":
+            found.append(where)
+            if where == "host":
+                host.remove(key)
+                insert(key)
+        else:
+            if where is not None:
+                (host if where == "host" else disk).remove(key)
+            insert(key)
+    return found, host, disk
+""",
+        "a hit on disk left on disk",
+    ),
+    (
+        "14",
+        "two_tier_lru",
+        """
+def two_tier_lru(host_blocks, disk_blocks, operations):
+    host, disk, found = [], [], []
+    def insert(key):
+        host.append(key)
+        if len(host) > host_blocks:
+            disk.append(host.pop(0))
+            if len(disk) > disk_blocks:
+                disk.pop(0)
+    for op, key in operations:
+        if op == "put":
+            insert(key)
+            continue
+        where = "host" if key in host else "disk" if key in disk else None
+        found.append(where)
+        if where is not None:
+            (host if where == "host" else disk).remove(key)
+            insert(key)
+    return found, host, disk
+""",
+        "a put of a stored key leaves the old copy",
     ),
     (
         "15",
@@ -532,26 +1289,167 @@ def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):
 """,
         "the newest page counted full",
     ),
+    (
+        "15",
+        "compact_table",
+        """
+def compact_table(block_table, seq_len, pages, block_size):
+    chosen = sorted(pages)
+    return [block_table[p] for p in chosen], len(chosen) * block_size
+""",
+        "the newest page counted full",
+    ),
+    (
+        "15",
+        "compact_table",
+        """
+def compact_table(block_table, seq_len, pages, block_size):
+    chosen = sorted(pages)
+    return [block_table[p] for p in chosen], (len(chosen) - 1) * block_size + seq_len % block_size
+""",
+        "seq_len % block_size",
+    ),
+    (
+        "15",
+        "compact_table",
+        """
+def compact_table(block_table, seq_len, pages, block_size):
+    fill = seq_len - (seq_len - 1) // block_size * block_size
+    return [block_table[p] for p in pages], (len(pages) - 1) * block_size + fill
+""",
+        "the blocks in the order the pages were given",
+    ),
 ]
+
+
+# chapter 11's kernels, run under Triton's interpreter as they are graded
+_REDUCE = """
+@triton.jit
+def reduce_kernel(partial_out_ptr, partial_lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    splits, dims = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
+    split_mask = splits < num_splits
+    lse = tl.load(partial_lse_ptr + row * num_splits + splits, mask=split_mask, other=float("-inf"))
+    weights = tl.exp(lse - tl.max(lse, axis=0))
+    partial = tl.load(
+        partial_out_ptr + (row * num_splits + splits[:, None]) * HEAD_DIM + dims[None, :],
+        mask=split_mask[:, None], other=0.0,
+    )
+    tl.store(out_ptr + row * HEAD_DIM + dims, OUT)
+"""
+_DECODE = """
+@triton.jit
+def masked_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, seq_len, scale, HEAD_DIM: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + dims)
+    m, l = float("-inf"), 0.0
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        valid = tokens < seq_len
+        k = tl.load(k_ptr + tokens[:, None] * HEAD_DIM + dims[None, :]MASK)
+        v = tl.load(v_ptr + tokens[:, None] * HEAD_DIM + dims[None, :]MASK)
+        scores = SCORES
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        alpha, p = tl.exp(m - m_new), tl.exp(scores - m_new)
+        l = l * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m = m_new
+    tl.store(out_ptr + dims, acc / l)
+"""
+_MASKED, _SCORES = ", mask=valid[:, None], other=0.0", "tl.sum(q[None, :] * k, axis=1) * scale"
+TRITON_MISTAKES = [
+    (
+        "11",
+        "reduce_kernel",
+        _REDUCE.replace("OUT", "tl.sum(partial, axis=0) / num_splits"),
+        "the splits' outputs averaged",
+    ),
+    (
+        "11",
+        "reduce_kernel",
+        _REDUCE.replace("OUT", "tl.sum(weights[:, None] * partial, axis=0)"),
+        "the weighted sum not normalised",
+    ),
+    (
+        "11",
+        "masked_decode_kernel",
+        _DECODE.replace("MASK", _MASKED).replace("SCORES", _SCORES),
+        "the loads masked, not the scores",
+    ),
+    (
+        "11",
+        "masked_decode_kernel",
+        _DECODE.replace("MASK", "").replace("SCORES", _SCORES),
+        "the last tile not masked",
+    ),
+    (
+        "11",
+        "masked_decode_kernel",
+        _DECODE.replace("MASK", _MASKED).replace(
+            "SCORES", 'tl.where(valid, tl.sum(q[None, :] * k, axis=1), float("-inf"))'
+        ),
+        "the scores not multiplied by `scale`",
+    ),
+]
+ALL_MISTAKES = MISTAKES + TRITON_MISTAKES
+
+
+def _skip_without_triton(chapter: str) -> None:
+    if chapter == "11":
+        from kvlib.kernels import triton_available  # sets TRITON_INTERPRET before Triton loads
+
+        if not triton_available():
+            pytest.skip("chapter 11's kernels need Triton")
 
 
 @pytest.mark.parametrize(
     "chapter, question, source, hint",
-    MISTAKES,
-    ids=[f"{c}-{q}-{i}" for i, (c, q, _, _) in enumerate(MISTAKES)],
+    ALL_MISTAKES,
+    ids=[f"{c}-{q}-{i}" for i, (c, q, _, _) in enumerate(ALL_MISTAKES)],
 )
 def test_a_mistaken_answer_gets_its_hint(chapter, question, source, hint):
+    _skip_without_triton(chapter)
     passed, message = _grade(chapter, question, source)
     assert not passed, f"the mistaken {question} passed"
     assert "your answer matches a common mistake" in message and hint in message, message
 
 
-@pytest.mark.parametrize("question", sorted({(c, q) for c, q, _, _ in MISTAKES}),
+MISTAKE_DRAWS, SOLUTION_DRAWS = 30, 200
+# returns the values it was given: where a random case's keys come out right, it fails for
+# returning its argument, before any value is compared
+_NOT_ON_VALUES = {"reorder_for_beams"}
+
+
+@pytest.mark.parametrize(
+    "chapter, question, source, hint",
+    [m for m in ALL_MISTAKES if m[1] not in _NOT_ON_VALUES],
+    ids=[f"{c}-{q}-{i}" for i, (c, q, _, _) in enumerate(ALL_MISTAKES) if q not in _NOT_ON_VALUES],
+)
+def test_a_mistaken_answer_is_named_on_random_cases(chapter, question, source, hint):
+    """The random cases alone, MISTAKE_DRAWS runs: wherever the mistaken answer fails, a mistake
+    is named (its own, or one giving the same answer on that case): each table computes its
+    mistakes as a learner's code does, on any input, not only on the fixed cases."""
+    _skip_without_triton(chapter)
+    for seed in range(MISTAKE_DRAWS):
+        passed, message = _grade(chapter, question, source, seed, draws_only=True)
+        assert passed or "your answer matches a common mistake" in message, message
+
+
+@pytest.mark.parametrize("question", sorted({(c, q) for c, q, _, _ in ALL_MISTAKES}),
                          ids=lambda q: f"{q[0]}-{q[1]}")  # fmt: skip
 def test_the_official_solution_still_passes(question):
+    """3 runs with the fixed cases, SOLUTION_DRAWS of the random cases alone: the solution passes,
+    so no mistake is ever named for it."""
     chapter, question_id = question
+    _skip_without_triton(chapter)
     for seed in range(3):
         passed, message = _grade(chapter, question_id, None, seed)
+        assert passed, message
+    for seed in range(SOLUTION_DRAWS):
+        passed, message = _grade(chapter, question_id, None, seed, draws_only=True)
         assert passed, message
 
 
@@ -573,6 +1471,12 @@ def test_a_diagnostic_only_extends_a_failure():
     )
     assert matching_mistake(np.ones(3), {"shape": lambda: np.ones(2)}) is None
     assert matching_mistake(True, {"one": lambda: 1}) is None  # a bool is not an int answer
+    assert matching_mistake({"a": [1, 2]}, {"dict": lambda: {"a": (1, 2)}}) == "dict"
+    assert matching_mistake({"a": 1}, {"keys": lambda: {"b": 1}}) is None
+    # a mistake whose answer is the right one on these inputs is not named (here 2.0 fails an int
+    # check, and equals 2 within the tolerance)
+    assert matching_mistake(2.0, {"two": lambda: 2}, expected=2) is None
+    assert matching_mistake(3, {"three": lambda: 3}, expected=2) == "three"
 
 
 # issue 57, item 4: chapter 15's fixed cases hold a group size > 1 with more than one KV head
@@ -932,3 +1836,23 @@ def test_the_written_out_formulas_match_kvlibs_oracles():
             oracle = dict(config, model_type="llama", torch_dtype="bfloat16")
             expected = break_even_bandwidth(oracle, n, 400e12) / 1e9
             assert abs(ch14._gbps(config, n, 400e12) - expected) <= 1e-9 * expected
+
+
+def test_the_written_out_rules_match_kvlibs_oracles():
+    """The mistakes of chapters 7, 12 and 14 switch parts of a rule written out in the check: with
+    nothing switched, it is kvlib's own answer (its BlockManager, its TieredStore)."""
+    from kvlib.course.checks import ch07, ch14
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        block_size = int(rng.choice([1, 2, 3, 4]))
+        earlier = [int(t) for t in rng.integers(0, 3, size=int(rng.integers(0, 20)))]
+        cached = set(ch07.chained_block_hashes(earlier, block_size))
+        shared = earlier[: int(rng.integers(0, len(earlier) + 1))]
+        tokens = shared + [int(t) for t in rng.integers(0, 3, size=int(rng.integers(1, 9)))]
+        assert ch07.prefix_hit(tokens, cached, block_size) == ch07.cached_prefix_tokens(
+            tokens, cached, block_size
+        ), (tokens, block_size)
+    for _ in range(300):
+        host, disk, operations, _ = ch14._random_lru_case(rng)
+        assert ch14._lru_written(host, disk, operations) == ch14._lru(host, disk, operations)

@@ -123,17 +123,22 @@ def _check_inserts(insert, batch, heads, dim, capacity, writes) -> None:
     options = {"mutates": {0}, "may_alias": True}
     for t in writes:
         k_new = torch.randn(batch, heads, t, dim, generator=generator)
+        before = expected.clone()
         expected[:, :, length : length + t] = k_new
         call = insert.call(buffer, length, k_new, _options=options)
         view, buffer = call.result, call.args[0]
-        assert isinstance(view, torch.Tensor) and view.shape == (batch, heads, length + t, dim), (
-            f"after writing {t} tokens at length {length} into a buffer of {capacity}, return "
-            f"the (B, H, {length + t}, D) view, got {tuple(getattr(view, 'shape', ()))}"
-        )
-        assert torch.equal(buffer, expected), (
-            f"the buffer should hold the new rows at positions {length}..{length + t - 1}: it does "
-            "not"
-        )
+        mistakes = _insert_mistakes(before, expected, length, k_new)
+        right = (expected[:, :, : length + t], expected)
+        shaped = isinstance(view, torch.Tensor) and view.shape == (batch, heads, length + t, dim)
+        with naming_mistakes((view, buffer), mistakes, rtol=0.0, atol=0.0, expected=right):
+            assert shaped, (
+                f"after writing {t} tokens at length {length} into a buffer of {capacity}, return "
+                f"the (B, H, {length + t}, D) view, got {tuple(getattr(view, 'shape', ()))}"
+            )
+            assert torch.equal(buffer, expected), (
+                f"the buffer should hold the new rows at positions {length}..{length + t - 1}: it "
+                "does not"
+            )
         assert 0 in call.aliases, (
             "return a view of the buffer (no copy): the point of a static cache"
         )
@@ -157,6 +162,28 @@ def _check_inserts(insert, batch, heads, dim, capacity, writes) -> None:
             f"writing {overflow} tokens after {length} into a buffer of {capacity} should raise "
             "ValueError (overflow), it did not"
         )
+
+
+def _insert_mistakes(before, after, length, k_new) -> dict:
+    """static_cache_insert's common mistakes, each as (the view returned, the buffer after it):
+    `before` and `after` are the buffer before and after a right insert."""
+    t = k_new.shape[2]
+
+    def at_start():
+        buffer = before.clone()
+        buffer[:, :, :t] = k_new
+        return buffer[:, :, : length + t], buffer
+
+    return {
+        "the view of the new rows only: return the first length + T positions, the cache so far": (
+            lambda: (after[:, :, length : length + t], after)
+        ),
+        "the whole buffer returned: return the view of its first length + T positions": lambda: (
+            after,
+            after,
+        ),
+        "the new rows written at position 0: write them after the `length` cached ones": at_start,
+    }
 
 
 @question(function="reorder_for_beams")

@@ -60,21 +60,42 @@ def test_slot_mapping(submission: Submission) -> None:
             )
 
 
-def _append_token(block_table, num_tokens, ref_cnt, free_blocks, block_size):
+def _append_token(block_table, num_tokens, ref_cnt, free_blocks, block_size, *, cow=True,
+                  release=True, first_free=True):  # fmt: skip
     """The rule written out: a new block at a block boundary; copy-on-write of a shared, partly
-    filled last block; then the slot of token `num_tokens`."""
-    copy_pair = None
+    filled last block; then the slot of token `num_tokens`. The common mistakes, switchable:
+    `cow=False` writes into the shared block, `release=False` keeps the old block's reference,
+    `first_free=False` takes the last free block."""
+    copy_pair, take = None, 0 if first_free else -1
     if num_tokens % block_size == 0:
-        new = free_blocks.pop(0)
+        new = free_blocks.pop(take)
         ref_cnt[new] = 1
         block_table.append(new)
-    elif ref_cnt[block_table[-1]] > 1:
-        old, new = block_table[-1], free_blocks.pop(0)
-        ref_cnt[old] -= 1
+    elif cow and ref_cnt[block_table[-1]] > 1:
+        old, new = block_table[-1], free_blocks.pop(take)
+        ref_cnt[old] -= 1 if release else 0
         ref_cnt[new] = 1
         block_table[-1] = new
         copy_pair = (old, new)
     return _slots(block_table, [num_tokens], block_size)[0], copy_pair
+
+
+def _append_mistakes(block_table, num_tokens, ref_cnt, free_blocks, block_size) -> dict:
+    """append_token's common mistakes (the first two from the chapter's pitfalls 3 and 4), each
+    as (slot, copy), (block table, ref_cnt, free blocks) after the append."""
+
+    def append(**mistake):
+        state = copy.deepcopy((block_table, ref_cnt, free_blocks))
+        result = _append_token(state[0], num_tokens, *state[1:], block_size, **mistake)
+        return result, state
+
+    return {
+        "no copy-on-write: a shared, partly filled last block is copied to a new block before the "
+        "write": lambda: append(cow=False),
+        "the old block's reference kept: after the copy, this sequence no longer holds it "
+        "(ref_cnt[old] -= 1)": lambda: append(release=False),
+        "the last free block taken: take free_blocks.pop(0)": lambda: append(first_free=False),
+    }
 
 
 _APPEND_CASES = [
@@ -112,15 +133,31 @@ def test_append_token(submission: Submission) -> None:
         assert isinstance(got, tuple) and len(got) == 2, (
             f"append_token should return (slot, copy), got {got!r}"
         )
-        assert got == expected, (
-            f"{what} (block table {table}, {num_tokens} tokens, ref_cnt {ref_cnt}, block size "
-            f"{block_size}): expected (slot, copy) = {expected}, got {got} (copy-on-write only "
-            "when the last block is shared and partly filled)"
-        )
-        assert state == expected_state, (
-            f"{what}: after the append expected block table, ref_cnt, free blocks = "
-            f"{expected_state}, got {state}"
-        )
+        mistakes = _append_mistakes(table, num_tokens, ref_cnt, free, block_size)
+        with naming_mistakes((got, state), mistakes, expected=(expected, expected_state)):
+            assert got == expected, (
+                f"{what} (block table {table}, {num_tokens} tokens, ref_cnt {ref_cnt}, block "
+                f"size {block_size}): expected (slot, copy) = {expected}, got {got} "
+                "(copy-on-write only when the last block is shared and partly filled)"
+            )
+            assert state == expected_state, (
+                f"{what}: after the append expected block table, ref_cnt, free blocks = "
+                f"{expected_state}, got {state}"
+            )
+
+
+def prefix_hit(token_ids, cached, block_size, *, capped=True, chained=True) -> int:
+    """The prefix-cache hit written out (`cached_prefix_tokens`), its common mistakes switchable
+    (the chapter's pitfalls 1 and 2): `capped=False` may take the whole prompt from the cache,
+    `chained=False` hashes each block without its parent."""
+    hit, parent = 0, None
+    for i in range((len(token_ids) - (1 if capped else 0)) // block_size):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        parent = hash_block_tokens(parent if chained else None, block)
+        if parent not in cached:
+            break
+        hit += block_size
+    return hit
 
 
 def cached_prefix_tokens(token_ids, cached, block_size):
@@ -174,11 +211,24 @@ def test_prefix_hit_tokens(submission: Submission) -> None:
         expected = cached_prefix_tokens(tokens, hashes, block_size)
         got = prefix_hit_tokens(list(tokens), set(hashes), block_size)
         expect_int(got, "prefix_hit_tokens")
-        assert got == expected, (
-            f"{what}, {len(tokens)} tokens: expected {expected} cached tokens (whole blocks, each "
-            f"hash chained to its parent's, stopping at the first miss, at most n - 1 tokens), "
-            f"got {got}"
-        )
+        args = (tokens, hashes, block_size)
+        mistakes = {
+            "the whole prompt taken from the cache: its last token must be computed (for its "
+            "logits), so a hit covers at most n - 1 tokens": lambda: prefix_hit(
+                *args, capped=False
+            ),
+            "each block hashed without its parent: hash_block(parent, tokens) chains the previous "
+            "block's hash": lambda: prefix_hit(*args, chained=False),
+            "the cached blocks counted, not their tokens (blocks x block_size)": lambda: (
+                expected // block_size
+            ),
+        }
+        with naming_mistakes(got, mistakes):
+            assert got == expected, (
+                f"{what}, {len(tokens)} tokens: expected {expected} cached tokens (whole blocks, "
+                f"each hash chained to its parent's, stopping at the first miss, at most n - 1 "
+                f"tokens), got {got}"
+            )
 
 
 def _blocks_in_use(seq_lens: list[int], block_size: int) -> int:

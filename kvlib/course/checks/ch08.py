@@ -135,14 +135,36 @@ def _h2o_mistakes(scores, weights) -> dict:
     }
 
 
-def _snapkv_select(votes, budget, window, kernel_size):
+def _snapkv_select(votes, budget, window, kernel_size, *, pool=True, keep_window=True,
+                   ascending=True):  # fmt: skip
+    """SnapKV's selection written out. The common mistakes, switchable: `pool=False` ranks the
+    raw votes, `keep_window=False` leaves the window to its votes, `ascending=False` returns the
+    indices best first."""
     h_kv, s = votes.shape
     if s <= budget:
         return torch.arange(s).expand(h_kv, s)
-    pooled = F.max_pool1d(votes[:, None], kernel_size, 1, kernel_size // 2)[:, 0]
-    pooled[:, s - window :] = math.inf
+    pooled = votes.clone()
+    if pool:
+        pooled = F.max_pool1d(votes[:, None], kernel_size, 1, kernel_size // 2)[:, 0]
+    if keep_window:
+        pooled[:, s - window :] = math.inf
     ranked = pooled.sort(dim=-1, descending=True, stable=True).indices[:, :budget]
-    return ranked.sort(dim=-1).values
+    return ranked.sort(dim=-1).values if ascending else ranked
+
+
+def _snapkv_mistakes(votes, budget, window, kernel_size) -> dict:
+    """snapkv_select's common mistakes."""
+    args = (votes, budget, window, kernel_size)
+    return {
+        "the votes not pooled: max-pool each token's vote over its kernel_size neighbours first, "
+        "so that a chosen token brings its neighbours": lambda: _snapkv_select(*args, pool=False),
+        "the observation window left to its votes: the last `window` tokens are always kept": (
+            lambda: _snapkv_select(*args, keep_window=False)
+        ),
+        "the indices in the order of their pooled votes: return them ascending": lambda: (
+            _snapkv_select(*args, ascending=False)
+        ),
+    }
 
 
 @question(function="snapkv_select")
@@ -176,9 +198,11 @@ def test_snapkv_select(submission: Submission) -> None:
         assert not got.is_floating_point() and not got.is_complex() and got.dtype != torch.bool, (
             f"{what}: indices should be integers, got dtype {got.dtype}"
         )
-        assert torch.equal(got.long(), expected), (
-            f"{what}: max-pool the votes over kernel_size neighbours, always keep the last "
-            "`window` tokens, fill the rest of the budget with the highest pooled votes (ties to "
-            "the older token) and return the indices in ascending order; expected "
-            f"{expected.tolist()}, got {got.tolist()}"
-        )
+        mistakes = _snapkv_mistakes(votes, budget, window, kernel)
+        with naming_mistakes(got, mistakes, rtol=0.0, atol=0.0):
+            assert torch.equal(got.long(), expected), (
+                f"{what}: max-pool the votes over kernel_size neighbours, always keep the last "
+                "`window` tokens, fill the rest of the budget with the highest pooled votes (ties "
+                "to the older token) and return the indices in ascending order; expected "
+                f"{expected.tolist()}, got {got.tolist()}"
+            )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvlib.cache.compaction_plans import freeable_blocks, plan_hole_filling, plan_repack
+from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import Submission, expect_int, expect_list, is_int, question
 
 
@@ -37,12 +38,30 @@ def test_blocks_freeable(submission: Submission) -> None:
         expected = len(freeable_blocks(live, block_size))
         got = blocks_freeable(list(live), block_size)
         expect_int(got, "blocks_freeable")
-        assert got == expected, (
-            f"{what}: a block is freeable only when none of its slots holds a survivor (the last "
-            f"block counts only the slots it has); expected {expected}, got {got} for live="
-            f"{[int(x) for x in live][:24]}{'...' if len(live) > 24 else ''}, block_size "
-            f"{block_size}"
-        )
+        with naming_mistakes(got, _freeable_mistakes(live, block_size)):
+            assert got == expected, (
+                f"{what}: a block is freeable only when none of its slots holds a survivor (the "
+                f"last block counts only the slots it has); expected {expected}, got {got} for "
+                f"live={[int(x) for x in live][:24]}{'...' if len(live) > 24 else ''}, "
+                f"block_size {block_size}"
+            )
+
+
+def _freeable_mistakes(live, block_size) -> dict:
+    """blocks_freeable's common mistakes: `live` one bool per slot."""
+    size, starts = block_size, range(0, len(live), block_size)
+    return {
+        "the blocks a compaction would free: without moving anything, a block is freeable only "
+        "when none of its slots holds a survivor": lambda: (
+            -(-len(live) // size) - -(-sum(live) // size)
+        ),
+        "the partly filled last block left out: it is freeable too when none of its slots holds "
+        "a survivor": lambda: sum(
+            not any(live[i * size : (i + 1) * size]) for i in range(len(live) // size)
+        ),
+        "every block with an evicted slot counted: a block is freeable only when all its slots "
+        "are evicted": lambda: sum(not all(live[start : start + size]) for start in starts),
+    }
 
 
 @question(function="repack")
@@ -59,16 +78,47 @@ def test_repack(submission: Submission) -> None:
         assert isinstance(slots, torch.Tensor) and slots.shape == (n, 3), (
             f"{what}: rewrite `slots` in place (a cache has no second pool), keeping its shape"
         )
-        assert torch.equal(slots[: len(survivors)], original[survivors]), (
-            f"{what}: after the repack the survivors must fill the first rows in their order; "
-            f"expected rows {survivors[:12]}{'...' if len(survivors) > 12 else ''} first, got "
-            f"{slots[: len(survivors), 0].div(3).long().tolist()[:12]} (read every source before "
-            "writing any destination: a destination can be a later move's source)"
-        )
-        assert is_int(got) and got == expected, (
-            f"{what}: return how many rows were copied (survivors whose row changed), expected "
-            f"{expected}, got {got!r}"
-        )
+        rows, counts = _repack_mistakes(original, live)
+        with naming_mistakes(slots[: len(survivors)], rows, rtol=0.0, atol=0.0):
+            assert torch.equal(slots[: len(survivors)], original[survivors]), (
+                f"{what}: after the repack the survivors must fill the first rows in their order; "
+                f"expected rows {survivors[:12]}{'...' if len(survivors) > 12 else ''} first, "
+                f"got {slots[: len(survivors), 0].div(3).long().tolist()[:12]} (read every "
+                "source before writing any destination: a destination can be a later move's "
+                "source)"
+            )
+        with naming_mistakes(got, counts):
+            assert is_int(got) and got == expected, (
+                f"{what}: return how many rows were copied (survivors whose row changed), "
+                f"expected {expected}, got {got!r}"
+            )
+
+
+def _repack_mistakes(original: torch.Tensor, live) -> tuple[dict, dict]:
+    """repack's common mistakes: for the first rows once it ran (as many as survivors), and for
+    the count it returns."""
+    kept = sum(live)
+
+    def hole_filled():
+        slots = original.clone()
+        for src, dst in plan_hole_filling(live):
+            slots[dst] = original[src]
+        return slots[:kept]
+
+    rows = {
+        "the slots left as they were: write into `slots` itself (slots[...] = ...), not into a "
+        "new tensor bound to its name": lambda: original[:kept],
+        "hole-filling's moves (the last survivor into the first hole): a repack keeps the "
+        "survivors in their order": hole_filled,
+    }
+    counts = {
+        "every survivor counted: count only those whose row changed (those in front of the "
+        "first hole stay)": lambda: kept,
+        "the evicted slots counted: count the survivors whose row changed": lambda: (
+            len(live) - kept
+        ),
+    }
+    return rows, counts
 
 
 def _positions_after(positions):
@@ -104,8 +154,26 @@ def test_positions_after_hole_filling(submission: Submission) -> None:
             is_int,
             "positions_after_hole_filling should return a list of ints",
         )
-        assert got == expected, (
-            f"{what}: the last survivor moves into the first hole, the one before it into the "
-            "next hole, until no hole is in front of a survivor; then the map keeps one entry per "
-            f"survivor; for {positions} expected {expected}, got {got}"
-        )
+        with naming_mistakes(got, _hole_filling_mistakes(positions)):
+            assert got == expected, (
+                f"{what}: the last survivor moves into the first hole, the one before it into the "
+                "next hole, until no hole is in front of a survivor; then the map keeps one entry "
+                f"per survivor; for {positions} expected {expected}, got {got}"
+            )
+
+
+def _hole_filling_mistakes(positions) -> dict:
+    """positions_after_hole_filling's common mistakes: `positions` a map, -1 where evicted."""
+    moved = list(positions)
+    for src, dst in plan_hole_filling([p >= 0 for p in positions]):
+        moved[dst] = positions[src]
+    return {
+        "the repack's map (the survivors in slot order): hole-filling moves the last survivor "
+        "into the first hole": lambda: [p for p in positions if p >= 0],
+        "the whole map returned: after the round the sequence keeps only as many slots as it has "
+        "survivors": lambda: moved,
+        "the -1 entries dropped from the whole map: a move copies, so a moved survivor's old slot "
+        "still holds it; keep the first (number of survivors) slots": lambda: [
+            p for p in moved if p >= 0
+        ],
+    }

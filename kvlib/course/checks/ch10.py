@@ -122,10 +122,13 @@ def test_kivi_key_scales(submission: Submission) -> None:
         )
         scale, zero = (torch.as_tensor(t).float() for t in result)
         expected_shape = (keys.shape[0] // group, keys.shape[1])
-        assert scale.shape == expected_shape and zero.shape == expected_shape, (
-            f"{what}: one scale and zero per channel per group of G tokens: expected "
-            f"{expected_shape} each (S / G, D), got {tuple(scale.shape)} and {tuple(zero.shape)}"
-        )
+        mistakes = _kivi_mistakes(keys, group)
+        with naming_mistakes((scale, zero), mistakes, rtol=1e-5, atol=1e-6):
+            assert scale.shape == expected_shape and zero.shape == expected_shape, (
+                f"{what}: one scale and zero per channel per group of G tokens: expected "
+                f"{expected_shape} each (S / G, D), got {tuple(scale.shape)} and "
+                f"{tuple(zero.shape)}"
+            )
         grouped = keys.view(-1, group, keys.shape[1])  # (S / G, G, D)
         flat = grouped.amax(dim=1) == grouped.amin(dim=1)  # range 0: any scale >= 0 will do
         assert bool((torch.isfinite(scale[flat]) & (scale[flat] >= 0)).all()), (
@@ -136,13 +139,48 @@ def test_kivi_key_scales(submission: Submission) -> None:
         ok = torch.allclose(zero, oracle.zero, rtol=1e-5, atol=1e-6) and torch.allclose(
             scale[~flat], oracle.scale[~flat], rtol=1e-5, atol=1e-6
         )
-        assert ok, (
-            f"{what}: per-channel means the min and max run over groups of G consecutive tokens "
-            "(rows 0..G-1, G..2G-1, ...), separately for each channel; zero = that min, scale = "
-            f"(max - min) / 3 for 2 bits; first group expected zero {oracle.zero[0, :4].tolist()} "
-            f"scale {oracle.scale[0, :4].tolist()}, got {zero[0, :4].tolist()} and "
-            f"{scale[0, :4].tolist()}"
-        )
+        varied = {  # the scales where the range is not 0 (elsewhere any scale >= 0 will do)
+            mistake: lambda answer=answer: _where_varied(*answer(), flat)
+            for mistake, answer in mistakes.items()
+        }
+        right = (oracle.scale[~flat], oracle.zero)
+        with naming_mistakes((scale[~flat], zero), varied, rtol=1e-5, atol=1e-6, expected=right):
+            assert ok, (
+                f"{what}: per-channel means the min and max run over groups of G consecutive "
+                "tokens (rows 0..G-1, G..2G-1, ...), separately for each channel; zero = that "
+                "min, scale = (max - min) / 3 for 2 bits; first group expected zero "
+                f"{oracle.zero[0, :4].tolist()} scale {oracle.scale[0, :4].tolist()}, got "
+                f"{zero[0, :4].tolist()} and {scale[0, :4].tolist()}"
+            )
+
+
+def _where_varied(scale, zero, flat):
+    """The scales where a group's range is not 0, and every zero."""
+    return scale[~flat], zero
+
+
+def _kivi_mistakes(keys: torch.Tensor, group: int) -> dict:
+    """kivi_key_scales's common mistakes, each as (scale, zero); the first from the chapter's
+    pitfall 2 (per-token key scales)."""
+    s, d = keys.shape
+    grouped = keys.view(s // group, group, d)  # (S / G, G, D): consecutive tokens
+    low, high = grouped.amin(dim=1), grouped.amax(dim=1)
+    strided = keys.view(group, s // group, d)  # group j: tokens j, j + S / G, ...
+    return {
+        "per-token scales (the min and max over each token's channels): KIVI's key scales are "
+        "per channel": lambda: (
+            (grouped.amax(dim=2) - grouped.amin(dim=2)) / 3,
+            grouped.amin(dim=2),
+        ),
+        "scale = (max - min) / 4: 2 bits give 4 levels, 3 steps apart, so divide by 3": lambda: (
+            (high - low) / 4,
+            low,
+        ),
+        "strided groups (tokens j, j + S/G, ...): a group is G consecutive tokens": lambda: (
+            (strided.amax(dim=0) - strided.amin(dim=0)) / 3,
+            strided.amin(dim=0),
+        ),
+    }
 
 
 @question(function="bytes_per_token")

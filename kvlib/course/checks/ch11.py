@@ -115,13 +115,27 @@ def test_reduce_kernel(submission: Submission) -> None:
             "your output has non-finite values: "
             "weight each split by exp(lse - max lse)"
         )
-        assert_close(
-            got,
-            expected,
-            name=f"reduce of {num_splits} splits over {rows} rows (lse around {shift:.4g})",
-            rtol=1e-4,
-            atol=1e-5,
-        )
+        mistakes = _reduce_mistakes(partial_out.astype(np.float64), partial_lse.astype(np.float64))
+        with naming_mistakes(got, mistakes, rtol=1e-4, atol=1e-5):
+            assert_close(
+                got,
+                expected,
+                name=f"reduce of {num_splits} splits over {rows} rows (lse around {shift:.4g})",
+                rtol=1e-4,
+                atol=1e-5,
+            )
+
+
+def _reduce_mistakes(partial_out: np.ndarray, partial_lse: np.ndarray) -> dict:
+    """reduce_kernel's common mistakes, the first from the chapter's pitfalls: partial_out
+    (R, splits, D), partial_lse (R, splits)."""
+    weights = np.exp(partial_lse - partial_lse.max(axis=1, keepdims=True))[:, :, None]
+    return {
+        "the splits' outputs averaged: weight each by exp(lse - max lse), its share of the "
+        "softmax's denominator": lambda: partial_out.mean(axis=1),
+        "the weighted sum not normalised: divide by the sum of the weights exp(lse - max "
+        "lse)": lambda: (weights * partial_out).sum(axis=1),
+    }
 
 
 def launch_masked_decode(kernel, q, k_buffer, v_buffer, seq_len, block_n=16):
@@ -153,10 +167,31 @@ def test_masked_decode_kernel(submission: Submission) -> None:
         expected = attention(q[None, :], keys, values)[0]
         as_torch = [torch.tensor(a, dtype=torch.float32) for a in (q, k_buffer, v_buffer)]
         got = launch_masked_decode(kernel, *as_torch, seq_len)
-        assert_close(
-            got,
-            expected,
-            name=f"attention over the first {seq_len} of {padded} buffered tokens (tiles of 16)",
-            rtol=1e-4,
-            atol=1e-4,
-        )
+        name = f"attention over the first {seq_len} of {padded} buffered tokens (tiles of 16)"
+        mistakes = _masked_decode_mistakes(q, k_buffer, v_buffer, seq_len, 16)
+        with naming_mistakes(got, mistakes, rtol=1e-4, atol=1e-4):
+            assert_close(got, expected, name=name, rtol=1e-4, atol=1e-4)
+
+
+def _masked_decode_mistakes(q, k_buffer, v_buffer, seq_len: int, block_n: int) -> dict:
+    """masked_decode_kernel's common mistakes, the first two from the chapter's pitfalls (the
+    last partial tile): q (D,), buffers (S_buf, D), float64."""
+    scale, read = q.shape[0] ** -0.5, -(-seq_len // block_n) * block_n  # whole tiles
+    zeros = np.zeros((read - seq_len, q.shape[0]))
+
+    def attend(k, v, scale=scale):
+        scores = k @ q * scale
+        weights = np.exp(scores - scores.max())
+        return weights @ v / weights.sum()
+
+    keys, values = k_buffer[:seq_len], v_buffer[:seq_len]
+    return {
+        "the loads masked, not the scores: a zeroed key still scores 0 and takes weight, set "
+        "the scores past seq_len to -inf": lambda: attend(
+            np.concatenate([keys, zeros]), np.concatenate([values, zeros])
+        ),
+        "the last tile not masked: the rows past seq_len (another sequence's) take weight": (
+            lambda: attend(k_buffer[:read], v_buffer[:read])
+        ),
+        "the scores not multiplied by `scale`": lambda: attend(keys, values, scale=1.0),
+    }

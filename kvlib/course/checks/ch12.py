@@ -5,25 +5,31 @@ BlockManager)."""
 
 from __future__ import annotations
 
-from kvlib.course.checks.ch07 import cached_prefix_tokens, chained_block_hashes
+from kvlib.course.checks.ch07 import cached_prefix_tokens, chained_block_hashes, prefix_hit
+from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import Submission, expect_list, question
 
 
-def _schedule_step(running, waiting, token_budget, max_num_seqs):
+def _schedule_step(running, waiting, token_budget, max_num_seqs, *, chunked=True, limit=True,
+                   shared=True):  # fmt: skip
     """Running first, in order, each min(its tokens left, budget left); then waiting, first come
-    first served, while budget remains and fewer than max_num_seqs requests run."""
+    first served, while budget remains and fewer than max_num_seqs requests run. The common
+    mistakes, switchable: `chunked=False` stops at the first request whose tokens left exceed the
+    budget left, `limit=False` ignores max_num_seqs, `shared=False` never spends the budget."""
     plan, budget = [], token_budget
     for request_id, left in running:
-        if budget == 0:
+        if budget == 0 or (not chunked and left > budget):
             break
         plan.append((request_id, min(left, budget)))
-        budget -= plan[-1][1]
+        budget -= plan[-1][1] if shared else 0
     admitted = 0
     for request_id, left in waiting:
-        if budget == 0 or len(running) + admitted >= max_num_seqs:
+        if budget == 0 or (not chunked and left > budget):
+            break
+        if limit and len(running) + admitted >= max_num_seqs:
             break
         plan.append((request_id, min(left, budget)))
-        budget -= plan[-1][1]
+        budget -= plan[-1][1] if shared else 0
         admitted += 1
     return plan
 
@@ -62,22 +68,35 @@ def test_schedule_step(submission: Submission) -> None:
             lambda p: isinstance(p, tuple) and len(p) == 2,
             "schedule_step should return a list of (request_id, num_tokens) tuples",
         )
-        assert got == expected, (
-            f"{what}: running {running}, waiting {waiting}, budget {budget}, max_num_seqs "
-            f"{max_seqs}: expected {expected} (running requests first, in order, each min(tokens "
-            f"left, budget left); then waiting ones in arrival order while budget remains and "
-            f"fewer than max_num_seqs run), got {got}"
-        )
+        args = (running, waiting, budget, max_seqs)
+        mistakes = {
+            "a prompt scheduled only whole: a request whose tokens do not fit gets a chunk, "
+            "min(tokens left, budget left)": lambda: _schedule_step(*args, chunked=False),
+            "max_num_seqs not enforced: admit waiting requests only while len(running) + admitted "
+            "< max_num_seqs": lambda: _schedule_step(*args, limit=False),
+            "the budget never spent: each request's tokens come out of the one budget left for "
+            "the step": lambda: _schedule_step(*args, shared=False),
+        }
+        with naming_mistakes(got, mistakes):
+            assert got == expected, (
+                f"{what}: running {running}, waiting {waiting}, budget {budget}, max_num_seqs "
+                f"{max_seqs}: expected {expected} (running requests first, in order, each "
+                f"min(tokens left, budget left); then waiting ones in arrival order while budget "
+                f"remains and fewer than max_num_seqs run), got {got}"
+            )
 
 
-def _victims(running, index, blocks_needed, free_blocks, blocks_held):
-    """Preempt the newest running request until the one at `index` fits, or it was preempted."""
-    running, preempted = list(running), []
-    while free_blocks < blocks_needed:
-        victim = running.pop()
+def _victims(running, index, blocks_needed, free_blocks, blocks_held, *, newest=True, stop=True,
+             strict=True):  # fmt: skip
+    """Preempt the newest running request until the one at `index` fits, or it was preempted. The
+    common mistakes, switchable: `newest=False` preempts the oldest first, `stop=False` goes on
+    past the request itself, `strict=False` preempts while free blocks <= blocks needed."""
+    queue, preempted = list(running), []
+    while queue and (free_blocks < blocks_needed or (not strict and free_blocks == blocks_needed)):
+        victim = queue.pop() if newest else queue.pop(0)
         preempted.append(victim)
         free_blocks += blocks_held[victim]
-        if len(running) == index:  # the request itself was the victim
+        if stop and victim == running[index]:  # the request itself was the victim
             break
     return preempted
 
@@ -105,18 +124,52 @@ def test_preemption_victims(submission: Submission) -> None:
         expected = _victims(running, index, needed, free, held)
         got = preemption_victims(list(running), index, needed, free, dict(held))
         assert isinstance(got, list), f"preemption_victims should return a list, got {got!r}"
-        assert got == expected, (
-            f"{what}: running {running}, request {running[index]!r} (index {index}) needs "
-            f"{needed} block(s), {free} free, held {held}: expected {expected} (the newest "
-            f"running request first, each freeing its blocks, until the request fits or it has "
-            f"been preempted itself), got {got}"
-        )
+        args = (running, index, needed, free, held)
+        mistakes = {
+            "the oldest running request preempted first: under first-come-first-served the "
+            "newest goes first": lambda: _victims(*args, newest=False),
+            "requests older than the one that needs blocks preempted for it: stop once it has "
+            "been preempted itself": lambda: _victims(*args, stop=False),
+            "a request preempted although the blocks already fit: preempt only while free "
+            "blocks < blocks needed": lambda: _victims(*args, strict=False),
+        }
+        with naming_mistakes(got, mistakes):
+            assert got == expected, (
+                f"{what}: running {running}, request {running[index]!r} (index {index}) needs "
+                f"{needed} block(s), {free} free, held {held}: expected {expected} (the newest "
+                f"running request first, each freeing its blocks, until the request fits or it "
+                f"has been preempted itself), got {got}"
+            )
 
 
 def _first_step(token_ids, cached, block_size, token_budget):
     hit = cached_prefix_tokens(token_ids, cached, block_size)
     new = min(len(token_ids) - hit, token_budget)
     return hit, new, -(-(hit + new) // block_size) - hit // block_size
+
+
+def _first_step_mistakes(token_ids, cached, block_size, token_budget) -> dict:
+    """first_step's common mistakes: the first from chapter 7's pitfalls (a full hit)."""
+
+    def step(capped=True, shared_blocks_allocated=False, whole_prompt=False):
+        hit = prefix_hit(token_ids, cached, block_size, capped=capped)
+        new = min(len(token_ids) - hit, token_budget)
+        end = len(token_ids) if whole_prompt else hit + new
+        return (
+            hit,
+            new,
+            -(-end // block_size) - (0 if shared_blocks_allocated else hit // block_size),
+        )
+
+    return {
+        "the last token's block taken from the cache: at least the last token is computed (its "
+        "logits), so a hit stops at n - 1 tokens": lambda: step(capped=False),
+        "the cached blocks allocated too: they are shared, count only the new blocks": lambda: step(
+            shared_blocks_allocated=True
+        ),
+        "blocks for the whole prompt: allocate only what this step's cached and new tokens "
+        "occupy": lambda: step(whole_prompt=True),
+    }
 
 
 @question(function="first_step", allowed=("kvlib.cache.block_pool.hash_block_tokens",))
@@ -149,10 +202,12 @@ def test_first_step(submission: Submission) -> None:
             f"first_step should return (num_cached_tokens, num_new_tokens, num_new_blocks), got "
             f"{got!r}"
         )
-        assert tuple(got) == expected, (
-            f"{what} ({len(tokens)} tokens, block size {block_size}, budget {budget}): expected "
-            f"(cached, new, blocks) = {expected}: cached = whole blocks found by chained hashes, "
-            f"stopping at the first miss and leaving at least the last token to compute; new = "
-            f"min(tokens left, budget); blocks = those the cached + new tokens need beyond the "
-            f"cached ones; got {tuple(got)}"
-        )
+        mistakes = _first_step_mistakes(tokens, cached, block_size, budget)
+        with naming_mistakes(tuple(got), mistakes):
+            assert tuple(got) == expected, (
+                f"{what} ({len(tokens)} tokens, block size {block_size}, budget {budget}): "
+                f"expected (cached, new, blocks) = {expected}: cached = whole blocks found by "
+                f"chained hashes, stopping at the first miss and leaving at least the last token "
+                f"to compute; new = min(tokens left, budget); blocks = those the cached + new "
+                f"tokens need beyond the cached ones; got {tuple(got)}"
+            )

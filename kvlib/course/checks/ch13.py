@@ -9,6 +9,7 @@ import codecs
 
 import numpy as np
 
+from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import Submission, expect_list, question
 
 # --- question 1: incremental UTF-8 ---------------------------------------------------------------
@@ -17,6 +18,36 @@ from kvlib.course.grading import Submission, expect_list, question
 def _utf8_deltas(token_bytes):
     decoder = codecs.getincrementaldecoder("utf-8")()
     return [decoder.decode(b) for b in token_bytes]
+
+
+def _held_whole(token_bytes):
+    """A token's bytes held back whole until everything pending decodes."""
+    pending, deltas = b"", []
+    for token in token_bytes:
+        pending += token
+        try:
+            deltas.append(pending.decode())
+            pending = b""
+        except UnicodeDecodeError:
+            deltas.append("")
+    return deltas
+
+
+def _utf8_mistakes(token_bytes) -> dict:
+    """utf8_deltas's common mistakes, the first two from the chapter's pitfall 1 (each token
+    decoded on its own)."""
+    return {
+        "each token decoded on its own (errors='replace' sends U+FFFD for a cut character): keep "
+        "a token's incomplete character for the next": lambda: [
+            b.decode("utf-8", errors="replace") for b in token_bytes
+        ],
+        "each token decoded on its own (errors='ignore' drops a cut character): keep a token's "
+        "incomplete character for the next": lambda: [
+            b.decode("utf-8", errors="ignore") for b in token_bytes
+        ],
+        "nothing released until every pending byte decodes: a token releases the characters it "
+        "completes even when it also starts another": lambda: _held_whole(token_bytes),
+    }
 
 
 def _split_bytes(text: str, rng) -> list[bytes]:
@@ -50,23 +81,26 @@ def test_utf8_deltas(submission: Submission) -> None:
         expected = _utf8_deltas(token_bytes)
         got = utf8_deltas(list(token_bytes))
         expect_list(got, lambda d: isinstance(d, str), "utf8_deltas should return a list of str")
-        assert got == expected, (
-            f"{what}: tokens {token_bytes!r}: expected {expected!r} (each token releases the "
-            f"characters it completes, and nothing of a character still missing bytes), got "
-            f"{got!r}"
-        )
+        with naming_mistakes(got, _utf8_mistakes(token_bytes)):
+            assert got == expected, (
+                f"{what}: tokens {token_bytes!r}: expected {expected!r} (each token releases the "
+                f"characters it completes, and nothing of a character still missing bytes), got "
+                f"{got!r}"
+            )
 
 
 # --- question 2: stop strings with hold-back ----------------------------------------------------
 
 
-def _stop_stream(pieces, stops):
+def _stop_stream(pieces, stops, *, earliest=True):
+    """The matcher written out; `earliest=False`: a common mistake, the first stop string of
+    `stops` found wins, not the one that starts earliest."""
     held, sent = "", []
     for piece in pieces:
         held += piece
         starts = [i for i in (held.find(s) for s in stops) if i >= 0]
         if starts:
-            sent.append(held[: min(starts)])
+            sent.append(held[: min(starts) if earliest else starts[0]])
             return sent, True
         keep = 0
         for s in stops:
@@ -78,6 +112,43 @@ def _stop_stream(pieces, stops):
         held = held[len(held) - keep :]
     sent.append(held)
     return sent, False
+
+
+def _per_piece(pieces, stops):
+    """Each piece searched on its own, and sent whole when it holds no stop string."""
+    sent = []
+    for piece in pieces:
+        starts = [i for i in (piece.find(s) for s in stops) if i >= 0]
+        if starts:
+            return [*sent, piece[: min(starts)]], True
+        sent.append(piece)
+    return [*sent, ""], False
+
+
+def _sent_at_once(pieces, stops):
+    """The text received so far searched, but each piece sent as it arrives (no hold-back)."""
+    received, sent = "", []
+    for piece in pieces:
+        done = len(received)
+        received += piece
+        starts = [i for i in (received.find(s) for s in stops) if i >= 0]
+        if starts:
+            return [*sent, received[done : max(done, min(starts))]], True
+        sent.append(piece)
+    return [*sent, ""], False
+
+
+def _stop_mistakes(pieces, stops) -> dict:
+    """stop_stream's common mistakes, the first two from the chapter's pitfall 2 (the first named
+    wherever the two give the same answer: neither holds anything back)."""
+    return {
+        "each piece sent as it arrives: hold back the longest tail that could still begin a "
+        "stop string, or the client sees its start": lambda: _sent_at_once(pieces, stops),
+        "each piece searched on its own: a stop string can span pieces, search the text held "
+        "back plus the new piece": lambda: _per_piece(pieces, stops),
+        "the first stop string of `stops` found, not the one that starts earliest in the "
+        "text": lambda: _stop_stream(pieces, stops, earliest=False),
+    }
 
 
 @question(function="stop_stream")
@@ -116,29 +187,38 @@ def test_stop_stream(submission: Submission) -> None:
             f"stop_stream should return a tuple (sent, stopped), got {got!r}"
         )
         sent, stopped = got
-        assert stopped == expected_stopped, (
-            f"{what}, stops {stops!r}: expected stopped={expected_stopped}, got {stopped!r}"
-        )
-        assert list(sent) == expected_sent, (
-            f"{what}, stops {stops!r}: expected sent {expected_sent!r} (after each piece, "
-            f"release all but the longest tail that is a proper prefix of some stop string; on a "
-            f"match, release the text before the earliest stop string and end; at the end, "
-            f"release what is held), got {sent!r}"
-        )
+        with naming_mistakes((list(sent), stopped), _stop_mistakes(pieces, stops)):
+            assert stopped == expected_stopped, (
+                f"{what}, stops {stops!r}: expected stopped={expected_stopped}, got {stopped!r}"
+            )
+            assert list(sent) == expected_sent, (
+                f"{what}, stops {stops!r}: expected sent {expected_sent!r} (after each piece, "
+                f"release all but the longest tail that is a proper prefix of some stop string; "
+                f"on a match, release the text before the earliest stop string and end; at the "
+                f"end, release what is held), got {sent!r}"
+            )
 
 
 # --- question 3: goodput -------------------------------------------------------------------------
 
 
-def _slo_goodput(requests, ttft_slo_s, tpot_slo_s):
+def _slo_goodput(requests, ttft_slo_s, tpot_slo_s, *, gaps=True, bounds_met=True,
+                 span=True):  # fmt: skip
+    """The count and rate written out. The common mistakes, switchable: `gaps=False` divides the
+    token span by the tokens, not the gaps between them; `bounds_met=False` excludes a request
+    exactly at a bound; `span=False` times the run from the first listed request's arrival to the
+    last listed one's last token."""
     good = 0
     for arrival, token_times in requests:
         ttft = token_times[0] - arrival
         n = len(token_times)
-        tpot = (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else 0.0
-        good += ttft <= ttft_slo_s and tpot <= tpot_slo_s
-    start = min(a for a, _ in requests)
-    end = max(t[-1] for _, t in requests)
+        tpot = (token_times[-1] - token_times[0]) / (n - 1 if gaps else n) if n > 1 else 0.0
+        if bounds_met:
+            good += ttft <= ttft_slo_s and tpot <= tpot_slo_s
+        else:
+            good += ttft < ttft_slo_s and tpot < tpot_slo_s
+    start = min(a for a, _ in requests) if span else requests[0][0]
+    end = max(t[-1] for _, t in requests) if span else requests[-1][1][-1]
     return good, good / (end - start)
 
 
@@ -176,12 +256,27 @@ def test_slo_goodput(submission: Submission) -> None:
         assert isinstance(got, tuple) and len(got) == 2, (
             f"slo_goodput should return (count, per_second), got {got!r}"
         )
-        assert got[0] == expected[0], (
-            f"{what}: expected {expected[0]} requests meeting TTFT <= {ttft_slo} s and TPOT <= "
-            f"{tpot_slo} s, got {got[0]!r} (TTFT = first token - arrival; TPOT = (last - first "
-            f"token) / (tokens - 1), 0 for one token; both within the SLO); requests {requests}"
-        )
-        assert abs(got[1] - expected[1]) <= 1e-9 * max(1.0, abs(expected[1])), (
-            f"{what}: expected {expected[1]:.6f} requests/s (the count divided by the time from "
-            f"the first arrival to the last token of any request), got {got[1]!r}"
-        )
+        args = (requests, ttft_slo, tpot_slo)
+        mistakes = {
+            "TPOT divided by the tokens: (last - first token) spans tokens - 1 gaps": lambda: (
+                _slo_goodput(*args, gaps=False)
+            ),
+            "a request exactly at a bound left out: it meets the SLO (TTFT <= and TPOT <=)": (
+                lambda: _slo_goodput(*args, bounds_met=False)
+            ),
+            "the run timed from the first listed request to the last listed one: the requests "
+            "come in any order, take the earliest arrival and the latest token": lambda: (
+                _slo_goodput(*args, span=False)
+            ),
+        }
+        with naming_mistakes(tuple(got), mistakes, rtol=1e-9, atol=0.0, expected=expected):
+            assert got[0] == expected[0], (
+                f"{what}: expected {expected[0]} requests meeting TTFT <= {ttft_slo} s and TPOT "
+                f"<= {tpot_slo} s, got {got[0]!r} (TTFT = first token - arrival; TPOT = (last - "
+                f"first token) / (tokens - 1), 0 for one token; both within the SLO); requests "
+                f"{requests}"
+            )
+            assert abs(got[1] - expected[1]) <= 1e-9 * max(1.0, abs(expected[1])), (
+                f"{what}: expected {expected[1]:.6f} requests/s (the count divided by the time "
+                f"from the first arrival to the last token of any request), got {got[1]!r}"
+            )

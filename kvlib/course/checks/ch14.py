@@ -21,12 +21,34 @@ from kvlib.offload.breakeven import break_even_bandwidth
 from kvlib.offload.store import MemoryTier, TieredStore
 
 
-def _keys(salt: bytes, token_ids, block_size):
+def _keys(salt: bytes, token_ids, block_size, *, chained=True, full_only=True):
+    """The keys written out. The common mistakes, switchable: `chained=False` hashes each block
+    without its parent, `full_only=False` keys a partial last block too; an empty salt (b"")
+    leaves it out."""
     keys, parent = [], None
-    for i in range(len(token_ids) // block_size):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
+    blocks = len(token_ids) // block_size if full_only else -(-len(token_ids) // block_size)
+    for i in range(blocks):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        parent = hash_block_tokens(parent if chained else None, block)
         keys.append(hashlib.sha256(salt + parent).digest())
     return keys
+
+
+def _keys_mistakes(salt: bytes, token_ids, block_size) -> dict:
+    """salted_block_keys's common mistakes, from the chapter's pitfalls 1 (an unsalted key), 2 (a
+    block reused at another offset) and 3 (a partial last block cached)."""
+    args = (token_ids, block_size)
+    return {
+        "the salt left out: sha256(salt + chained hash), or two models share keys": lambda: _keys(
+            b"", *args
+        ),
+        "each block hashed without its parent: the chained hash covers the whole prefix": lambda: (
+            _keys(salt, *args, chained=False)
+        ),
+        "a key for the partial last block: only full blocks get keys": lambda: _keys(
+            salt, *args, full_only=False
+        ),
+    }
 
 
 def _random_keys_case(rng) -> tuple:
@@ -57,17 +79,19 @@ def test_salted_block_keys(submission: Submission) -> None:
         expect_list(
             got, lambda k: isinstance(k, bytes), "salted_block_keys should return a list of bytes"
         )
-        assert len(got) == len(expected), (
-            f"{what} ({len(tokens)} tokens, block size {block_size}): expected "
-            f"{len(expected)} keys (one per full block, none for a partial one), got {len(got)}"
-        )
         wrong = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
-        assert not wrong, (
-            f"{what} ({len(tokens)} tokens, block size {block_size}): key {wrong[0]} differs; "
-            f"each key is sha256(salt + the block's chained hash), the chained hash being "
-            f"hash_block_tokens(previous block's chained hash, the block's tokens), None before "
-            f"the first block"
-        )
+        with naming_mistakes(got, _keys_mistakes(salt_, tokens, block_size)):
+            assert len(got) == len(expected), (
+                f"{what} ({len(tokens)} tokens, block size {block_size}): expected "
+                f"{len(expected)} keys (one per full block, none for a partial one), got "
+                f"{len(got)}"
+            )
+            assert not wrong, (
+                f"{what} ({len(tokens)} tokens, block size {block_size}): key {wrong[0]} "
+                f"differs; each key is sha256(salt + the block's chained hash), the chained hash "
+                f"being hash_block_tokens(previous block's chained hash, the block's tokens), "
+                f"None before the first block"
+            )
 
 
 def _lru(host_blocks, disk_blocks, operations):
@@ -88,6 +112,50 @@ def _lru(host_blocks, disk_blocks, operations):
         [k.decode() for k in store.tiers[0].keys()],
         [k.decode() for k in store.tiers[1].keys()],
     )
+
+
+def _lru_written(host_blocks, disk_blocks, operations, *, refresh=True, promote=True,
+                 move=True):  # fmt: skip
+    """Two LRU lists written out (`_lru`). The common mistakes, switchable: `refresh=False` leaves
+    a host hit where it is, `promote=False` leaves a disk hit on disk, `move=False` puts a stored
+    key in host memory again without taking it out of its tier (two copies)."""
+    host, disk, found = [], [], []
+
+    def insert(key):
+        host.append(key)
+        if len(host) > host_blocks:
+            disk.append(host.pop(0))
+            if len(disk) > disk_blocks:
+                disk.pop(0)
+
+    for op, key in operations:
+        where = "host" if key in host else "disk" if key in disk else None
+        if op == "get":
+            found.append(where)
+            if (where == "host" and refresh) or (where == "disk" and promote):
+                (host if where == "host" else disk).remove(key)
+                insert(key)
+        else:
+            if where is not None and move:
+                (host if where == "host" else disk).remove(key)
+            insert(key)
+    return found, host, disk
+
+
+def _lru_mistakes(host_blocks, disk_blocks, operations) -> dict:
+    """two_tier_lru's common mistakes."""
+    args = (host_blocks, disk_blocks, operations)
+    return {
+        "a hit in host memory left where it was: a hit makes the block the newest": lambda: (
+            _lru_written(*args, refresh=False)
+        ),
+        "a hit on disk left on disk: it is promoted to host memory, as the newest": lambda: (
+            _lru_written(*args, promote=False)
+        ),
+        "a put of a stored key leaves the old copy: the key moves, one copy in one tier": lambda: (
+            _lru_written(*args, move=False)
+        ),
+    }
 
 
 def _random_lru_case(rng) -> tuple:
@@ -123,13 +191,14 @@ def test_two_tier_lru(submission: Submission) -> None:
             f"two_tier_lru should return (found, host_keys, disk_keys), got {got!r}"
         )
         got = (list(got[0]), list(got[1]), list(got[2]))
-        assert got == expected, (
-            f"{what}: host holds {host} blocks, disk {disk}, operations {operations}: expected "
-            f"found {expected[0]}, host {expected[1]}, disk {expected[2]} (least recently used "
-            f"first; a put or a hit makes a block the newest in host memory; host's oldest falls "
-            f"to disk, disk's oldest is dropped), got found {got[0]}, host {got[1]}, "
-            f"disk {got[2]}"
-        )
+        with naming_mistakes(got, _lru_mistakes(host, disk, operations), expected=expected):
+            assert got == expected, (
+                f"{what}: host holds {host} blocks, disk {disk}, operations {operations}: "
+                f"expected found {expected[0]}, host {expected[1]}, disk {expected[2]} (least "
+                f"recently used first; a put or a hit makes a block the newest in host memory; "
+                f"host's oldest falls to disk, disk's oldest is dropped), got found {got[0]}, "
+                f"host {got[1]}, disk {got[2]}"
+            )
 
 
 _FIELDS = (  # the config.json keys of L, d, I, H, H_kv, D (book/notation.md)

@@ -235,6 +235,24 @@ def _compacted(block_table, seq_len, pages, block_size) -> tuple[list[int], int]
     return tables[0].tolist(), int(lens[0])
 
 
+def _compaction_mistakes(block_table, seq_len, pages, block_size) -> dict:
+    """compact_table's common mistakes, the first from the chapter's pitfall 2 (b)."""
+    blocks = [block_table[p] for p in sorted(pages)]
+    full = (len(pages) - 1) * block_size
+    fill = seq_len - (math.ceil(seq_len / block_size) - 1) * block_size
+    return {
+        "the newest page counted full: it holds seq_len - (num_pages - 1) · block_size tokens": (
+            lambda: (blocks, full + block_size)
+        ),
+        "the newest page's fill as seq_len % block_size: a full newest page holds block_size, "
+        "not 0": lambda: (blocks, full + seq_len % block_size),
+        "the blocks in the order the pages were given: the table is in logical order": lambda: (
+            [block_table[p] for p in pages],
+            full + fill,
+        ),
+    }
+
+
 def _random_compaction_case(rng) -> tuple:
     block_size = int(rng.choice([1, 4, 16]))
     num_pages = int(rng.integers(1, 12))
@@ -270,15 +288,18 @@ def test_compact_table(submission: Submission) -> None:
             is_int,
             "compact_table's blocks should be a list of ints (physical block ids)",
         )
-        assert list(blocks) == expected[0], (
-            f"{what}: block table {table}, pages {pages}: expected the blocks {expected[0]} (the "
-            f"selected pages' physical blocks, in logical order), got {blocks}"
-        )
-        assert is_int(length) and length == expected[1], (
-            f"{what}: {seq_len} tokens in pages of {block_size}, pages {pages}: expected length "
-            f"{expected[1]} (every selected page full but the newest, which holds "
-            f"{seq_len - (math.ceil(seq_len / block_size) - 1) * block_size}), got {length!r}"
-        )
+        mistakes = _compaction_mistakes(table, seq_len, pages, block_size)
+        with naming_mistakes((list(blocks), length), mistakes, expected=expected):
+            assert list(blocks) == expected[0], (
+                f"{what}: block table {table}, pages {pages}: expected the blocks {expected[0]} "
+                f"(the selected pages' physical blocks, in logical order), got {blocks}"
+            )
+            assert is_int(length) and length == expected[1], (
+                f"{what}: {seq_len} tokens in pages of {block_size}, pages {pages}: expected "
+                f"length {expected[1]} (every selected page full but the newest, which holds "
+                f"{seq_len - (math.ceil(seq_len / block_size) - 1) * block_size}), got "
+                f"{length!r}"
+            )
 
 
 _DTYPES = {1: "int8", 2: "bfloat16", 4: "float32"}

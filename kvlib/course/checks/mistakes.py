@@ -15,14 +15,18 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 
 Mistakes = Mapping[str, Callable[[], object]]  # the mistake, in words -> the answer it gives
+_NO_ANSWER = object()
 
 
-def matching_mistake(got, mistakes: Mistakes, *, rtol: float = 1e-6, atol: float = 1e-9):
+def matching_mistake(got, mistakes: Mistakes, *, rtol: float = 1e-6, atol: float = 1e-9,
+                     expected=_NO_ANSWER):  # fmt: skip
     """The description of the first mistake in `mistakes` whose answer equals `got`, or None.
 
     Arrays and tensors match when they have the same shape and agree within `rtol`/`atol`;
-    ints, lists and tuples match when equal (a numpy integer equals the same int). A mistake whose
-    answer cannot be computed for these inputs is skipped.
+    ints, lists and tuples match when equal (a numpy integer equals the same int), dicts when
+    their keys and values do. A mistake whose answer cannot be computed for these inputs is
+    skipped, and so is one whose answer equals `expected` (the right answer, where given): on
+    these inputs it is no mistake.
     """
     for description, answer in mistakes.items():
         try:
@@ -30,15 +34,18 @@ def matching_mistake(got, mistakes: Mistakes, *, rtol: float = 1e-6, atol: float
                 value = answer()
         except Exception:  # noqa: BLE001 - a mistake that does not apply to these inputs
             continue
+        if expected is not _NO_ANSWER and _equal(expected, value, rtol, atol):
+            continue
         if _equal(got, value, rtol, atol):
             return description
     return None
 
 
 @contextlib.contextmanager
-def naming_mistakes(got, mistakes: Mistakes, **tolerance) -> Iterator[None]:
+def naming_mistakes(got, mistakes: Mistakes, **options) -> Iterator[None]:
     """Run a check's assertions on `got`; when one fails, and `got` equals the answer of one of
-    `mistakes`, the failure's message starts with that mistake, in words.
+    `mistakes`, the failure's message starts with that mistake, in words. `options`:
+    `matching_mistake`'s tolerance and `expected`.
 
     Raises:
         AssertionError: the check's own, its message extended (never a new failure).
@@ -46,7 +53,7 @@ def naming_mistakes(got, mistakes: Mistakes, **tolerance) -> Iterator[None]:
     try:
         yield
     except AssertionError as exc:
-        description = matching_mistake(got, mistakes, **tolerance)
+        description = matching_mistake(got, mistakes, **options)
         if description is None:
             raise
         message = f"your answer matches a common mistake: {description}. {exc}"
@@ -54,6 +61,12 @@ def naming_mistakes(got, mistakes: Mistakes, **tolerance) -> Iterator[None]:
 
 
 def _equal(got, value, rtol: float, atol: float) -> bool:
+    if isinstance(value, Mapping):
+        return (
+            isinstance(got, Mapping)
+            and got.keys() == value.keys()
+            and all(_equal(got[k], v, rtol, atol) for k, v in value.items())
+        )
     if isinstance(value, (tuple, list)):
         return (
             isinstance(got, (tuple, list))
