@@ -101,9 +101,11 @@ def _cells(path: Path) -> list[dict]:
 
 
 def prose_words(path: Path) -> int:
-    """Words in the notebook's Markdown cells, its generated header left out."""
+    """Words in the notebook's Markdown cells, its generated header left out; a formula
+    (`$...$` or `$$...$$`) counts as one word, not one per TeX macro."""
     text = " ".join("".join(c["source"]) for c in _cells(path) if c["cell_type"] == "markdown")
     text = re.sub(re.escape(START) + ".*?" + re.escape(END), " ", text, flags=re.S)
+    text = re.sub(r"\$\$.+?\$\$|\$[^$\n]+\$", " formula ", text, flags=re.S)
     return len(re.findall(r"[\w'’-]+", text))
 
 
