@@ -312,6 +312,7 @@ class LlamaModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_weights: list | None = None,
         validate: bool = True,
+        logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for the T new tokens.
 
@@ -326,8 +327,12 @@ class LlamaModel(nn.Module):
                 (the "reference" backend only).
             validate: check that the ids are in the vocabulary (one host sync: `generate` does it
                 once for the prompts and then passes False for every decode step).
+            logits_indices: (m,) int64, the positions along T whose logits are wanted (a serving
+                engine's rows that sample this step: a prompt's last token, not its other
+                tokens); None: all T. The final norm and `lm_head`, a (d_model x V) product per
+                row, then run on m rows only (vLLM's `logits_indices`).
         Returns:
-            (B, T, V) logits in float32.
+            (B, T, V) logits in float32; (B, m, V) with `logits_indices`.
         Raises:
             ValueError, TypeError: ids out of range, wrong shapes, a mask of the wrong length.
         """
@@ -377,4 +382,6 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, mask, cache, backend, attention_weights)
         if cache is not None:
             cache.advance(t)
-        return self.lm_head(self.model.norm(x)).float()  # (B, T, V)
+        if logits_indices is not None:
+            x = x.index_select(1, logits_indices)  # (B, m, d_model)
+        return self.lm_head(self.model.norm(x)).float()  # (B, T or m, V)

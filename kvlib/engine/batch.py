@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from kvlib.cache.block_manager import BlockManager
-from kvlib.cache.paged import PagedCache, PagedKV
+from kvlib.cache.paged import PagedCache, PagedKV, gather_kv, paged_attention
 from kvlib.engine.request import Request
 from kvlib.engine.sampler import device_tensor
+from kvlib.ops.attention import grouped_attention
 
 __all__ = ["BatchKV", "KernelBatchKV", "ModelInput", "kernel_supports", "prepare_inputs"]
 
@@ -148,9 +149,24 @@ class BatchKV:
         the storage's paged attention and this step's mask (the model's own `mask`, for an
         unbatched causal row, does not apply), and flatten back."""
         n, h, d = len(self.batch.seq_lens), q.shape[1], q.shape[-1]
-        grouped = q.new_zeros(n, h, self.max_query_len, d)
-        grouped[self.row_seq, :, self.row_token] = q[0].transpose(0, 1)
-        out = self.storage.attention_backend(grouped, kv, self.mask, weights_out=weights_out)
+        if self.max_query_len == 1:  # decode only: row i is sequence i's query
+            # (n, H, 1, D), copied so that every batch size runs the same operations (at n = 1
+            # the transpose alone is already contiguous)
+            grouped = q[0].transpose(0, 1)[:, :, None].clone()
+        else:
+            grouped = q.new_zeros(n, h, self.max_query_len, d)
+            grouped[self.row_seq, :, self.row_token] = q[0].transpose(0, 1)
+        backend = self.storage.attention_backend
+        if backend is paged_attention and weights_out is None:  # a plain paged cache
+            # the same attention without K/V repeated per query head (GQA's groups folded into
+            # the query rows): the reference repeats them, here the engine's every step
+            # (B, H_kv, S, D) made contiguous here, once, rather than inside the products
+            k, v = (t.contiguous() for t in gather_kv(kv))
+            out = grouped_attention(grouped, (k, v), self.mask)
+        else:
+            out = backend(grouped, kv, self.mask, weights_out=weights_out)
+        if self.max_query_len == 1:
+            return out[:, :, 0].transpose(0, 1)[None]  # (1, H, n, D_v)
         return out[self.row_seq, :, self.row_token].transpose(0, 1)[None]
 
     def advance(self, num_tokens: int) -> None:

@@ -263,10 +263,10 @@ class ModelRunner:
             if staged is None:
                 return None
             batch = self.inputs.to_device(staged, self._previous_sampled)
-            logits = self.forward(batch)
+            logits = self.forward(batch, sample_only=len(params) != len(batch.input_ids))
             result = None
             if params:  # (a step of prefill chunks only samples nothing)
-                if len(params) != logits.shape[0]:
+                if len(params) != logits.shape[0]:  # a graph runner's logits: every row
                     logits = logits.index_select(0, batch.sample_indices)  # (m, V)
                 step = sample_step(logits, params, generators)
                 self._previous_sampled = step.token_ids
@@ -277,9 +277,11 @@ class ModelRunner:
             self.gpu_events.append((staged.max_query_len == 1, start, end))
         return result
 
-    def forward(self, batch: ModelInput) -> torch.Tensor:
+    def forward(self, batch: ModelInput, *, sample_only: bool = False) -> torch.Tensor:
         """The step's logits `(N, V)`: through the graph runner if it takes the step, else one
-        forward of the model over the flattened batch."""
+        forward of the model over the flattened batch. `sample_only`: that forward computes
+        the logits of the sampling rows only (`batch.sample_indices`: (m, V)), sparing the
+        vocabulary projection of every other prompt token (a graph runner's are (N, V))."""
         logits = self._graph_logits(batch)
         if logits is None:
             logits = self.model(
@@ -287,6 +289,7 @@ class ModelRunner:
                 cache=self._batch_kv(batch),
                 position_ids=batch.positions[None],
                 validate=False,  # the engine checked every prompt when it was added
+                logits_indices=batch.sample_indices if sample_only else None,
             )[0]
         return logits
 

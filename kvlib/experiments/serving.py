@@ -11,7 +11,6 @@ recorded seconds (the `recounted` column dates it).
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import csv
 import dataclasses
@@ -22,6 +21,7 @@ import platform
 import torch
 
 from kvlib.engine.workload import CONFIGS, WORKLOADS, engine_for, make_workload, run_workload
+from kvlib.experiments import options
 from kvlib.experiments.cli import write_rows
 
 
@@ -154,18 +154,19 @@ def _steps_path(out_csv: str) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="results/serving.csv")
-    parser.add_argument(
-        "--recount",
-        action="store_true",
-        help="rewrite the counted columns of the recording in --out, keeping its timings",
-    )
-    parser.add_argument(
-        "--recount-layers",
-        type=int,
-        default=None,
-        help="with --recount: run the models cut to their first N layers (see recount)",
+    parser = options.parser(
+        None,  # the usage names the script's file, as before
+        __doc__.split("\n")[0],
+        {
+            "--out": {"default": "results/serving.csv"},
+            "--recount": "rewrite the counted columns of the recording in --out, keeping its "
+            "timings",
+            "--recount-layers": {
+                "type": int,
+                "default": None,
+                "help": "with --recount: run the models cut to their first N layers (see recount)",
+            },
+        },
     )
     args = parser.parse_args(argv)
     if args.recount:
