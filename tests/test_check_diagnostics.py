@@ -58,6 +58,108 @@ def _grade(chapter: str, question: str, source: str | None, seed: int = 0, *,
 # (chapter, question, a mistaken answer, the hint its failure must carry)
 MISTAKES = [
     (
+        "08",
+        "streaming_keep",
+        """
+def streaming_keep(positions, budget, num_sinks):
+    if len(positions) <= budget:
+        return [True] * len(positions)
+    keep = [i < num_sinks for i, p in enumerate(positions)]
+    room = budget - sum(keep)
+    newest_first = sorted(range(len(positions)), key=lambda i: positions[i], reverse=True)
+    for i in newest_first:
+        if room <= 0:
+            break
+        if not keep[i]:
+            keep[i] = True
+            room -= 1
+    return keep
+""",
+        "the sinks taken as the first slots",
+    ),
+    (
+        "08",
+        "streaming_keep",
+        """
+def streaming_keep(positions, budget, num_sinks):
+    if len(positions) <= budget:
+        return [True] * len(positions)
+    keep = [p < num_sinks for i, p in enumerate(positions)]
+    room = budget - sum(keep)
+    newest_first = sorted(range(len(positions)), key=lambda i: i, reverse=True)
+    for i in newest_first:
+        if room <= 0:
+            break
+        if not keep[i]:
+            keep[i] = True
+            room -= 1
+    return keep
+""",
+        "the most recent tokens taken as the last slots",
+    ),
+    (
+        "08",
+        "streaming_keep",
+        """
+def streaming_keep(positions, budget, num_sinks):
+    if len(positions) <= budget:
+        return [True] * len(positions)
+    keep = [p < num_sinks for i, p in enumerate(positions)]
+    room = budget
+    newest_first = sorted(range(len(positions)), key=lambda i: positions[i], reverse=True)
+    for i in newest_first:
+        if room <= 0:
+            break
+        if not keep[i]:
+            keep[i] = True
+            room -= 1
+    return keep
+""",
+        "the window given the whole budget",
+    ),
+    (
+        "10",
+        "quantize_int4",
+        """
+def quantize_int4(x):
+    zero = x.amin(dim=1, keepdim=True)
+    scale = (x.amax(dim=1, keepdim=True) - zero) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((x - zero) / scale).round().clamp(0, 15).to(torch.uint8)
+    packed = (q[:, 0::2] << 4) | q[:, 1::2]
+    return packed, scale, zero
+""",
+        "packed high nibble first",
+    ),
+    (
+        "10",
+        "quantize_int4",
+        """
+def quantize_int4(x):
+    zero = x.amin(dim=1, keepdim=True)
+    scale = (x.amax(dim=1, keepdim=True) - zero) / 16
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((x - zero) / scale).round().clamp(0, 15).to(torch.uint8)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return packed, scale, zero
+""",
+        "scale = (max - min) / 16",
+    ),
+    (
+        "10",
+        "quantize_int4",
+        """
+def quantize_int4(x):
+    zero = x.amin(dim=1, keepdim=True)
+    scale = (x.amax(dim=1, keepdim=True) - zero) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((x - zero) / scale).floor().clamp(0, 15).to(torch.uint8)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return packed, scale, zero
+""",
+        "truncated (floor)",
+    ),
+    (
         "01",
         "stable_softmax",
         """

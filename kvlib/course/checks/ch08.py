@@ -26,6 +26,43 @@ def _streaming_keep(positions, budget, num_sinks):
     return keep
 
 
+def _streaming_variant(positions, budget, num_sinks, *, sinks_by_slot=False,
+                       recent_by_slot=False, window_is_budget=False):  # fmt: skip
+    """StreamingLLM's keep mask written out, with its common mistakes switchable: the sinks taken
+    as the first `num_sinks` slots rather than the tokens at positions below `num_sinks` (wrong
+    once earlier evictions left the slots out of order); the recent tokens taken as the last
+    slots rather than the highest positions; the window given the whole budget, the sinks kept
+    on top of it (chapter 8's pitfall: the budget counts the sinks)."""
+    n = len(positions)
+    if n <= budget:
+        return [True] * n
+    if sinks_by_slot:
+        sinks = set(range(min(num_sinks, n)))
+    else:
+        sinks = {i for i, p in enumerate(positions) if p < num_sinks}
+    window = budget if window_is_budget else budget - len(sinks)
+    rest = [i for i in range(n) if i not in sinks]
+    rest.sort(key=(lambda i: i) if recent_by_slot else (lambda i: positions[i]), reverse=True)
+    kept = sinks | set(rest[: max(window, 0)])
+    return [i in kept for i in range(n)]
+
+
+def _streaming_mistakes(positions, budget, num_sinks) -> dict:
+    """streaming_keep's common mistakes."""
+    args = (positions, budget, num_sinks)
+    return {
+        "the sinks taken as the first slots, not the positions below num_sinks (after an "
+        "eviction the slots are no longer in position order)": (
+            lambda: _streaming_variant(*args, sinks_by_slot=True)
+        ),
+        "the most recent tokens taken as the last slots, not the highest positions": (
+            lambda: _streaming_variant(*args, recent_by_slot=True)
+        ),
+        "the window given the whole budget and the sinks kept on top (the budget counts the "
+        "sinks)": lambda: _streaming_variant(*args, window_is_budget=True),
+    }
+
+
 @question(function="streaming_keep")
 def test_streaming_keep(submission: Submission) -> None:
     streaming_keep = submission.function("streaming_keep")
@@ -58,11 +95,13 @@ def test_streaming_keep(submission: Submission) -> None:
             lambda x: isinstance(x, bool),
             "streaming_keep should return a list of bools, one per position",
         )
-        assert got == expected, (
-            f"{what} (positions {positions}): expected keep mask {expected}, got {got} (keep "
-            "every token whose position is below num_sinks, then the most recent tokens up to the "
-            "budget; everything when the budget is not exceeded)"
-        )
+        mistakes = _streaming_mistakes(positions, budget, num_sinks)
+        with naming_mistakes(got, mistakes, expected=expected):
+            assert got == expected, (
+                f"{what} (positions {positions}): expected keep mask {expected}, got {got} (keep "
+                "every token whose position is below num_sinks, then the most recent tokens up "
+                "to the budget; everything when the budget is not exceeded)"
+            )
 
 
 def _h2o_update(scores, weights):

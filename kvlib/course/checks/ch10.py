@@ -64,25 +64,60 @@ def test_quantize_int4(submission: Submission) -> None:
         )
         levels = unpack_bits(packed, 4).float()
         x_hat = levels * scale + zero
-        low = x.amin(dim=1, keepdim=True)
-        assert (zero - low).abs().max() <= 1e-6 * (1 + low.abs().max()), (
-            f"{what}: asymmetric: zero = the row's minimum (x̂ = scale · q + zero), got zero "
-            f"{zero[:3, 0].tolist()} for minima {low[:3, 0].tolist()}"
-        )
-        error = (x - x_hat).abs()
-        allowed = scale / 2 + 1e-5 * (x.abs() + zero.abs() + 1)
-        assert torch.isfinite(x_hat).all() and (error <= allowed).all(), (
-            f"{what}: unpacking low nibble first (the first code of each pair in bits 0-3) and "
-            "computing scale · q + zero should be within scale / 2 of x; the largest error was "
-            f"{float(error.max()):.3g} (check the nibble order, the rounding, and scale = "
-            "(max - min) / 15)"
-        )
-        span = x.amax(dim=1) - x.amin(dim=1)
-        varied = span > 0
-        assert (levels[varied].amax(dim=1) == 15).all(), (
-            f"{what}: each row's maximum should get code 15 (scale = (max - min) / 15 uses all "
-            "16 levels)"
-        )
+        named = naming_mistakes(x_hat, _int4_mistakes(x), rtol=1e-5, atol=1e-5,
+                                expected=_int4_variant(x))  # fmt: skip
+        with named:
+            _check_int4_values(x, x_hat, levels, scale, zero, what)
+
+
+def _int4_variant(x, *, levels=15, rounding=torch.round, high_nibble_first=False):
+    """x (N, D) quantized to 4 bits per row (zero = the row's minimum) and dequantized: the right
+    answer, or one of `_int4_mistakes`' (a row of range 0 gets scale 1, codes 0)."""
+    low = x.amin(dim=1, keepdim=True)
+    span = x.amax(dim=1, keepdim=True) - low
+    scale = torch.where(span > 0, span / levels, torch.ones_like(span))
+    codes = rounding((x - low) / scale).clamp(0, 15)
+    if high_nibble_first:  # the pair's first code in bits 4-7: unpacked low-first, swapped
+        codes = codes.view(x.shape[0], -1, 2).flip(-1).reshape(x.shape)
+    return codes * scale + low
+
+
+def _int4_mistakes(x) -> dict:
+    """quantize_int4's common mistakes, as the dequantized values they give."""
+    return {
+        "the codes packed high nibble first (the first of each pair belongs in bits 0-3)": (
+            lambda: _int4_variant(x, high_nibble_first=True)
+        ),
+        "scale = (max - min) / 16: 4 bits give 16 codes but 15 steps between them": (
+            lambda: _int4_variant(x, levels=16)
+        ),
+        "the codes truncated (floor) instead of rounded to the nearest": (
+            lambda: _int4_variant(x, rounding=torch.floor)
+        ),
+    }
+
+
+def _check_int4_values(x, x_hat, levels, scale, zero, what) -> None:
+    """The dequantized values' checks (zero, error within scale / 2, all 16 levels used)."""
+    low = x.amin(dim=1, keepdim=True)
+    assert (zero - low).abs().max() <= 1e-6 * (1 + low.abs().max()), (
+        f"{what}: asymmetric: zero = the row's minimum (x̂ = scale · q + zero), got zero "
+        f"{zero[:3, 0].tolist()} for minima {low[:3, 0].tolist()}"
+    )
+    error = (x - x_hat).abs()
+    allowed = scale / 2 + 1e-5 * (x.abs() + zero.abs() + 1)
+    assert torch.isfinite(x_hat).all() and (error <= allowed).all(), (
+        f"{what}: unpacking low nibble first (the first code of each pair in bits 0-3) and "
+        "computing scale · q + zero should be within scale / 2 of x; the largest error was "
+        f"{float(error.max()):.3g} (check the nibble order, the rounding, and scale = "
+        "(max - min) / 15)"
+    )
+    span = x.amax(dim=1) - x.amin(dim=1)
+    varied = span > 0
+    assert (levels[varied].amax(dim=1) == 15).all(), (
+        f"{what}: each row's maximum should get code 15 (scale = (max - min) / 15 uses all "
+        "16 levels)"
+    )
 
 
 def _keys(seed: int, drawn, fixed: bool = True) -> list[tuple[torch.Tensor, int, str]]:
