@@ -176,7 +176,9 @@ def run_code_cells(path: str, *, tags: set[str] | None = None) -> int:
             # register the source, as IPython does, so inspect (and @triton.jit) can read it
             linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
             try:
-                exec(compile(source, filename, "exec"), namespace)
+                # dont_inherit: this module's `from __future__ import annotations` must not turn
+                # the cells' annotations into strings (a kernel's `tl.constexpr` is read as one)
+                exec(compile(source, filename, "exec", dont_inherit=True), namespace)
             except Exception as error:
                 error.add_note(f"in {notebook_path} cell {number}")
                 raise
