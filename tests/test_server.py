@@ -801,3 +801,77 @@ def test_a_lone_surrogate_is_a_400_naming_the_field_and_keeps_the_connection(mod
             assert not response.will_close and connection.sock is (socket or connection.sock)
             socket = connection.sock
         connection.close()
+
+
+def test_smollm2_min_tokens_is_its_longest_token_and_a_lower_bound(smol_tokenizer):
+    """`min_tokens` divides a text's UTF-8 bytes by the longest token's bytes (81: a newline and
+    80 spaces), read from the vocabulary; no text tokenizes into fewer tokens, the texts made of
+    SmolLM2's longest tokens included (where the bound is tight)."""
+    from kvlib.serve.logprobs import token_bytes
+
+    size = smol_tokenizer.backend.get_vocab_size()
+    longest = max(len(token_bytes(smol_tokenizer, i)) for i in range(size))
+    assert smol_tokenizer.max_token_bytes == longest == 81
+    tight = "\n" + " " * 80
+    assert len(smol_tokenizer.encode(tight)) == smol_tokenizer.min_tokens(tight) == 1
+
+    pieces = st.sampled_from(["#" * 80, "\n" + " " * 80, " =" * 33, "<|im_start|>", "é", "1", " a"])
+    texts = st.one_of(st.text(max_size=400), st.lists(pieces, max_size=40).map("".join))
+
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(texts)
+    def bound_holds(text):
+        assert smol_tokenizer.min_tokens(text) <= len(smol_tokenizer.encode(text)), text
+
+    bound_holds()
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(model, smol_tokenizer):
+    """A text whose bytes alone need more tokens than the context holds is a 400
+    (context_length_exceeded) from its length bound: the tokenizer is never called with it (before,
+    every text up to the 2 MiB body limit was tokenized first, about 0.7 s per MB here); a text
+    within the bound is tokenized and checked exactly as before."""
+
+    class Counting:
+        def __init__(self, tokenizer):
+            self.tokenizer, self.texts = tokenizer, []
+            self.chat_template = tokenizer.chat_template
+            self.eos_token_id, self.min_tokens = tokenizer.eos_token_id, tokenizer.min_tokens
+
+        def encode(self, text):
+            self.texts.append(text)
+            return [i % 128 for i in self.tokenizer.encode(text)]  # course-model ids
+
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            return self.encode(self.tokenizer.render_chat(messages, add_generation_prompt))
+
+        def decode(self, ids, *, skip_special_tokens=False):
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    tokenizer = Counting(smol_tokenizer)
+    chat = ServedModel("smollm2", model, tokenizer, (smol_tokenizer.eos_token_id,), 1024)
+    long = "#" * (81 * 512)  # 512 tokens at the least: no room in 512 for a completion token
+    with serving(chat) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        for call in (
+            lambda: client.completions.create(model="smollm2", prompt=long),
+            lambda: client.completions.create(model="smollm2", prompt=["hi", long]),
+            lambda: client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": long}]
+            ),
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                call()
+            error = refused.value.body
+            assert error["code"] == "context_length_exceeded", error
+            assert "at least 512 tokens (not tokenized)" in error["message"], error
+        assert long not in tokenizer.texts and not any(long in t for t in tokenizer.texts)
+        near = "#" * (81 * 10)  # at least 10 tokens by the bound; more in fact
+        n = len(smol_tokenizer.encode(near))
+        with pytest.raises(openai.BadRequestError) as exact:
+            client.completions.create(model="smollm2", prompt=near, max_tokens=502)
+        assert near in tokenizer.texts  # tokenized: the bound (10 + 502 <= 512) let it through
+        assert (
+            n + 502 > 512
+            and f"needs {n} prompt tokens + 502 completion" in exact.value.body["message"]
+        )

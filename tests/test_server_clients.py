@@ -201,7 +201,8 @@ class SlowTokenizer(CourseTokenizer):
 @pytest.mark.timeout(120)
 def test_a_huge_prompt_stalls_no_other_stream_and_a_huge_body_is_a_413(model):
     """Tokenization runs off the event loop (before: a 9.6 MB prompt stalled every stream for
-    7.3 s), and a body over the limit is refused at once, the connection kept."""
+    7.3 s), a prompt whose length bound exceeds the context is refused without being tokenized,
+    and a body over the limit is refused at once, the connection kept."""
     slow = ServedModel("course", model, SlowTokenizer(), (), 1024)
     engine = LLMEngine(model, **{**ENGINE, "max_model_len": 512})
     app = create_app(slow, engine, max_body_bytes=2**20)
@@ -224,13 +225,22 @@ def test_a_huge_prompt_stalls_no_other_stream_and_a_huge_body_is_a_413(model):
         while not gaps:
             time.sleep(0.01)
         start = time.perf_counter()
-        huge = post(server, "/completions", dict(model="course", prompt="k1 " * 300_000))
+        long = ("k1" + " " * 40) * 400  # 16,800 characters, 400 tokens: fits, tokenized slowly
+        fits = post(server, "/completions", dict(model="course", prompt=long, max_tokens=2))
         slow_s = time.perf_counter() - start
         window = len(gaps)
+        start = time.perf_counter()
+        huge = post(server, "/completions", dict(model="course", prompt="k1 " * 300_000))
+        refused_s = time.perf_counter() - start
         stop.set()
-        assert huge.status_code == 400 and "context length" in huge.json()["error"]["message"]
+        assert fits.status_code == 200, fits.text
         assert slow_s >= SlowTokenizer.SLOW_S and window > 10, (slow_s, window)
         assert max(gaps[:window]) < SlowTokenizer.SLOW_S / 2, max(gaps[:window])
+        # 300,000 words cannot fit 512 tokens: refused from its length bound, never tokenized
+        error = huge.json()["error"]
+        assert huge.status_code == 400 and error["code"] == "context_length_exceeded", error
+        assert "at least 300000 tokens (not tokenized)" in error["message"], error
+        assert refused_s < SlowTokenizer.SLOW_S, refused_s
         reader.join()
         connection = http.client.HTTPConnection(server.host, server.port, timeout=30)
         body = json.dumps(dict(model="course", prompt="k1 " * 400_000)).encode()  # 1.2 MB

@@ -35,6 +35,7 @@ __all__ = [
     "gguf_config",
     "load_gguf_checkpoint",
     "load_gguf_tokenizer",
+    "longest_token_bytes",
     "open_gguf",
     "undo_qk_permutation",
 ]
@@ -185,13 +186,27 @@ class GGUFTokenizer:
     """A GGUF file's tokenizer: byte-level BPE (the `tokenizers` library) and its chat template.
 
     `encode(text) -> list[int]` (no BOS/EOS added), `decode(ids) -> str`,
-    `apply_chat_template(messages, add_generation_prompt=True) -> list[int]`.
+    `apply_chat_template(messages, add_generation_prompt=True) -> list[int]`,
+    `min_tokens(text) -> int` (a lower bound on `len(encode(text))`, computed without tokenizing).
     """
 
     backend: object  # tokenizers.Tokenizer
     chat_template: str | None
     bos_token_id: int
     eos_token_id: int
+    max_token_bytes: int = 0  # the longest token's text in UTF-8 bytes; 0: read from the vocabulary
+
+    def __post_init__(self):
+        if self.max_token_bytes == 0:
+            self.max_token_bytes = longest_token_bytes(self.backend)
+
+    def min_tokens(self, text: str) -> int:
+        """At least this many tokens encode `text`: no token's text is longer than
+        `max_token_bytes` UTF-8 bytes and this tokenizer normalizes nothing, so
+        ceil(bytes / max_token_bytes) (SmolLM2: 81 bytes, a newline and 80 spaces). Loose (English
+        prose averages about 4 bytes a token) but sound, and free next to tokenizing: the server
+        refuses a prompt that cannot fit the context before spending its time on it."""
+        return -(-len(text.encode("utf-8", "surrogatepass")) // self.max_token_bytes)
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
@@ -216,6 +231,23 @@ class GGUFTokenizer:
         self, messages: list[dict], add_generation_prompt: bool = True
     ) -> list[int]:
         return self.encode(self.render_chat(messages, add_generation_prompt))
+
+
+def longest_token_bytes(backend) -> int:
+    """The longest token's text in UTF-8 bytes, over a `tokenizers.Tokenizer`'s vocabulary, added
+    tokens included: a byte-level token's characters stand for one byte each (GPT-2's byte
+    alphabet), an added token (`<|im_start|>`) is its own text.
+
+    Raises:
+        ValueError: a tokenizer that normalizes its input (the bound would not hold).
+    """
+    if backend.normalizer is not None:
+        raise ValueError("backend: a tokenizer with a normalizer; min_tokens assumes none")
+    added = {token.content for token in backend.get_added_tokens_decoder().values()}
+    return max(
+        len(token.encode("utf-8")) if token in added else len(token)
+        for token in backend.get_vocab(with_added_tokens=True)
+    )
 
 
 def load_gguf_tokenizer(path) -> GGUFTokenizer:

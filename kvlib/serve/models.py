@@ -43,6 +43,11 @@ class CourseTokenizer:
             ids.append(self.ids[word])
         return ids
 
+    def min_tokens(self, text: str) -> int:
+        """How many tokens `encode(text)` returns at least, without looking the words up: its
+        words (exact; the server checks a prompt's length with it before tokenizing)."""
+        return len(text.split())
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """The names joined with spaces; the course vocabulary has no special tokens to skip
         (PAD and BOS are words of its text like any other)."""

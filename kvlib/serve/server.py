@@ -135,7 +135,9 @@ def create_app(
         _check_body(body, served)
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of: only best_of == n is supported", param="best_of")
-        prompts = await asyncio.to_thread(_prompt_token_ids, body.prompt, served)
+        completion = 1 if body.max_tokens is None else body.max_tokens
+        limit = engine.config.max_model_len
+        prompts = await asyncio.to_thread(_prompt_token_ids, body.prompt, served, limit, completion)
         job = Job(app, engine, body, prompts, body.max_tokens, "prompt", body.logprobs)
         return await job.respond(request)
 
@@ -148,8 +150,10 @@ def create_app(
                 400, f"messages: model {served.name!r} has no chat template", param="messages"
             )
         messages = [m.for_template() for m in body.messages]
-        prompt = await asyncio.to_thread(_chat_token_ids, messages, served)
         max_tokens = body.max_completion_tokens or body.max_tokens
+        contents = "".join(m["content"] or "" for m in messages)  # the template only adds text
+        _check_length(contents, served, engine.config.max_model_len, max_tokens or 1, "messages")
+        prompt = await asyncio.to_thread(_chat_token_ids, messages, served)
         job = Job(app, engine, body, [prompt], max_tokens, "messages", None)
         return await job.respond(request)
 
@@ -228,8 +232,26 @@ def _check_model(name: str, served: ServedModel) -> None:
         )
 
 
-def _prompt_token_ids(prompt, served: ServedModel) -> list[list[int]]:
-    """A completion's prompt (text, ids, or a list of either) as lists of token ids."""
+def _check_length(text: str, served: ServedModel, limit: int, completion: int, field: str) -> None:
+    """Refuse a text whose tokens cannot fit the context with `completion` tokens after them,
+    before tokenizing it: the tokenizer's `min_tokens` is a lower bound on its token count, so
+    only a request that would fail anyway is refused (400, context_length_exceeded), at the cost
+    of counting its bytes instead of tokenizing up to the 2 MiB a body may hold."""
+    bound = getattr(served.tokenizer, "min_tokens", None)
+    at_least = bound(text) if bound is not None else 0
+    if at_least + completion > limit:
+        raise APIError(
+            400,
+            f"{field}: this model's maximum context length is {limit} tokens; the text alone is "
+            f"at least {at_least} tokens (not tokenized) + {completion} completion tokens",
+            param=field,
+            code="context_length_exceeded",
+        )
+
+
+def _prompt_token_ids(prompt, served: ServedModel, limit: int, completion: int) -> list[list[int]]:
+    """A completion's prompt (text, ids, or a list of either) as lists of token ids; a text that
+    cannot fit `limit` tokens with `completion` after it is refused before it is tokenized."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
@@ -237,6 +259,8 @@ def _prompt_token_ids(prompt, served: ServedModel) -> list[list[int]]:
     vocab = served.model.config.vocab_size
     prompts = []
     for item in prompt:
+        if isinstance(item, str):
+            _check_length(item, served, limit, completion, "prompt")
         try:
             ids = served.tokenizer.encode(item) if isinstance(item, str) else list(item)
         except ValueError as error:  # the course tokenizer's message names the field
