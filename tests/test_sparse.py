@@ -621,3 +621,25 @@ def test_sparse_long_shares_one_prefill(smollm2):
     with torch.no_grad():
         model(ids[:, -1:], cache=copy, validate=False)
     assert int(base.seq_lens[0]) == 40 and int(copy.seq_lens[0]) == 41
+
+
+@pytest.mark.recorded
+def test_recorded_sparse_long_spot_check_passkey_length(smollm2):
+    """results/sparse_long.csv: the full cache's passkey at the shortest recorded length (1,000
+    tokens of filler) recomputed: the same prompt length and the same answer (found or not)."""
+    import csv
+
+    from kvlib.course.recorded import recorded_file
+    from kvlib.experiments import sparse_long as L
+
+    model, tokenizer = smollm2
+    filler = min(L.PASSKEY_LENGTH_FILLERS)
+    length, found = L.full_cache_passkey(model, tokenizer, filler, L.passkey_key())
+    rows = [
+        r
+        for r in csv.DictReader(recorded_file("sparse_long.csv").open())
+        if r["task"] == "passkey_length"
+    ]
+    assert len(rows) == len(L.PASSKEY_LENGTH_FILLERS), rows
+    recorded = {int(r["x"]): int(r["value"]) for r in rows}
+    assert recorded.get(length) == found, (length, found, recorded)

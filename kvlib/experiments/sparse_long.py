@@ -8,8 +8,12 @@ pages of 16 tokens (3% and 12% of the context). Writes `results/sparse_long.csv`
 Two tasks, each from one dense prefill shared by every page selector (a sparse cache prefills
 densely, so its prefill is the same for all of them; each selector decodes from a copy):
 
-* **passkey**: chapter 8's prompt with about 3,900 tokens of filler, the key at depth 0.5, then
-  `PASSKEY_NEW_TOKENS` greedy tokens; one trial per policy (a demonstration, not a rate);
+* **passkey_length**: the full cache alone on chapter 8's passkey prompt (key at depth 0.5, one
+  key) with `PASSKEY_LENGTH_FILLERS` tokens of filler: how long a prompt SmolLM2-135M can find a
+  key in at all (a selector cannot find what the full cache misses);
+* **passkey**: that prompt with `LONG_PASSKEY_FILLER` tokens of filler (about 2,000 tokens, the
+  longest of those lengths the full cache passes), then `PASSKEY_NEW_TOKENS` greedy tokens; one
+  trial per policy (a demonstration, not a rate);
 * **text**: the first `TEXT_TOKENS` tokens of the course book's prose (`TEXT_FILES`), the last
   `TEXT_DECODE` fed one decode step at a time, teacher-forced; per position, the KL (nats) of
   the policy's next-token distribution from the full cache's, and whether their top-1 agree.
@@ -20,10 +24,9 @@ bytes read over the decode steps match each Quest budget's (`sparse_sweep.read_f
 dense layers counted for Quest only). Selectors: Quest with `SPARSE_DENSE_LAYERS` dense layers
 and with none, the oracle (true attention mass) and random pages.
 
-CPU, one thread: six prefills of about 4,000 tokens dominate (one dense per task, one per
-eviction run), then 10 and 48 decode steps per run. Not timed at full size yet: on a 2-core machine
-shared by eight jobs the first prefill had not finished after 15 minutes (about 12% of a core);
-the same code at 300 tokens ran its 22 runs in 3.3 minutes there.
+CPU, one thread: the prefills of 1,000 to 4,000 tokens dominate (the passkey lengths, one dense
+per task, one per eviction run), then 10 and 48 decode steps per run: about 14 minutes on one core
+of a 2-core machine.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from kvlib.experiments.cli import run
 
 LONG_BUDGETS = (8, 32)  # pages of 16 tokens per decode step
 LONG_DENSE_LAYERS = 2  # Quest's choice for its models
-LONG_PASSKEY_FILLER = 3900  # filler tokens: prompts of about 4,000 tokens
+PASSKEY_LENGTH_FILLERS = (1000, 2000, 3000, 3900)  # the full cache's passkey, prompt lengths
+LONG_PASSKEY_FILLER = 2000  # filler tokens: prompts of about 2,000 tokens
 LONG_PASSKEY_DEPTH = 0.5
 PASSKEY_NEW_TOKENS = 10
 TEXT_FILES = ("book/intro.md", "book/architecture.md")
@@ -140,12 +144,33 @@ def _chunked_prefill(model, cache, ids: torch.Tensor) -> torch.Tensor:
     return logits[0, -1]
 
 
+def passkey_key(seed: int = 0) -> int:
+    """The recording's pass key, a five-digit int drawn from `seed`."""
+    import numpy as np
+
+    return int(np.random.default_rng(seed).integers(10_000, 100_000))
+
+
+def full_cache_passkey(model, tokenizer, filler: int, key: int) -> tuple[int, int]:
+    """(prompt tokens, 1 if the full cache's `PASSKEY_NEW_TOKENS` greedy tokens contain `key`
+    else 0) for chapter 8's passkey prompt with `filler` tokens of filler, the key at
+    `LONG_PASSKEY_DEPTH`."""
+    from kvlib.experiments.sparse_sweep import sparse_factory
+    from kvlib.metrics.passkey import passkey_prompt
+
+    ids = torch.tensor([passkey_prompt(tokenizer, filler, LONG_PASSKEY_DEPTH, key)])
+    cache = sparse_factory("quest", None, 0)(model, 1, ids.shape[1] + PASSKEY_NEW_TOKENS)
+    with torch.no_grad():
+        first = model(ids, cache=cache)[0, -1]
+    answer = tokenizer.decode(_greedy(model, cache, first, PASSKEY_NEW_TOKENS))
+    return ids.shape[1], int(str(key) in answer)
+
+
 def sparse_long(out_csv: str, *, seed: int = 0) -> list[dict]:
     """The recording (see the module docstring): every row written to `out_csv` as it comes."""
     import csv
     import datetime
 
-    import numpy as np
     from tqdm import tqdm
 
     from kvlib.experiments.eviction_sweep import eviction_factory
@@ -160,7 +185,7 @@ def sparse_long(out_csv: str, *, seed: int = 0) -> list[dict]:
 
     model, tokenizer = load_smollm2()
     config = hf_config(model)
-    key = int(np.random.default_rng(seed).integers(10_000, 100_000))
+    key = passkey_key(seed)
     prompt = torch.tensor([passkey_prompt(tokenizer, LONG_PASSKEY_FILLER, LONG_PASSKEY_DEPTH, key)])
     text = long_text(tokenizer)
     start = TEXT_TOKENS - TEXT_DECODE
@@ -169,7 +194,9 @@ def sparse_long(out_csv: str, *, seed: int = 0) -> list[dict]:
         "text": list(range(start + 1, TEXT_TOKENS + 1)),
     }
     context = {"passkey": prompt.shape[1], "text": TEXT_TOKENS}
-    jobs = [(task, *run) for task in ("passkey", "text") for run in sparse_policies()]
+    context["passkey_length"] = None  # per row: each prompt's own length
+    jobs = [("passkey_length", "full", filler, 0) for filler in PASSKEY_LENGTH_FILLERS]
+    jobs += [(task, *run) for task in ("passkey", "text") for run in sparse_policies()]
     jobs += [
         (task, "evict", pages, LONG_DENSE_LAYERS) for task in lengths for pages in LONG_BUDGETS
     ]
@@ -186,7 +213,7 @@ def sparse_long(out_csv: str, *, seed: int = 0) -> list[dict]:
                     policy=policy,
                     budget="" if budget is None else budget,
                     dense_layers=dense,
-                    context=context[task],
+                    context=context[task] or x,
                     x=x,
                     metric=metric,
                     value=value,
@@ -200,6 +227,10 @@ def sparse_long(out_csv: str, *, seed: int = 0) -> list[dict]:
 
     with f:
         for task, policy, pages, dense in tqdm(jobs, desc="sparse long", unit="run"):
+            if task == "passkey_length":  # `pages` holds the filler length here
+                length, found = full_cache_passkey(model, tokenizer, pages, key)
+                emit(task, policy, None, 0, 1.0, [(length, "correct", found)])
+                continue
             ids = prompt if task == "passkey" else text[:, :start]
             if policy == "evict":
                 label = BEST_EVICTION[task]
