@@ -16,6 +16,23 @@ from kvlib.course.grading import chapter_of, chapter_questions, grade_notebook
 from kvlib.course.sandbox import _cell_code
 
 ROOT = Path(__file__).resolve().parents[1]
+# The grader's child hides kvlib in a mount namespace here (Linux, root, not turned off): an answer
+# that reaches for kvlib then fails where it first touches it, before the Python-level guard that
+# names the rule in other settings could
+ISOLATED = sys.platform == "linux" and os.geteuid() == 0 and os.environ.get(
+    "KVLIB_GRADE_ISOLATION") != "0"  # fmt: skip
+
+
+def names_the_rule(phrase: str, message: str) -> bool:
+    """Whether a failed answer's feedback names the rule `phrase`, or, in the mount namespace,
+    shows that the kvlib the answer reached for was not there."""
+    if phrase in message:
+        return True
+    hidden = ("is unavailable while your notebook is graded", "could not get source code",
+              f"No such file or directory: '{ROOT / 'kvlib'}")  # fmt: skip
+    return ISOLATED and any(h in message for h in hidden)
+
+
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
 EXERCISES = sorted((ROOT / "exercises").glob("[0-9][0-9]_*.ipynb"))
 TIMEOUT_S = 30
@@ -2685,7 +2702,9 @@ SOURCE_COPIES = [
 def test_kvlib_source_executed_again_stays_blocked(source, tmp_path):
     result, report = grade_answer("01_naive_vs_cached.ipynb", "stable_softmax", source, tmp_path)
     assert not result.passed, report.table()
-    assert "kvlib.ref.attention.softmax is unavailable" in result.message, report.table()
+    assert names_the_rule("kvlib.ref.attention.softmax is unavailable", result.message), (
+        report.table()
+    )
 
 
 def test_check_blocks_copies_of_kvlib_source_made_before_it(capsys):
@@ -2901,8 +2920,12 @@ def test_check_and_the_grader_agree_on_a_table_of_answers(tmp_path):
     line = [x for x in completed.stdout.splitlines() if x.startswith("VERDICTS")]
     assert line, completed.stdout[-2000:] + completed.stderr[-2000:]
     checked = json.loads(line[0].removeprefix("VERDICTS "))
+    if ISOLATED:  # the one place they part: a cell calling kvlib while the notebook loads
+        # (row 2's library demo) raises where kvlib is hidden, so its function is never defined
+        assert checked[2] and not graded[2]
+        checked[2] = False
     assert checked == graded, list(zip(AGREEMENT_TABLE, graded, checked))
-    assert graded == [True, True, True, False, False, False, False, True, False, False]
+    assert graded == [True, True, not ISOLATED, False, False, False, False, True, False, False]
 
 
 # Class 6: the tests cover what they claim. (notebook, question, answer, phrase)
@@ -3741,7 +3764,7 @@ def test_answers_get_the_verdict_they_deserve(group, tmp_path):
     for (label, _, phrase), result in zip(rows, results):
         if phrase is None and not result.passed:
             wrong.append(f"{label}: a valid answer failed: {result.message}")
-        elif phrase is not None and (result.passed or phrase not in result.message):
+        elif phrase is not None and (result.passed or not names_the_rule(phrase, result.message)):
             wrong.append(f"{label}: expected a failure naming {phrase!r}, got {result}")
     assert not wrong, "\n".join(wrong)
 
@@ -4028,3 +4051,14 @@ def test_check_holds_a_pool_forked_before_it_to_the_same_rules():
     )
     assert "❌ stable_softmax" in completed.stdout, completed.stdout + completed.stderr[-2000:]
     assert "kvlib.ref.attention.softmax is unavailable" in completed.stdout
+
+
+def test_without_the_namespace_the_python_guard_names_each_rule(tmp_path, monkeypatch):
+    """KVLIB_GRADE_ISOLATION=0 (as on macOS, Windows, or without root): kvlib stays visible and the
+    Python-level guard refuses the default-deny cheats, naming the kvlib function each reached."""
+    monkeypatch.setenv("KVLIB_GRADE_ISOLATION", "0")
+    rows = [(q, s, p) for n, q, s, p in DEFAULT_DENY if n == N01 and q == "stable_softmax"]
+    assert rows
+    results = grade_answers(N01, "stable_softmax", [s for _, s, _ in rows], tmp_path)
+    for (_, source, phrase), result in zip(rows, results):
+        assert not result.passed and phrase in result.message, (source, result)

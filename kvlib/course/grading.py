@@ -20,9 +20,9 @@ random cases are drawn afresh on every run from a seed the report prints (`--see
 `--seed -` reads it from standard input), and `check()` draws its own; arrays a rule forbids
 holding whole (chapter 4's K and V) stay in the grader's process, served a slice at a time and
 counted there. Where the grader runs as root on Linux (`kvlib.course.confine`) the child also runs
-as an unprivileged user (with KVLIB_GRADE_ISOLATION=1, in a mount namespace where kvlib holds
-only the helpers the questions allow, other processes are hidden and temporary files are a
-private tmpfs); it cannot create
+as an unprivileged user in a mount namespace where kvlib holds only the helpers the questions
+allow (KVLIB_GRADE_ISOLATION=0 turns it off), other processes are hidden and temporary files are a
+private tmpfs; it cannot create
 processes (seccomp); its peak memory is counted by the kernel in a cgroup of its own, over windows
 the grader opens and closes. Elsewhere the Python-level guard (`kvlib.course.guards`) keeps kvlib
 unavailable as a best effort, and memory is read from /proc or measured by the child itself; the

@@ -1,4 +1,4 @@
-"""kvlib out of the learner's sight (Linux, the grader root, KVLIB_GRADE_ISOLATION=1): the
+"""kvlib out of the learner's sight (Linux, the grader root, unless KVLIB_GRADE_ISOLATION=0): the
 grader's child enters a mount namespace of its own where kvlib's folders hold only a minimal
 package (`minimal_package`), /proc hides other processes and temporary folders are a private
 tmpfs (`isolate`). Source: mount_namespaces(7), mount(2), proc(5).
@@ -36,6 +36,20 @@ _MODULE_STUB = (
     "                           'graded: write it yourself')\n"
     "    return unavailable\n"
 )
+# chapter 11's first cell: Triton under its interpreter, without kvlib.kernels
+_REQUIRE_TRITON = (
+    "def require_triton(what, *, interpret=False):\n"
+    "    import os\n\n"
+    "    import torch\n\n"
+    "    if interpret or not torch.cuda.is_available():\n"
+    "        os.environ['TRITON_INTERPRET'] = '1'\n"
+    "    try:\n"
+    "        import triton  # noqa: F401\n"
+    "    except ImportError as error:\n"
+    "        raise RuntimeError(f'{what}: it needs Triton') from error\n"
+)
+# course helpers a notebook calls while it loads, whatever its questions allow
+ALWAYS_WRITTEN = {"kvlib.course.notebook.require_triton": _REQUIRE_TRITON}
 _GRADING_STUB = (
     "CHECKED_WHILE_GRADING = {}\n\n\n"
     "def check(question_id, function, **kwargs):  # the grader grades every question itself\n"
@@ -73,7 +87,9 @@ def _is_class(module: str, name: str) -> bool:
 def minimal_package(cells: list[str], allowed, kvlib_dir: str) -> dict[str, str]:
     """The files of the `kvlib` the learner's process sees ({path in the package: text}): for
     every name the notebook imports from kvlib, the function itself where a question allows it,
-    else a stub that raises when called; `check` and `show` silent. Nothing else of kvlib."""
+    else a stub that raises when called; `check` and `show` silent; `require_triton` reduced to
+    setting up Triton; any other kvlib module imports as one whose names raise when called.
+    Nothing else of kvlib."""
     import ast
 
     wanted: dict[str, set[str]] = {"course.grading": {"check", "show"}}
@@ -98,7 +114,9 @@ def minimal_package(cells: list[str], allowed, kvlib_dir: str) -> dict[str, str]
             names = names - {"check", "show"}
         for name in sorted(names):
             real, dotted = os.path.join(kvlib_dir, *parts) + ".py", f"kvlib.{module}.{name}"
-            if dotted in allowed and os.path.isfile(real):
+            if dotted in ALWAYS_WRITTEN:
+                body.append(ALWAYS_WRITTEN[dotted])
+            elif dotted in allowed and os.path.isfile(real):
                 body.append(_helper_source(real, name))
             else:
                 stub = _CLASS_STUB if _is_class(f"kvlib.{module}", name) else _STUB
@@ -107,6 +125,53 @@ def minimal_package(cells: list[str], allowed, kvlib_dir: str) -> dict[str, str]
             body.append(_MODULE_STUB.format(module="kvlib." + module))
         files["/".join(parts) + ".py"] = "\n\n".join(body)
     return files
+
+
+_UNAVAILABLE = "is unavailable while your notebook is graded: write it yourself"
+
+
+class UnavailableModules:
+    """A `sys.meta_path` finder, last in line: a kvlib module the minimal package lacks imports as
+    one whose every name raises when called, naming itself (instead of a ModuleNotFoundError that
+    does not say why)."""
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.machinery
+
+        if name.startswith("kvlib."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        def __getattr__(name):
+            if name.startswith("__"):  # __file__ and the like: its source is not here either
+                raise AttributeError(f"{module.__name__}.{name} {_UNAVAILABLE}")
+            return _unavailable(f"{module.__name__}.{name}")
+
+        module.__path__ = []
+        module.__getattr__ = __getattr__
+
+
+def _unavailable(dotted: str) -> type:
+    """A stand-in for kvlib's `dotted`, function or class alike: calling it raises, naming it;
+    its attributes (a method: `H2O.observe`), and an instance's made without calling it, are
+    stand-ins too."""
+
+    def attribute(owner, name):
+        if name.startswith("__"):
+            raise AttributeError(f"{dotted}.{name} {_UNAVAILABLE}")
+        return _unavailable(f"{dotted}.{name}")
+
+    class Unavailable(type):
+        def __call__(cls, *args, **kwargs):
+            raise RuntimeError(f"{dotted} {_UNAVAILABLE}")
+
+        __getattr__ = attribute
+
+    return Unavailable(dotted.rsplit(".", 1)[-1], (), {"__getattr__": attribute})
 
 
 def isolate(kvlib_dirs: list[str], files: dict[str, str], home: str | None, keep=()) -> str:
@@ -150,6 +215,9 @@ def isolate(kvlib_dirs: list[str], files: dict[str, str], home: str | None, keep
         os.makedirs(home, exist_ok=True)
         os.chown(home, *unprivileged_ids())
     mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "hidepid=2")
+    import sys
+
+    sys.meta_path.append(UnavailableModules())
     return (
         "kvlib hidden in a mount namespace (only the helpers the questions allow), /proc "
         "without other users' processes, a private tmpfs for temporary files"
