@@ -42,6 +42,7 @@ WHAT = {
     "smollm2_steps_gpu.csv": "SmolLM2's cached and uncached step times on a GPU",
     "sparse_bench.csv": "Quest's decode step against the dense kernel on a GPU",
     "sparse_sweep.csv": "sparse page selection's quality against pages read",
+    "sparse_long.csv": "sparse page selection at 2,000 and 4,096 tokens (passkey, prose KL)",
 }
 
 
