@@ -191,14 +191,6 @@ def isolate(kvlib_dirs: list[str], files: dict[str, str], home: str | None, keep
 
     _check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-    for folder in kvlib_dirs:
-        mount("tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=8m,mode=755")
-        for relative, text in files.items():
-            path = os.path.join(folder, relative)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w", encoding="utf-8") as file:
-                file.write(text)
-        mount(None, folder, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
     for folder in ("/tmp", "/var/tmp", "/dev/shm"):
         if not os.path.isdir(folder):
             continue
@@ -211,6 +203,18 @@ def isolate(kvlib_dirs: list[str], files: dict[str, str], home: str | None, keep
             mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND)
             mount(None, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID)
             os.close(fd)
+    # kvlib last: a folder of `keep` under /tmp comes back as a plain bind mount, without mounts
+    # made inside it before (a repository cloned under /tmp showed the real kvlib again)
+    for folder in kvlib_dirs:
+        if not os.path.isdir(folder):  # under a temporary folder not kept: already out of sight
+            continue
+        mount("tmpfs", folder, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=8m,mode=755")
+        for relative, text in files.items():
+            path = os.path.join(folder, relative)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as file:
+                file.write(text)
+        mount(None, folder, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
     if home is not None:
         os.makedirs(home, exist_ok=True)
         os.chown(home, *unprivileged_ids())
