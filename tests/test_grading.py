@@ -2669,7 +2669,8 @@ TWIN_ANSWERS = [
 
 
 # Class 3, kvlib's source executed again: compiled under another file name, or loaded from a copy
-# of its file, before the graded call or during it. (source, the copy's file or None)
+# of its file, before the graded call or during it. In the mount namespace the source is not there
+# to read; without it a copy is not matched (an instructor reading the notebook judges copying).
 _SOURCE = "open(__import__('kvlib.ref.attention').ref.attention.__file__).read()"
 SOURCE_COPIES = [
     "namespace = {}\n"  # at load time, exec under another name
@@ -2698,26 +2699,13 @@ SOURCE_COPIES = [
 ]
 
 
+@pytest.mark.skipif(not ISOLATED, reason="only the mount namespace hides kvlib's source files")
 @pytest.mark.parametrize("source", SOURCE_COPIES, ids=[f"copy-{i}" for i in range(5)])
 def test_kvlib_source_executed_again_stays_blocked(source, tmp_path):
     result, report = grade_answer("01_naive_vs_cached.ipynb", "stable_softmax", source, tmp_path)
     assert not result.passed, report.table()
     assert names_the_rule("kvlib.ref.attention.softmax is unavailable", result.message), (
         report.table()
-    )
-
-
-def test_check_blocks_copies_of_kvlib_source_made_before_it(capsys):
-    """check() in the notebook: a copy made in an earlier cell, under another file name, is
-    guarded when the check starts, as in the grader."""
-    from kvlib.course.grading import check
-
-    namespace: dict = {}
-    exec(SOURCE_COPIES[0], namespace)
-    assert check("stable_softmax", namespace["stable_softmax"]) is None  # the printed line says
-    out = capsys.readouterr().out
-    assert (
-        out.startswith("❌ stable_softmax") and "kvlib.ref.attention.softmax is unavailable" in out
     )
 
 
@@ -3183,8 +3171,9 @@ N01, N02, N03, N04 = ("01_naive_vs_cached.ipynb", "02_cache_in_a_transformer.ipy
 N05, N06, N08, N09 = "05_gqa_mqa.ipynb", "06_mla.ipynb", "08_eviction.ipynb", "09_compaction.ipynb"
 N13, N14 = "13_server.ipynb", "14_offload.ipynb"
 
-# Class 1: while a question is graded only the kvlib names it allows are available (default-deny),
-# and copies of kvlib's code are matched by content.
+# Class 1: while a question is graded only the kvlib names it allows are available (default-deny).
+# kvlib's code compiled again from its source (the exec'd rows) is refused by the mount namespace,
+# where kvlib's files are not there to read; without it a copy is the instructor's to judge.
 DEFAULT_DENY = [
     (N01, "cached_attention_step",
      "from kvlib.ref.attention import attention\n\n"
@@ -4055,10 +4044,15 @@ def test_check_holds_a_pool_forked_before_it_to_the_same_rules():
 
 def test_without_the_namespace_the_python_guard_names_each_rule(tmp_path, monkeypatch):
     """KVLIB_GRADE_ISOLATION=0 (as on macOS, Windows, or without root): kvlib stays visible and the
-    Python-level guard refuses the default-deny cheats, naming the kvlib function each reached."""
+    Python-level guard refuses the default-deny cheats that call kvlib, naming the function each
+    reached (a copy of kvlib's code compiled again is not matched there: copying is for an
+    instructor to judge, book/grader_guarantees.md)."""
     monkeypatch.setenv("KVLIB_GRADE_ISOLATION", "0")
-    rows = [(q, s, p) for n, q, s, p in DEFAULT_DENY if n == N01 and q == "stable_softmax"]
-    assert rows
-    results = grade_answers(N01, "stable_softmax", [s for _, s, _ in rows], tmp_path)
-    for (_, source, phrase), result in zip(rows, results):
-        assert not result.passed and phrase in result.message, (source, result)
+    rows = [(s, p) for n, q, s, p in DEFAULT_DENY if n == N01 and q == "cached_attention_step"]
+    assert len(rows) == 3
+    results = grade_answers(N01, "cached_attention_step", [s for s, _ in rows], tmp_path)
+    for (source, phrase), result in zip(rows, results):
+        if phrase is None:
+            assert result.passed, (source, result)
+        else:
+            assert not result.passed and phrase in result.message, (source, result)

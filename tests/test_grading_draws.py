@@ -21,7 +21,7 @@ DRAWS = 500
 class LocalSide:
     """The learner's side in this process: the sandbox's request handler, called directly."""
 
-    copies_sent, pid = True, None
+    pid = None
 
     def __init__(self, namespace: dict):
         self.namespace = namespace

@@ -259,7 +259,6 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
     from kvlib.course.wire import Channel, ChannelClosed
 
     channel = Channel(read_fd, write_fd, trusted=False)
-    copies_sent = False
     while True:
         try:
             frame = channel.recv()
@@ -277,14 +276,13 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
             channel.tell(("verdict", None, str(exc), 0))
             continue
         side = _PeerSide(channel, time.monotonic() + timeout_s)
-        side.timeout_s, side.copies_sent = timeout_s, copies_sent
+        side.timeout_s = timeout_s
         try:
             passed, message = run_question(q, side, [], int(seed))
         except (QuestionTimeout, ProcessEnded) as exc:
             with contextlib.suppress(Exception):
                 channel.tell(("verdict", False, str(exc), q.points))
             return
-        copies_sent = side.copies_sent
         channel.tell(("verdict", passed, message, q.points))
 
 

@@ -155,11 +155,9 @@ class _ChildSide:
         self.memory = _memory_of(self.process.pid)
         self.channel = Channel(to_grader_r, to_child_w, trusted=False)
         self._fds = (to_grader_r, to_child_w)
-        self.copies_sent = False
 
     def _start(self, skip: set[int]) -> int | None:
         """Start a child and load the notebook; the index of a cell that killed or hung it."""
-        from kvlib.course.guards import copy_table
         from kvlib.course.wire import ChannelClosed, ChannelTimeout, Unsolicited
 
         self._spawn()
@@ -169,8 +167,7 @@ class _ChildSide:
         self.confinement = str(self.request(confine)[1])
         # guards first (inactive until a graded call runs): whatever the notebook copies or
         # re-imports while it loads is a guarded function already
-        self.request(("guard", [], "", copy_table()))
-        self.copies_sent = True
+        self.request(("guard", [], ""))
         self.channel.tell(("load", self.cells, sorted(skip), self.names))
         for index in [i for i in range(len(self.cells)) if i not in skip]:
             try:

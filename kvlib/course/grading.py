@@ -229,11 +229,7 @@ def run_question(
     """Run `q`'s test against the learner's side `side`: (passed, message). The same function for
     check() and the grader, so their verdicts cannot differ. `seed`: the run's random cases;
     `binding`: the name of the function to grade, when not the question's own."""
-    from kvlib.course.guards import copy_table
-
-    copies = None if getattr(side, "copies_sent", False) else copy_table()
-    side.request(("guard", list(q.allowed), q.id, copies))
-    side.copies_sent = True
+    side.request(("guard", list(q.allowed), q.id))
     submission = Submission(side, q, errors, seed=seed, binding=binding, draws_only=draws_only)
     try:
         q.test(submission)

@@ -7,9 +7,9 @@ GradingError, unless the question allows it (`@question(allowed=...)`). Every fu
 imported kvlib module (and of each imported later: an import hook) is recompiled from its source
 with a first statement that calls the guard, held as a constant of the code.
 
-**Copies** of kvlib's code compiled again from its source are matched by content
-(`_fingerprint`) and guarded too: a best effort that the mount namespace (`kvlib.course.isolation`)
-makes moot where it applies; a copy retyped with a change is the learner's own code.
+A **copy** of kvlib's code (its source compiled again) is not matched: where the OS allows it
+the mount namespace (`kvlib.course.isolation`) hides kvlib's files from the learner's process, and
+copying code is for an instructor reading the notebook to judge, not the grader.
 
 **Processes.** The same audit hook refuses to create processes (`subprocess`, `os.system`,
 `os.fork`, `os.exec*`, `os.posix_spawn`, `os.spawn*`, `_posixsubprocess.fork_exec`), to signal
@@ -26,9 +26,6 @@ book/grader_guarantees.md for what the OS enforces where).
 from __future__ import annotations
 
 import ast
-import contextlib
-import functools
-import hashlib
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -37,7 +34,6 @@ import os
 import sys
 import types
 import warnings
-import zlib
 from pathlib import Path
 
 from kvlib.course import confine
@@ -123,8 +119,6 @@ def _unavailable(dotted: str) -> str:
 _LIBRARY: dict[int, types.CodeType] = {}  # id -> code of kvlib's library: callers let through
 _GUARDED: dict[str, dict] = {}  # file -> {(qualname, first line): guarded code}
 _GUARDED_IDS: set[int] = set()
-_COPIES: dict[tuple, dict[str, tuple[str, types.CodeType]]] = {}  # see _copy_of
-_FOREIGN: dict[tuple, dict[str, str]] = {}  # copy_table() of the grader: modules not imported here
 
 
 def _module_name(filename: str) -> str | None:
@@ -142,23 +136,10 @@ def _module_name(filename: str) -> str | None:
 
 
 class _Prologues(ast.NodeVisitor):
-    """Puts `_PLACEHOLDER("module.qualname")` first in every function (after its docstring);
-    `standalone` collects each function compiled on its own, before that, as a copy made from its
-    source would be (Python 3.11 compiles `np.max(...)` differently inside a module that imports
-    np): {(qualname, first line): code}."""
+    """Puts `_PLACEHOLDER("module.qualname")` first in every function (after its docstring)."""
 
-    def __init__(self, module: str, filename: str = "<kvlib>"):
-        self.module, self.filename, self.stack = module, filename, []
-        self.standalone: dict = {}
-
-    def _compile_alone(self, node) -> None:
-        with contextlib.suppress(SyntaxError, ValueError, TypeError):
-            unit = ast.Module(body=[node], type_ignores=[])
-            code = compile(unit, self.filename, "exec", dont_inherit=True)
-            for const in code.co_consts:
-                if isinstance(const, types.CodeType) and const.co_name == node.name:
-                    qualname = ".".join([*self.stack, node.name])
-                    self.standalone[(qualname, const.co_firstlineno)] = const
+    def __init__(self, module: str):
+        self.module, self.stack = module, []
 
     def visit_ClassDef(self, node):
         self.stack.append(node.name)
@@ -166,7 +147,6 @@ class _Prologues(ast.NodeVisitor):
         self.stack.pop()
 
     def visit_FunctionDef(self, node):
-        self._compile_alone(node)
         module_hook = not self.stack and node.name in ("__getattr__", "__dir__")
         if not module_hook:  # a module's lazy attribute lookup computes nothing
             dotted = ".".join([self.module, *self.stack, node.name])
@@ -220,9 +200,7 @@ def _guarded_codes(filename: str) -> dict:
     try:
         source = Path(filename).read_text(encoding="utf-8")
         tree = ast.parse(source, filename)
-        original = compile(tree, filename, "exec", dont_inherit=True)
-        prologues = _Prologues(module, filename)
-        prologues.visit(tree)
+        _Prologues(module).visit(tree)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "'str' object is not callable": the placeholder
             guarded = _bind(compile(tree, filename, "exec", dont_inherit=True))
@@ -235,124 +213,27 @@ def _guarded_codes(filename: str) -> dict:
         if any(c is _guard for c in code.co_consts):
             table[(code.co_qualname, code.co_firstlineno)] = code
             _GUARDED_IDS.add(id(code))
-    copies = [((code.co_qualname, code.co_firstlineno), code) for code in _walk(original)]
-    for key, code in [*copies, *prologues.standalone.items()]:
-        match = table.get(key)
-        if match is not None and _copy_key(code) is not None:
-            entry = (f"{module}.{key[0]}", match)
-            _COPIES.setdefault(_copy_key(code), {})[_fingerprint(code)] = entry
     return table
-
-
-def _fingerprint(code: types.CodeType) -> str:
-    """What a code object computes, whatever its name, file and lines: its bytecode, names,
-    local names, arguments and constants (nested code objects by their own fingerprints)."""
-    digest = hashlib.sha256()
-    parts = [
-        code.co_code,
-        code.co_names,
-        code.co_varnames,
-        code.co_freevars,
-        code.co_argcount,
-        code.co_kwonlyargcount,
-        code.co_flags & 0xFFFF,
-    ]  # fmt: skip (__future__ flags off)
-    parts += [_fingerprint(c) if isinstance(c, types.CodeType) else c for c in code.co_consts]
-    for part in parts:
-        digest.update(part if isinstance(part, bytes) else repr(part).encode())
-        digest.update(b"\0")
-    return digest.hexdigest()
-
-
-_COPY_MIN_BYTES = 100  # shorter code (`return self.shape[0]`) is anybody's: not matched as a copy
-
-
-def _copy_key(code: types.CodeType) -> tuple[int, int] | None:
-    if len(code.co_code) < _COPY_MIN_BYTES:
-        return None
-    return len(code.co_code), zlib.crc32(code.co_code)
-
-
-def _copy_of(code: types.CodeType) -> tuple[str, types.CodeType | None] | None:
-    """(dotted name, guarded code) of the kvlib function `code` is a copy of, or None; the code
-    is None for a function of a module this process has not imported."""
-    key = _copy_key(code)
-    if key is None or (key not in _COPIES and key not in _FOREIGN):
-        return None
-    fingerprint = _fingerprint(code)
-    match = _COPIES.get(key, {}).get(fingerprint)
-    if match is not None:
-        return match
-    dotted = _FOREIGN.get(key, {}).get(fingerprint)
-    return None if dotted is None else (dotted, None)
-
-
-@functools.lru_cache(maxsize=1)
-def copy_table() -> dict[tuple, dict[str, str]]:
-    """{(bytecode length, CRC-32): {fingerprint: dotted name}} of every function in kvlib's
-    library and check modules, imported or not (the grader sends it to the learner's side, which
-    then recognises a copy of a module it never imported)."""
-    table: dict = {}
-    for path in sorted(Path(_KVLIB_DIR).rglob("*.py")):
-        module = _module_name(str(path))
-        if module is None:
-            continue
-        with contextlib.suppress(OSError, SyntaxError, ValueError):
-            tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-            codes = list(_walk(compile(tree, str(path), "exec", dont_inherit=True)))[1:]
-            alone = _Prologues(module, str(path))
-            alone.visit(tree)  # (the prologues go into this parse only)
-            named = [(code.co_qualname, code) for code in codes]
-            named += [(qualname, code) for (qualname, _), code in alone.standalone.items()]
-            for qualname, code in named:
-                if _copy_key(code) is not None:
-                    entry = table.setdefault(_copy_key(code), {})
-                    entry[_fingerprint(code)] = f"{module}.{qualname}"
-    return table
-
-
-def _import_owner(dotted: str) -> None:
-    """Import the module that defines `dotted` and compile its guarded code (a copy of its
-    functions then finds them in _COPIES)."""
-    parts = dotted.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        with contextlib.suppress(ImportError):
-            module = importlib.import_module(".".join(parts[:split]))
-            _guarded_codes(getattr(module, "__file__", None) or "")
-            return
 
 
 def _guard_function(fn: types.FunctionType) -> None:
-    """Give `fn` its guarded code: kvlib's own functions by file and line, copies by content."""
+    """Give kvlib's function `fn` its guarded code (found by file, name and first line)."""
     code = fn.__code__
-    if (
-        id(code) in _GUARDED_IDS
-        or code.co_filename.startswith(_COURSE_DIR)
-        and not (code.co_filename.startswith(_CHECKS_DIR))
-    ):
-        return  # guarded already, or the grading machinery's own
-    if _module_name(code.co_filename) is not None:
-        guarded = _guarded_codes(code.co_filename).get((code.co_qualname, code.co_firstlineno))
-    else:
-        match = _copy_of(code)
-        if match is not None and match[1] is None:  # a copy of a module not imported here
-            _import_owner(match[0])
-            match = _copy_of(code)
-        guarded = None if match is None else match[1]
+    if id(code) in _GUARDED_IDS or _module_name(code.co_filename) is None:
+        return  # guarded already, or not kvlib's library or check code
+    guarded = _guarded_codes(code.co_filename).get((code.co_qualname, code.co_firstlineno))
     if guarded is not None and guarded.co_freevars == code.co_freevars:
         _ORIGINAL.setdefault(id(fn), (fn, code))
         fn.__code__ = guarded
 
 
-def install_guards(allowed: tuple[str, ...], question_id: str, copies: dict | None = None) -> None:
-    """Guard every kvlib function (and copy of one) in this process; while question
-    `question_id` is graded, the learner's code may call the kvlib functions `allowed` (dotted
-    names; a class allows its methods) and no other. `copies`: the grader's `copy_table()`."""
+def install_guards(allowed: tuple[str, ...], question_id: str) -> None:
+    """Guard every kvlib function in this process; while question `question_id` is graded, the
+    learner's code may call the kvlib functions `allowed` (dotted names; a class allows its
+    methods) and no other."""
     import gc
 
     _state.update(question=question_id, allowed=tuple(allowed), installed=True)
-    for key, entries in (copies or {}).items():
-        _FOREIGN.setdefault(key, {}).update(entries)
     _install_import_hook()
     _install_audit_hook()
     for obj in gc.get_objects():
@@ -424,16 +305,15 @@ def _install_import_hook() -> None:
         sys.meta_path.insert(0, _GuardingFinder())
 
 
-# --- the audit hook: copies of kvlib's code, processes --------------------------------------------
+# --- the audit hook: a guarded function's code, processes ----------------------------------------
 
-_CODE_EVENTS = frozenset({"exec", "function.__new__", "object.__setattr__"})
-_EVENTS = _CODE_EVENTS | confine.PROCESS_EVENTS | confine.CTYPES_EVENTS
+_EVENTS = {"object.__setattr__"} | confine.PROCESS_EVENTS | confine.CTYPES_EVENTS
 
 
 def _audit(event: str, args: tuple) -> None:
     if event not in _EVENTS:
         return
-    if event not in _CODE_EVENTS:
+    if event != "object.__setattr__":
         rules_apply = _state["always"] or _state["installed"] and graded_call_running()
         if confine.process_refused(event, args, rules_apply):
             raise GradingError(
@@ -441,22 +321,11 @@ def _audit(event: str, args: tuple) -> None:
                 "processes or using ctypes (threads are fine)"
             )
         return
-    if not (_state["installed"] and graded_call_running()):
+    if not (_state["installed"] and graded_call_running()) or len(args) < 3:
         return
-    if event == "object.__setattr__":
-        if len(args) < 3 or args[1] != "__code__":
-            return
-        if isinstance(args[0], types.FunctionType) and id(args[0].__code__) in _GUARDED_IDS:
+    if args[1] == "__code__" and type(args[0]) is types.FunctionType:
+        if id(args[0].__code__) in _GUARDED_IDS:
             raise GradingError("a guarded kvlib function's code cannot be replaced while graded")
-        code = args[2]
-    else:
-        code = args[0] if args else None
-    if not isinstance(code, types.CodeType) or _LIBRARY.get(id(code)) is code:
-        return
-    for nested in _walk(code):
-        match = _copy_of(nested)
-        if match is not None and not _allowed(match[0]):
-            raise GradingError(_unavailable(match[0]) + "; copies of its code included")
 
 
 def _install_audit_hook() -> None:

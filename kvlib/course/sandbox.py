@@ -208,8 +208,8 @@ def handle_request(request, namespace: dict, ask=None):
     if kind == "describe":
         return ("described", _describe(namespace, request[1], request[2]))
     if kind == "guard":
-        _, allowed, question_id, copies = request
-        install_guards(tuple(allowed), question_id, copies)
+        _, allowed, question_id = request
+        install_guards(tuple(allowed), question_id)
         return ("guarded",)
     if kind == "status":
         import threading
@@ -349,7 +349,7 @@ def child_main(read_fd: int, write_fd: int) -> None:
         os.chdir(folder)  # as Jupyter runs a notebook (imports still come from where they were)
     namespace: dict = {"__name__": "__main__"}
     request = channel.next_request()
-    if request[0] == "guard":  # guards first: whatever the notebook copies is guarded already
+    if request[0] == "guard":  # guards first: whatever the notebook imports is guarded already
         channel.answer(handle_request(request, namespace))
         request = channel.next_request()
     if request[0] == "load":
