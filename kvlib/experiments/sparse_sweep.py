@@ -157,7 +157,7 @@ def _task_rows(models, task, policy, budget, dense_layers) -> list[tuple]:
     from kvlib.experiments.eviction_sweep import eviction_factory
     from kvlib.experiments.sweep import EVICTION_CHUNK, EVICTION_PASSKEY_FILLER
     from kvlib.metrics.passkey import passkey_trial
-    from kvlib.metrics.recall import recall_by_distance, recall_fact_counts
+    from kvlib.metrics.recall import recall_hits
 
     course, smol, tokenizer, (essay, reference), passkeys = models
     if policy == "full":
@@ -166,12 +166,16 @@ def _task_rows(models, task, policy, budget, dense_layers) -> list[tuple]:
         factory = sparse_factory(policy, budget, dense_layers)
     else:
         factory = eviction_factory(policy, budget, snapkv_window=8 if task == "recall" else 32)
-    if task == "recall":
-        recall = recall_by_distance(course, cache_factory=factory)
-        facts = recall_fact_counts()
-        return [(d, "recall", r) for d, r in recall.items()] + [
-            (d, "facts", n) for d, n in facts.items()
-        ]
+    if task == "recall":  # per distance, then per document ("distance:index"), for a bootstrap
+        hits = recall_hits(course, cache_factory=factory)
+        rows = []
+        for d, docs in hits.items():
+            facts = sum(n for _, n in docs)
+            rows += [(d, "recall", sum(h for h, _ in docs) / facts), (d, "facts", facts)]
+        for d, docs in hits.items():
+            for i, (h, n) in enumerate(docs):
+                rows += [(f"{d}:{i}", "document_hits", h), (f"{d}:{i}", "document_facts", n)]
+        return rows
     if task == "passkey":
         rows = []
         for depth, key in passkeys.items():

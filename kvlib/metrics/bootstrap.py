@@ -9,9 +9,10 @@ Two cases recur in the course's quality measurements:
   for the two methods compared, so the interval is for their **difference** on the same text;
 - **items grouped in documents**: recall facts come several to a document, and a document that is
   hard for one fact is often hard for the others. `cluster_bootstrap` resamples whole documents
-  (clusters) and recomputes the pooled rate.
+  (clusters) and recomputes the pooled rate; `paired_cluster_bootstrap` resamples the same
+  documents for two caches measured on them, for the difference of their rates.
 
-Both are percentile intervals over `draws` resamples from a seeded generator: the same interval
+All are percentile intervals over `draws` resamples from a seeded generator: the same interval
 on every run.
 """
 
@@ -21,7 +22,7 @@ import numpy as np
 
 from kvlib._validate import check_positive_int
 
-__all__ = ["cluster_bootstrap", "paired_block_bootstrap"]
+__all__ = ["cluster_bootstrap", "paired_block_bootstrap", "paired_cluster_bootstrap"]
 
 
 def _check_level(level: float) -> float:
@@ -116,3 +117,49 @@ def cluster_bootstrap(
     tail = (1.0 - level) / 2 * 100
     low, high = np.percentile(rates, [tail, 100 - tail])
     return float(hits.sum() / total.sum()), float(low), float(high)
+
+
+def paired_cluster_bootstrap(
+    successes_a,
+    successes_b,
+    totals,
+    *,
+    draws: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """The difference of two pooled rates measured on the same clusters (documents), A minus B,
+    and its paired cluster bootstrap percentile interval: the same clusters resampled for both,
+    so what makes a document hard for both cancels (two unpaired intervals that overlap can still
+    be a resolved paired difference).
+
+    Args:
+        successes_a, successes_b: (C,) per cluster, e.g. facts recalled by two caches per document.
+        totals: (C,) per cluster, what both were asked; 0 <= successes <= totals, totals > 0.
+        draws, level, seed: as `paired_block_bootstrap`.
+    Returns:
+        (difference, low, high), in rate units (fractions).
+    Raises:
+        ValueError: arrays that are not 1-D of one length (at least 2 clusters), counts out of
+        range, a level outside (0, 1); TypeError, ValueError: draws not a positive int.
+    """
+    a = np.asarray(successes_a, dtype=np.float64)
+    b = np.asarray(successes_b, dtype=np.float64)
+    total = np.asarray(totals, dtype=np.float64)
+    if a.ndim != 1 or a.shape != b.shape or a.shape != total.shape or len(a) < 2:
+        raise ValueError(
+            f"successes_a, successes_b, totals: expected three 1-D arrays of one length >= 2, got "
+            f"shapes {a.shape}, {b.shape} and {total.shape}"
+        )
+    if (total <= 0).any() or (np.minimum(a, b) < 0).any() or (np.maximum(a, b) > total).any():
+        raise ValueError(
+            "successes_a, successes_b, totals: expected 0 <= successes <= totals and totals > 0"
+        )
+    draws = check_positive_int("draws", draws)
+    level = _check_level(level)
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(a), size=(draws, len(a)))
+    differences = (a[picks].sum(axis=1) - b[picks].sum(axis=1)) / total[picks].sum(axis=1)
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(differences, [tail, 100 - tail])
+    return float((a.sum() - b.sum()) / total.sum()), float(low), float(high)

@@ -1,6 +1,7 @@
-"""The course model's recall by distance (chapters 5, 6 and 8): a GET's value predicted from its
-SET `distance` tokens earlier, every document streamed through any cache
-(`kvlib.metrics.quality.streamed_logits`), and how many facts stand behind each distance's rate.
+"""The course model's recall by distance (chapters 5, 6, 8 and 15): a GET's value predicted from
+its SET `distance` tokens earlier, every document streamed through any cache
+(`kvlib.metrics.quality.streamed_logits`), per document (`recall_hits`) or pooled per distance,
+and how many facts stand behind each distance's rate.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ RECALL_DISTANCES = (8, 32, 64, 128, 192, 240)  # the course model's evaluation d
 
 
 @torch.no_grad()
-def recall_by_distance(
+def recall_hits(
     model,
     distances=RECALL_DISTANCES,
     *,
@@ -22,19 +23,20 @@ def recall_by_distance(
     cache_factory=None,
     prefill_len: int = 1,
     seed: int = 7,
-) -> dict[int, float]:
-    """The course model's recall accuracy (a GET's value predicted from its SET, `distance` tokens
-    earlier) per distance, with every document streamed through a cache from `cache_factory`.
+) -> dict[int, list[tuple[int, int]]]:
+    """Per document, the facts the course model recalls (a GET's value predicted from its SET,
+    `distance` tokens earlier) with every document streamed through a cache from `cache_factory`:
+    what a bootstrap over documents needs (`kvlib.metrics.bootstrap.paired_cluster_bootstrap`).
 
     Args:
         distances: SET-to-GET distances, each < `kvlib.data.DOC_LEN`.
-        num_documents: documents per distance (`kvlib.data.recall_documents`, 4 facts each); all
-            distances run as one batch.
+        num_documents: documents per distance (`kvlib.data.recall_documents`, up to 4 facts
+            each); all distances run as one batch.
         cache_factory: factory(model, batch_size, max_seq_len) -> cache, as `generate`'s `cache`
             (None: the full cache, one forward).
         prefill_len: tokens prefilled before streaming (see `streamed_logits`).
     Returns:
-        {distance: fraction of facts recalled}.
+        {distance: [(facts recalled, facts asked) for each document, in order]}.
     """
     from kvlib import data
 
@@ -42,14 +44,25 @@ def recall_by_distance(
     tokens = torch.from_numpy(np.stack([doc.tokens for d in distances for doc in docs[d]]))
     cache = None if cache_factory is None else cache_factory(model, *tokens.shape)
     predictions = streamed_logits(model, tokens, cache, prefill_len=prefill_len).argmax(-1)
-    recall, row = {}, 0
+    hits, row = {}, 0
     for d in distances:
-        hits = []
+        hits[d] = []
         for doc in docs[d]:
-            hits += [bool(predictions[row, p - 1] == tokens[row, p]) for p in doc.answer_positions]
+            recalled = [
+                bool(predictions[row, p - 1] == tokens[row, p]) for p in doc.answer_positions
+            ]
+            hits[d].append((sum(recalled), len(recalled)))
             row += 1
-        recall[d] = sum(hits) / len(hits)
-    return recall
+    return hits
+
+
+def recall_by_distance(model, distances=RECALL_DISTANCES, **options) -> dict[int, float]:
+    """The course model's recall accuracy per distance: `recall_hits` (same arguments) pooled over
+    each distance's documents. {distance: fraction of facts recalled}."""
+    return {
+        d: sum(h for h, _ in docs) / sum(n for _, n in docs)
+        for d, docs in recall_hits(model, distances, **options).items()
+    }
 
 
 def recall_fact_counts(
