@@ -141,3 +141,20 @@ def test_recall_fact_counts_match_the_documents_recall_scores():
         docs = data.recall_documents(d, 3)
         assert counts[d] == sum(len(doc.answer_positions) for doc in docs)
     assert counts[8] == 12 and counts[240] < counts[8]  # 4 facts fit at 8, fewer at 240
+
+
+def test_recall_hits_per_document_pool_to_the_rate_and_the_fact_counts():
+    """`recall_hits` per document: each document's facts as `recall_fact_counts` counts them,
+    hits within them, and pooled per distance they are `recall_by_distance`'s rate."""
+    from kvlib.loaders.course_model import load_course_model
+    from kvlib.metrics.recall import recall_by_distance, recall_fact_counts, recall_hits
+
+    model = load_course_model()
+    hits = recall_hits(model, (8, 240), num_documents=3)
+    counts = recall_fact_counts((8, 240), num_documents=3)
+    rates = recall_by_distance(model, (8, 240), num_documents=3)
+    for d, docs in hits.items():
+        assert len(docs) == 3 and all(0 <= h <= n for h, n in docs)
+        assert sum(n for _, n in docs) == counts[d]
+        assert rates[d] == sum(h for h, _ in docs) / counts[d]
+    assert sum(h for h, _ in hits[8]) > 0  # the trained model recalls at the shortest distance

@@ -501,6 +501,31 @@ def sweep_rows(task, policy, budget, dense_layers, metric) -> dict:
     }
 
 
+def test_recorded_sparse_sweep_documents_pool_to_each_distance_rate():
+    """Every recall run's per-document hits (chapter 15's paired bootstrap) sum, per distance, to
+    the recorded rate and fact count: the two views of one run agree."""
+    import collections
+    import csv
+
+    from kvlib.course.recorded import recorded_file
+
+    rows = [r for r in csv.DictReader(recorded_file(SWEEP).open()) if r["task"] == "recall"]
+    runs = collections.defaultdict(dict)
+    for r in rows:
+        runs[r["policy"], r["budget"], r["dense_layers"]][r["metric"], r["x"]] = float(r["value"])
+    assert len(runs) >= 16
+    for run, values in runs.items():
+        hits, asked = collections.Counter(), collections.Counter()
+        for (metric, x), value in values.items():
+            if metric.startswith("document_"):
+                distance = x.split(":")[0]
+                (hits if metric == "document_hits" else asked)[distance] += value
+        assert set(asked) == {x for metric, x in values if metric == "recall"}, run
+        for distance, n in asked.items():
+            assert n == values["facts", distance], (run, distance)
+            assert hits[distance] / n == pytest.approx(values["recall", distance]), (run, distance)
+
+
 @pytest.mark.recorded
 def test_recorded_sparse_sweep_spot_check_recall(course_model):
     """Quest at 4 pages on the course model's recall at the shortest and longest distances, and

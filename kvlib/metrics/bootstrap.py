@@ -5,8 +5,11 @@ Two cases recur in the course's quality measurements:
 - **positions of one text**: per-position KL or top-1 agreement along a text are autocorrelated
   (a hard passage makes several neighbouring positions hard), so resampling positions one by one
   understates the spread. `paired_block_bootstrap` resamples **blocks** of consecutive positions
-  (the moving-block bootstrap, Künsch, Annals of Statistics 1989), and resamples the same blocks
-  for the two methods compared, so the interval is for their **difference** on the same text;
+  (the moving-block bootstrap, Künsch, Annals of Statistics 1989), wrapped around the text's end
+  so that every position is drawn equally often (the circular block bootstrap, Politis and
+  Romano 1992: blocks that must fit inside the text draw its first and last positions less),
+  and resamples the same blocks for the two methods compared, so the interval is for their
+  **difference** on the same text;
 - **items grouped in documents**: recall facts come several to a document, and a document that is
   hard for one fact is often hard for the others. `cluster_bootstrap` resamples whole documents
   (clusters) and recomputes the pooled rate; `paired_cluster_bootstrap` resamples the same
@@ -23,6 +26,13 @@ import numpy as np
 from kvlib._validate import check_positive_int
 
 __all__ = ["cluster_bootstrap", "paired_block_bootstrap", "paired_cluster_bootstrap"]
+
+
+def _percentiles(samples: np.ndarray, level: float) -> tuple[float, float]:
+    """The percentile interval of a bootstrap's `samples` at coverage `level`."""
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(samples, [tail, 100 - tail])
+    return float(low), float(high)
 
 
 def _check_level(level: float) -> float:
@@ -47,7 +57,8 @@ def paired_block_bootstrap(
         a, b: (N,) per-position values of two methods on the same positions, in text order
             (e.g. KL in nats per position); b None: an interval for the mean of `a` alone.
         block: consecutive positions per resampled block (1: the ordinary bootstrap, which
-            assumes independent positions); blocks start anywhere in 0 .. N - block.
+            assumes independent positions); blocks start anywhere in 0 .. N - 1 and wrap
+            around the end (circular), so every position has the same weight.
         draws: resamples; level: the interval's coverage (0.95: the 2.5th to 97.5th percentile).
         seed: of the generator.
     Returns:
@@ -69,14 +80,17 @@ def paired_block_bootstrap(
     n = len(diff)
     if n < block:
         raise ValueError(f"a: expected at least block = {block} positions, got {n}")
-    rng = np.random.default_rng(seed)
-    per_draw = -(-n // block)  # blocks per resample, cut back to n positions
-    starts = rng.integers(0, n - block + 1, size=(draws, per_draw))  # (draws, n / block)
-    index = (starts[:, :, None] + np.arange(block)).reshape(draws, -1)[:, :n]
-    means = diff[index].mean(axis=1)
-    tail = (1.0 - level) / 2 * 100
-    low, high = np.percentile(means, [tail, 100 - tail])
+    means = diff[_circular_blocks(n, block, draws, np.random.default_rng(seed))].mean(axis=1)
+    low, high = _percentiles(means, level)
     return float(diff.mean()), float(low), float(high)
+
+
+def _circular_blocks(n: int, block: int, draws: int, rng) -> np.ndarray:
+    """(draws, n) positions: each row blocks of `block` consecutive positions from uniform
+    starts, wrapped around n, cut back to n positions."""
+    per_draw = -(-n // block)
+    starts = rng.integers(0, n, size=(draws, per_draw))
+    return ((starts[:, :, None] + np.arange(block)) % n).reshape(draws, -1)[:, :n]
 
 
 def cluster_bootstrap(
@@ -114,8 +128,7 @@ def cluster_bootstrap(
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(hits), size=(draws, len(hits)))
     rates = hits[picks].sum(axis=1) / total[picks].sum(axis=1)
-    tail = (1.0 - level) / 2 * 100
-    low, high = np.percentile(rates, [tail, 100 - tail])
+    low, high = _percentiles(rates, level)
     return float(hits.sum() / total.sum()), float(low), float(high)
 
 
@@ -160,6 +173,5 @@ def paired_cluster_bootstrap(
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(a), size=(draws, len(a)))
     differences = (a[picks].sum(axis=1) - b[picks].sum(axis=1)) / total[picks].sum(axis=1)
-    tail = (1.0 - level) / 2 * 100
-    low, high = np.percentile(differences, [tail, 100 - tail])
+    low, high = _percentiles(differences, level)
     return float((a.sum() - b.sum()) / total.sum()), float(low), float(high)
