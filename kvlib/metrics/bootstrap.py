@@ -93,6 +93,27 @@ def _circular_blocks(n: int, block: int, draws: int, rng) -> np.ndarray:
     return ((starts[:, :, None] + np.arange(block)) % n).reshape(draws, -1)[:, :n]
 
 
+def _resampled_clusters(names: str, successes, totals, draws, level, seed):
+    """`successes` (one or more (C,) arrays) and `totals` checked and as float arrays, and
+    `draws` resamples of whole clusters: (successes, totals, picks (draws, C), level). `names`:
+    the arguments, for the errors (see `cluster_bootstrap`)."""
+    counts = [np.asarray(s, dtype=np.float64) for s in successes]
+    total = np.asarray(totals, dtype=np.float64)
+    shapes = [c.shape for c in (*counts, total)]
+    if counts[0].ndim != 1 or len(set(shapes)) > 1 or len(total) < 2:
+        words = {2: "two", 3: "three"}[len(shapes)]
+        listed = ", ".join(map(str, shapes[:-1])) + f" and {shapes[-1]}"
+        raise ValueError(
+            f"{names}: expected {words} 1-D arrays of one length >= 2, got shapes {listed}"
+        )
+    if (total <= 0).any() or any((c < 0).any() or (c > total).any() for c in counts):
+        raise ValueError(f"{names}: expected 0 <= successes <= totals and totals > 0")
+    draws = check_positive_int("draws", draws)
+    level = _check_level(level)
+    picks = np.random.default_rng(seed).integers(0, len(total), size=(draws, len(total)))
+    return counts, total, picks, level
+
+
 def cluster_bootstrap(
     successes,
     totals,
@@ -114,19 +135,9 @@ def cluster_bootstrap(
         ValueError: arrays that are not 1-D of one length (at least 2 clusters), counts out of
         range, a level outside (0, 1); TypeError, ValueError: draws not a positive int.
     """
-    hits = np.asarray(successes, dtype=np.float64)
-    total = np.asarray(totals, dtype=np.float64)
-    if hits.ndim != 1 or hits.shape != total.shape or len(hits) < 2:
-        raise ValueError(
-            f"successes, totals: expected two 1-D arrays of one length >= 2, got shapes "
-            f"{hits.shape} and {total.shape}"
-        )
-    if (total <= 0).any() or (hits < 0).any() or (hits > total).any():
-        raise ValueError("successes, totals: expected 0 <= successes <= totals and totals > 0")
-    draws = check_positive_int("draws", draws)
-    level = _check_level(level)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(hits), size=(draws, len(hits)))
+    (hits,), total, picks, level = _resampled_clusters(
+        "successes, totals", (successes,), totals, draws, level, seed
+    )
     rates = hits[picks].sum(axis=1) / total[picks].sum(axis=1)
     low, high = _percentiles(rates, level)
     return float(hits.sum() / total.sum()), float(low), float(high)
@@ -156,22 +167,9 @@ def paired_cluster_bootstrap(
         ValueError: arrays that are not 1-D of one length (at least 2 clusters), counts out of
         range, a level outside (0, 1); TypeError, ValueError: draws not a positive int.
     """
-    a = np.asarray(successes_a, dtype=np.float64)
-    b = np.asarray(successes_b, dtype=np.float64)
-    total = np.asarray(totals, dtype=np.float64)
-    if a.ndim != 1 or a.shape != b.shape or a.shape != total.shape or len(a) < 2:
-        raise ValueError(
-            f"successes_a, successes_b, totals: expected three 1-D arrays of one length >= 2, got "
-            f"shapes {a.shape}, {b.shape} and {total.shape}"
-        )
-    if (total <= 0).any() or (np.minimum(a, b) < 0).any() or (np.maximum(a, b) > total).any():
-        raise ValueError(
-            "successes_a, successes_b, totals: expected 0 <= successes <= totals and totals > 0"
-        )
-    draws = check_positive_int("draws", draws)
-    level = _check_level(level)
-    rng = np.random.default_rng(seed)
-    picks = rng.integers(0, len(a), size=(draws, len(a)))
+    (a, b), total, picks, level = _resampled_clusters(
+        "successes_a, successes_b, totals", (successes_a, successes_b), totals, draws, level, seed
+    )
     differences = (a[picks].sum(axis=1) - b[picks].sum(axis=1)) / total[picks].sum(axis=1)
     low, high = _percentiles(differences, level)
     return float((a.sum() - b.sum()) / total.sum()), float(low), float(high)
