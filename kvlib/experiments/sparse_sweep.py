@@ -155,8 +155,7 @@ def sparse_jobs() -> list[tuple]:
 def _task_rows(models, task, policy, budget, dense_layers) -> list[tuple]:
     """(x, metric, value) rows of one run."""
     from kvlib.experiments.eviction_sweep import eviction_factory
-    from kvlib.experiments.sweep import EVICTION_CHUNK, EVICTION_PASSKEY_FILLER
-    from kvlib.metrics.passkey import passkey_trial
+    from kvlib.experiments.sweep import passkey_rows
     from kvlib.metrics.recall import recall_hits
 
     course, smol, tokenizer, (essay, reference), passkeys = models
@@ -178,18 +177,8 @@ def _task_rows(models, task, policy, budget, dense_layers) -> list[tuple]:
         return rows
     if task == "passkey":
         rows = []
-        for depth, key in passkeys.items():
-            correct, length = passkey_trial(
-                smol,
-                tokenizer,
-                EVICTION_PASSKEY_FILLER,
-                depth,
-                key,
-                cache_factory=factory,
-                max_new_tokens=PASSKEY_NEW_TOKENS,
-                prefill_chunk_size=EVICTION_CHUNK,
-            )
-            rows += [(depth, "correct", int(correct)), (depth, "prompt_tokens", length)]
+        for depth, correct, length in passkey_rows(smol, tokenizer, passkeys, factory):
+            rows += [(depth, "correct", correct), (depth, "prompt_tokens", length)]
         return rows
     metrics = streamed_essay_metrics(smol, essay, factory, reference)
     return [("", m, v) for m, v in metrics.items()]

@@ -62,6 +62,25 @@ def run_sweep(out_csv, jobs, desc, factory_for, seed) -> list[dict]:
     return rows
 
 
+def passkey_rows(smol, tokenizer, passkeys, factory) -> list[tuple[int, int, int]]:
+    """(depth, 1 if the key was retrieved else 0, the prompt's length in tokens) for each
+    {depth: passkey} of `passkeys`: SmolLM2's passkey trial (10 new tokens) with caches from
+    `factory`, the prompt prefilled in chunks of `EVICTION_CHUNK` tokens."""
+    trials = {
+        depth: passkey_trial(
+            smol,
+            tokenizer,
+            EVICTION_PASSKEY_FILLER,
+            depth,
+            key,
+            cache_factory=factory,
+            prefill_chunk_size=EVICTION_CHUNK,
+        )
+        for depth, key in passkeys.items()
+    }
+    return [(depth, int(correct), length) for depth, (correct, length) in trials.items()]
+
+
 def task_rows(models, task, factory) -> list[tuple]:
     """One sweep run: (x, metric, value) rows of `task` ("recall", "passkey" or "text") with
     caches from `factory` (a `generate` `cache=` factory, or "dynamic": the full cache).
@@ -75,19 +94,7 @@ def task_rows(models, task, factory) -> list[tuple]:
             for d, value in recall_by_distance(course, cache_factory=cache_factory).items()
         ]
     if task == "passkey":
-        rows = []
-        for depth, key in passkeys.items():
-            correct, _ = passkey_trial(
-                smol,
-                tokenizer,
-                EVICTION_PASSKEY_FILLER,
-                depth,
-                key,
-                cache_factory=factory,
-                prefill_chunk_size=EVICTION_CHUNK,
-            )
-            rows.append((depth, "correct", int(correct)))
-        return rows
+        return [(d, "correct", c) for d, c, _ in passkey_rows(smol, tokenizer, passkeys, factory)]
     if factory == "dynamic":
         from kvlib.cache import DynamicCache
 

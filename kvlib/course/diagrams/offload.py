@@ -107,23 +107,16 @@ def tier_walk(found_in: Sequence[str | None], *, transfer: bool = True) -> Figur
             va="center",
             fontsize=7.5,
         )
-        if i:
+        # from the tier on the left (red, upper) and back to it (green, lower)
+        arrows = ((0.95, 0.05, 0.75, "tab:red"), (0.05, 0.95, 0.25, "tab:green")) if i else ()
+        for tail, head, height, color in arrows:
             ax.add_patch(
                 FancyArrowPatch(
-                    (x - 0.95, ty + 0.75),
-                    (x - 0.05, ty + 0.75),
+                    (x - tail, ty + height),
+                    (x - head, ty + height),
                     arrowstyle="-|>",
                     mutation_scale=7,
-                    color="tab:red",
-                )
-            )
-            ax.add_patch(
-                FancyArrowPatch(
-                    (x - 0.05, ty + 0.25),
-                    (x - 0.95, ty + 0.25),
-                    arrowstyle="-|>",
-                    mutation_scale=7,
-                    color="tab:green",
+                    color=color,
                 )
             )
     ax.text(
