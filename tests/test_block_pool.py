@@ -164,6 +164,19 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.manager.block_tables)
     @rule(data=st.data())
+    def truncate(self, data):  # a fork's recomputed token (chapter 13), a speculation's rollback
+        self.ops += 1
+        seq_id = data.draw(st.sampled_from(self.live))
+        n = self.manager.num_tokens(seq_id)
+        keep = data.draw(st.integers(1, n))
+        try:
+            self.manager.truncate(seq_id, keep)
+        except OutOfBlocksError:
+            return
+        assert self.manager.num_tokens(seq_id) == keep
+
+    @precondition(lambda self: self.manager.block_tables)
+    @rule(data=st.data())
     def free(self, data):
         self.ops += 1
         seq_id = data.draw(st.sampled_from(self.live))
@@ -181,6 +194,22 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.total_ops = 0
+
+
+def test_a_rolled_back_block_leaves_the_prefix_cache():
+    """Speculative decoding's pitfall (chapter 16): a block filled by a token later rolled back
+    keeps its slots for the accepted token; a prompt that really has the rejected token there must
+    not find the old hash on the new K/V."""
+    manager = BlockManager(BlockPool(8, 4))
+    manager.allocate("a", [1, 2, 3, 4, 5])
+    for token in (6, 7, 8):  # 8 fills block 1, which is hashed for the prefix cache
+        manager.append_slot("a", token)
+    manager.truncate("a", 7)  # 8 rejected
+    manager.append_slot("a", 9)  # the accepted token takes its slot
+    manager.check_invariants()
+    assert manager.allocate("b", [1, 2, 3, 4, 5, 6, 7, 8, 10]) == 4  # block 0 only
+    assert manager.block_tables["b"][1] != manager.block_tables["a"][1]
+    assert manager.allocate("c", [1, 2, 3, 4, 5, 6, 7, 9, 10]) == 8  # the new content is found
 
 
 def test_allocator_invariants_hold_over_10000_random_operations():

@@ -182,10 +182,13 @@ class BlockManager:
 
     def truncate(self, seq_id, num_tokens: int) -> None:
         """Keep a sequence's first `num_tokens` tokens (chapter 13: a child forked after its
-        parent's prefill recomputes the prompt's last token, to sample its own first token):
-        blocks left empty are freed, hashes of blocks no longer full dropped, and a partly filled
-        last block that is shared is copied now (copy-on-write, the pair appended to `copies`),
-        so the next `append_slot` needs exactly the blocks its token count says.
+        parent's prefill recomputes the prompt's last token, to sample its own first token; a
+        speculative step rolls back its rejected tokens): blocks left empty are freed, hashes of
+        blocks no longer full dropped, and a partly filled last block that is shared is copied
+        now (copy-on-write, the pair appended to `copies`), so the next `append_slot` needs
+        exactly the blocks its token count says. A partly filled last block held by this sequence
+        alone leaves the prefix cache: its freed slots will be written again, and a later prompt
+        must not find the old tokens' hash on the new K/V.
 
         Raises:
             ValueError: `num_tokens` outside [1, the sequence's tokens].
@@ -201,9 +204,12 @@ class BlockManager:
         copy = num_tokens % self.block_size != 0 and self.pool.blocks[last].ref_cnt > 1
         if copy and not self.pool.num_free_blocks:
             raise OutOfBlocksError(f"truncate: sequence {seq_id!r} needs a block, none is free")
+        hashes, cut = self.block_hashes[seq_id], num_tokens // self.block_size
+        if cut < len(hashes) and num_tokens % self.block_size and not copy:
+            self._uncache(last)  # a shared block keeps its hash: the others' K/V stay
+        del hashes[cut:]
         dropped = table[keep_blocks:]
         del table[keep_blocks:], tokens[num_tokens:]
-        del self.block_hashes[seq_id][num_tokens // self.block_size :]
         self.pool.free(reversed(dropped))
         if copy:
             (table[-1],) = self.pool.allocate(1)
@@ -233,12 +239,16 @@ class BlockManager:
         there whose content is about to change out of the prefix cache."""
         hashes, table = self.block_hashes[seq_id], self.block_tables[seq_id]
         for i in range(from_block, len(hashes)):
-            block = self.pool.blocks[table[i]]
-            if block.block_hash is not None:
-                if self.pool.cached_blocks.get(block.block_hash) == block.block_id:
-                    del self.pool.cached_blocks[block.block_hash]
-                block.block_hash = None
+            self._uncache(table[i])
         del hashes[from_block:]
+
+    def _uncache(self, block_id: int) -> None:
+        """Take a block out of the prefix cache (its hash no longer describes its content)."""
+        block = self.pool.blocks[block_id]
+        if block.block_hash is not None:
+            if self.pool.cached_blocks.get(block.block_hash) == block_id:
+                del self.pool.cached_blocks[block.block_hash]
+            block.block_hash = None
 
     def drop_blocks(self, seq_id, indices: Iterable[int]) -> list[int]:
         """Remove the blocks at positions `indices` of the sequence's block table (blocks whose
