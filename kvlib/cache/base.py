@@ -22,6 +22,13 @@ token count and the `(B, length + T)` mask (or None: no padding). Two more optio
 cache that decides positions (`evicting.EvictingCache`): `query_positions(T)` gives the RoPE
 positions of the step's queries, and `rotates_keys = True` asks the layer for keys before RoPE (the
 cache rotates them when it reads them).
+
+**Rollback** (speculative decoding, chapter 16): a cache that can forget its newest positions
+defines `truncate(length)`, after which it holds exactly what it held when its `length` was
+`length`, as if the positions after it had never been written (the K/V of rejected draft
+tokens). Dense, static, latent, paged and page-bounds caches define it; a cache that cannot undo a
+write (a quantized cache that has quantized the group, an evicting cache that evicted) raises
+`NotImplementedError` saying why.
 """
 
 from __future__ import annotations
@@ -30,7 +37,13 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["KVCache", "check_kv_append", "check_kv_update", "check_unpadded"]
+__all__ = [
+    "KVCache",
+    "check_kv_append",
+    "check_kv_update",
+    "check_truncate_length",
+    "check_unpadded",
+]
 
 
 @runtime_checkable
@@ -138,3 +151,20 @@ def check_unpadded(attention_mask: torch.Tensor | None, cache_name: str) -> None
             f"attention_mask: {cache_name} does not support padding; pass unpadded sequences of "
             "one length"
         )
+
+
+def check_truncate_length(length: object, held: int) -> int:
+    """`length` as an int in [0, held]: the positions a `truncate(length)` keeps of the `held` a
+    cache holds (rolling back never adds tokens).
+
+    Raises:
+        ValueError: `length` is not an int (a bool is not), or lies outside [0, held].
+    """
+    if isinstance(length, bool) or not isinstance(length, int):
+        raise ValueError(f"length: expected an int in [0, {held}], got {length!r}")
+    if not 0 <= length <= held:
+        raise ValueError(
+            f"length: expected an int in [0, {held}] (the positions held; a rollback keeps a "
+            f"prefix of them), got {length}"
+        )
+    return length

@@ -96,6 +96,8 @@ class CompactingPagedCache(PagedCache):
             budget, rotate_on_read without rope; padding (from `begin_forward`).
     """
 
+    rollback_refusal = "its policy may have evicted or compacted tokens a rollback would keep"
+
     def __init__(
         self,
         num_layers: int,

@@ -20,7 +20,7 @@ import copy
 import torch
 
 from kvlib._validate import check_positive_int
-from kvlib.cache.base import check_kv_append, check_kv_update
+from kvlib.cache.base import check_kv_append, check_kv_update, check_truncate_length
 from kvlib.errors import CacheOverflowError
 
 __all__ = ["DynamicCache", "StaticCache"]
@@ -31,6 +31,7 @@ class _DenseCache:
 
     num_layers: int
     length: int
+    rollback_refusal: str | None = None  # why `truncate` cannot roll this cache back, if so
 
     def _batch_size(self) -> int:
         raise NotImplementedError
@@ -43,6 +44,23 @@ class _DenseCache:
     def advance(self, num_tokens: int) -> None:
         """Commit `num_tokens` new tokens (after every layer has written them)."""
         self.length += check_positive_int("num_tokens", num_tokens)
+
+    def truncate(self, length: int) -> None:
+        """Roll every sequence back to its first `length` positions (speculative decoding's
+        rollback of rejected draft tokens; Leviathan et al., 2023): the cache then equals one
+        that never saw the later positions.
+
+        Raises:
+            ValueError: `length` not an int in [0, self.length].
+            NotImplementedError: a cache that cannot roll back (`rollback_refusal` says why).
+        """
+        if self.rollback_refusal:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not roll back: {self.rollback_refusal}"
+            )
+        length = check_truncate_length(length, self.length)
+        self._keep(length)
+        self.length = length
 
 
 class DynamicCache(_DenseCache):
@@ -88,6 +106,14 @@ class DynamicCache(_DenseCache):
             None if v is None else v.repeat_interleave(num_copies, dim=0) for v in self.values
         ]
         return bigger
+
+    def _keep(self, length: int) -> None:
+        """Each layer's tensors cut to their first `length` positions: views, so a rollback
+        copies nothing (the next `update`'s `torch.cat` allocates, as every step does)."""
+        for tensors in (self.keys, self.values):
+            for i, t in enumerate(tensors):
+                if t is not None:
+                    tensors[i] = t[:, :, :length] if length else None
 
     @property
     def nbytes(self) -> int:
@@ -222,6 +248,10 @@ class StaticCache(_DenseCache):
         ].repeat_interleave(num_copies, dim=2)
         bigger.allocations = self.allocations + 1
         return bigger
+
+    def _keep(self, length: int) -> None:
+        """The rolled-back positions zeroed, as in a buffer that was never written there."""
+        self.buffer[:, :, :, :, length : self.length] = 0
 
     @property
     def nbytes(self) -> int:

@@ -257,6 +257,14 @@ class EvictingCache:
         """(B, H_kv, S) int64: the text positions of the tokens layer `layer_idx` holds."""
         return self.layers[layer_idx].positions
 
+    def truncate(self, length: int) -> None:
+        """Not supported: the policy may already have evicted, on seeing the rolled-back tokens,
+        tokens a cache that never saw them would keep."""
+        raise NotImplementedError(
+            "EvictingCache does not roll back: its policy evicts after every forward, so the "
+            "tokens before the rolled-back positions may already be gone"
+        )
+
     def reorder(self, indices: torch.Tensor) -> None:
         """Keep sequences `indices` of the batch, in that order (beam search)."""
         self.layers = [None if s is None else s.index_batch(indices) for s in self.layers]

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from kvlib._validate import check_positive_int
-from kvlib.cache.base import check_kv_update
+from kvlib.cache.base import check_kv_update, check_truncate_length
 from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.block_pool import BlockPool
 from kvlib.ops.attention import reference_attention
@@ -114,6 +114,7 @@ class PagedCache:
     """
 
     attention_backend = staticmethod(paged_attention)
+    rollback_refusal: str | None = None  # why `truncate` cannot roll this cache back, if so
 
     def __init__(
         self,
@@ -219,10 +220,7 @@ class PagedCache:
                 written = [manager.append_slot(b, 0) for _ in real]
             rows += [b * num_tokens + t for t in real]
             slots += written
-        for src, dst in manager.copies:  # copy-on-write, in every layer, before anyone writes
-            for pool in self._pools():
-                pool[dst] = pool[src]
-        manager.copies.clear()
+        self._apply_copies()  # copy-on-write, in every layer, before anyone writes
         tables = [manager.block_tables.get(b, []) for b in range(batch_size)]
         width = max(1, max(len(t) for t in tables))
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
@@ -233,6 +231,13 @@ class PagedCache:
             torch.tensor(slots, dtype=torch.long, device=device),
             handle,
         )
+
+    def _apply_copies(self) -> None:
+        """Copy every block pair copy-on-write asked for (`BlockManager.copies`), in every pool."""
+        for src, dst in self.manager.copies:
+            for pool in self._pools():
+                pool[dst] = pool[src]
+        self.manager.copies.clear()
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> PagedKV:
         """Write layer `layer_idx`'s new keys and values `(B, H_kv, T, D)` through the slot
@@ -309,6 +314,45 @@ class PagedCache:
         """Commit `num_tokens` new tokens (after every layer has written them)."""
         self.length += check_positive_int("num_tokens", num_tokens)
         self._step = self._mask = None
+
+    def truncate(self, length: int) -> None:
+        """Roll the batch back to its first `length` positions (speculative decoding's rollback of
+        rejected draft tokens, chapter 16): each sequence drops the tokens it holds past them
+        (`BlockManager.truncate`: blocks left empty return to the pool, a shared partial block is
+        copied on write, a private one leaves the prefix cache), the dropped slots of a kept
+        block are zeroed in every layer, and a sequence left with no token is freed. The cache
+        then reads as one that never saw the later positions.
+
+        Raises:
+            ValueError: `length` not an int in [0, self.length].
+            OutOfBlocksError: a shared partial block needs a copy and no block is free.
+            NotImplementedError: a cache that cannot roll back (`rollback_refusal` says why).
+        """
+        if self.rollback_refusal:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not roll back: {self.rollback_refusal}"
+            )
+        length = check_truncate_length(length, self.length)
+        dropped = self.length - length  # every sequence's newest positions, padding trailing none
+        manager = self.manager
+        for b in sorted(manager.block_tables):
+            held = manager.num_tokens(b)
+            keep = held - dropped
+            if keep <= 0:
+                manager.free(b)
+                continue
+            manager.truncate(b, keep)
+            self._apply_copies()
+            if keep % self.block_size:
+                self._truncated_block(manager.block_tables[b][-1], keep % self.block_size)
+        self.length = length
+        self._step = self._mask = None
+
+    def _truncated_block(self, block: int, kept_slots: int) -> None:
+        """The slots past `kept_slots` of a block a rollback kept, zeroed in every per-slot pool
+        (as never written). A subclass with per-block state recomputes it here."""
+        for pool in self._pools():
+            pool[block, kept_slots:] = 0
 
     def reorder(self, indices: torch.Tensor) -> None:
         """Keep sequences `indices` (B',) in that order (beam search): each kept beam is forked

@@ -64,6 +64,15 @@ class PageBoundsCache(PagedCache):
     def _pools(self) -> list[torch.Tensor]:
         return super()._pools() + self.key_min + self.key_max
 
+    def _truncated_block(self, block: int, kept_slots: int) -> None:
+        """A rollback's partial block: its dropped slots zeroed and its bounds recomputed from
+        the keys it keeps (the same minima and maxima the writes folded in, exactly)."""
+        for pool in self.key_cache + self.value_cache:
+            pool[block, kept_slots:] = 0
+        for keys, key_min, key_max in zip(self.key_cache, self.key_min, self.key_max):
+            key_min[block] = keys[block, :kept_slots].amin(dim=0)  # (H_kv, D)
+            key_max[block] = keys[block, :kept_slots].amax(dim=0)
+
     def _write(self, layer_idx, slots, new_k, new_v, handle) -> PageBoundsKV:
         """Store the step's keys and values `(N, H_kv, D)` at pool `slots` `(N,)` and fold the
         keys into their blocks' bounds."""

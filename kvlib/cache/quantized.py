@@ -106,6 +106,11 @@ class QuantizedCache(_DenseCache):
     """
 
     attention_backend = staticmethod(quantized_attention)
+    rollback_refusal = (
+        "a write may have quantized tokens from the residual into a group whose scales the "
+        "rolled-back tokens helped set (KIVI's flush), and a flush the extra tokens forced early "
+        "leaves fewer tokens in full precision than a cache that never saw them holds"
+    )
 
     def __init__(
         self,

@@ -1,0 +1,33 @@
+"""Speculative decoding and the KV cache (chapter 16): a cheap drafter guesses k tokens, the target
+model checks all of them in one forward over its cache (a decode step is memory-bound, so k + 1
+query tokens cost about as much as one), and the cache rolls back the K/V of the tokens it rejects
+(Leviathan et al., ICML 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et
+al., 2023, "Accelerating Large Language Model Decoding with Speculative Sampling").
+
+- `verify`: which drafted tokens the target accepts: greedy (the longest prefix equal to the
+  target's argmax, plus the target's own next token) and speculative sampling (accept with
+  min(1, p/q), else resample from the normalised max(0, p - q)), which keeps the target's
+  distribution exactly.
+- `ngram`: a drafter that needs no model: prompt lookup (the tokens that followed the latest earlier
+  occurrence of the text's last n-gram; vLLM's `ngram` method).
+- `decode`: the loop: draft, verify in one forward, keep the accepted tokens, `cache.truncate` the
+  rest; greedy output token-identical to `kvlib.generation.generate`'s.
+
+Rollback itself is each cache's `truncate(length)` (`kvlib.cache.base`): dense, static, latent,
+paged, page-bounds and per-token quantized paged caches roll back; caches that cannot undo a write
+(KIVI's residual after a flush, evicting and compacting caches) raise `NotImplementedError` saying
+why.
+"""
+
+from kvlib.speculative.decode import SpeculationStats, speculative_generate
+from kvlib.speculative.ngram import ngram_draft
+from kvlib.speculative.verify import greedy_accept, residual_distribution, speculative_accept
+
+__all__ = [
+    "SpeculationStats",
+    "greedy_accept",
+    "ngram_draft",
+    "residual_distribution",
+    "speculative_accept",
+    "speculative_generate",
+]

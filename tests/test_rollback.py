@@ -1,0 +1,143 @@
+"""Rolling a cache back (`truncate`, speculative decoding's rollback of rejected draft tokens):
+after a rollback each cache kind holds, bitwise, what a cache that never saw the rolled-back
+tokens holds, and its blocks return to the pool with none leaked (speculative decoding itself:
+tests/test_speculative.py)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlib.cache import DynamicCache, PagedCache, StaticCache
+from kvlib.cache.compaction import CompactingPagedCache
+from kvlib.cache.evicting import EvictingCache
+from kvlib.cache.eviction_policies import StreamingLLM
+from kvlib.cache.latent import LatentCache
+from kvlib.cache.paged_bounds import PageBoundsCache
+from kvlib.cache.quantized import QuantizedCache, QuantizedPagedCache
+from kvlib.quant import QuantScheme
+
+LAYERS, HEADS, DIM = 2, 2, 8
+INT8 = QuantScheme("int8", reduce="channels")
+
+
+def make(kind: str, batch: int, block_size: int):
+    paged = {"num_blocks": 64, "block_size": block_size}
+    return {
+        "dynamic": lambda: DynamicCache(LAYERS),
+        "static": lambda: StaticCache(LAYERS, batch, HEADS, 64, DIM),
+        "latent": lambda: LatentCache(LAYERS),
+        "paged": lambda: PagedCache(LAYERS, HEADS, DIM, **paged),
+        "bounds": lambda: PageBoundsCache(LAYERS, HEADS, DIM, **paged),
+        "quantized-paged": lambda: QuantizedPagedCache(
+            LAYERS, HEADS, DIM, key_scheme=INT8, **paged
+        ),
+    }[kind]()
+
+
+def write(cache, kind: str, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One forward's writes: every layer's K/V (B, H_kv, T, D), then advance."""
+    for layer in range(LAYERS):
+        if kind == "latent":  # MLA: a latent (B, 1, T, d_c) and a rotary key (B, 1, T, d_R)
+            cache.update(layer, k[:, :1] + layer, v[:, :1, :, :4])
+        else:
+            cache.update(layer, k + layer, v - layer)
+    cache.advance(k.shape[2])
+
+
+def contents(cache, kind: str) -> list[torch.Tensor]:
+    """What attention can read, per layer: dense K/V, or each sequence's blocks in logical order
+    in every pool (keys, values, codes, scales, a block's bounds): block ids may differ."""
+    if kind in ("dynamic", "latent"):
+        return [t for t in cache.keys + cache.values if t is not None]
+    if kind == "static":
+        return [cache.buffer]
+    tables = cache.manager.block_tables
+    blocks = [b for seq in sorted(tables) for b in tables[seq]]
+    return [pool[blocks] for pool in cache._pools()]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(
+    kind=st.sampled_from(["dynamic", "static", "latent", "paged", "bounds", "quantized-paged"]),
+    batch=st.integers(1, 3),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    prompt=st.integers(1, 12),
+    draft=st.integers(0, 6),
+    data=st.data(),
+)
+def test_a_rollback_leaves_what_a_cache_that_never_saw_the_draft_holds(
+    kind, batch, block_size, prompt, draft, data
+):
+    """Prompt, then k + 1 verified tokens in one forward, of which `accepted` are kept, then one
+    more step: bitwise equal to the cache that saw prompt, the accepted tokens and the step."""
+    accepted = data.draw(st.integers(0, draft + 1))
+    seed = data.draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    total = prompt + draft + 1 + 1
+    k, v = torch.randn(2, batch, HEADS, total, DIM, generator=g).unbind(0)
+    spans = [(0, prompt), (prompt, prompt + draft + 1)]
+    rolled, fresh = make(kind, batch, block_size), make(kind, batch, block_size)
+    for start, end in spans:
+        write(rolled, kind, k[:, :, start:end], v[:, :, start:end])
+    rolled.truncate(prompt + accepted)
+    write(fresh, kind, k[:, :, :prompt], v[:, :, :prompt])
+    if accepted:
+        write(fresh, kind, k[:, :, prompt : prompt + accepted], v[:, :, prompt : prompt + accepted])
+    assert rolled.length == fresh.length == prompt + accepted
+    for cache in (rolled, fresh):  # the next step (its own K/V, the same for both)
+        write(cache, kind, k[:, :, -1:], v[:, :, -1:])
+    assert torch.equal(rolled.seq_lens, fresh.seq_lens)
+    for a, b in zip(contents(rolled, kind), contents(fresh, kind), strict=True):
+        assert torch.equal(a, b)
+    if kind in ("paged", "bounds", "quantized-paged"):
+        rolled.manager.check_invariants()
+        assert rolled.num_blocks_in_use == fresh.num_blocks_in_use  # no block leaked
+
+
+def test_a_rollback_to_nothing_frees_every_block_and_bad_lengths_are_named():
+    cache = make("paged", 2, 4)
+    k = torch.randn(2, HEADS, 9, DIM)
+    write(cache, "paged", k, k)
+    assert cache.num_blocks_in_use == 6
+    for bad in (10, -1, 2.0, True):
+        with pytest.raises(ValueError, match=r"length: expected an int in \[0, 9\]"):
+            cache.truncate(bad)
+    assert cache.num_blocks_in_use == 6  # nothing changed
+    cache.truncate(0)
+    assert cache.num_blocks_in_use == 0 and cache.length == 0
+
+
+def test_a_rollback_inside_a_shared_block_copies_it_and_leaves_the_sibling_intact():
+    """Parallel samples share the prompt's blocks; both roll back into the shared partial block:
+    the first gets its own copy (copy-on-write), the second then holds the original alone, and
+    both still read the tokens they keep; the full block stays shared."""
+    cache = make("paged", 1, 4)
+    k = torch.randn(1, HEADS, 6, DIM)
+    write(cache, "paged", k, -k)  # 6 tokens: block 0 full, block 1 holds 2
+    cache = cache.repeat(2)
+    full, partial = cache.manager.block_tables[0]
+    cache.truncate(5)
+    tables = cache.manager.block_tables
+    assert tables[0][0] == tables[1][0] == full and cache.manager.pool.blocks[full].ref_cnt == 2
+    assert tables[0][1] != partial and tables[1][1] == partial  # the first copied, the second not
+    cache.manager.check_invariants()
+    for seq in (0, 1):
+        slots = [tables[seq][t // 4] * 4 + t % 4 for t in range(5)]
+        stored = cache.key_cache[0].flatten(0, 1)[slots]  # (5, H_kv, D)
+        assert torch.equal(stored, k[0, :, :5].transpose(0, 1))
+        assert not cache.key_cache[0][tables[seq][1], 1:].any()  # the dropped slot zeroed
+
+
+def test_caches_that_cannot_roll_back_say_why():
+    quantized = QuantizedCache(LAYERS, INT8, residual_length=4)
+    with pytest.raises(NotImplementedError, match="group"):
+        quantized.truncate(0)
+    evicting = EvictingCache(LAYERS, StreamingLLM(num_sinks=1), budget=8)
+    with pytest.raises(NotImplementedError, match="evicts after every forward"):
+        evicting.truncate(0)
+    compacting = CompactingPagedCache(
+        LAYERS, HEADS, DIM, num_blocks=8, policy=StreamingLLM(num_sinks=1), budget=8
+    )
+    with pytest.raises(NotImplementedError, match="evicted or compacted tokens"):
+        compacting.truncate(0)

@@ -1,0 +1,213 @@
+"""kvlib.speculative: verification (greedy and speculative sampling), the prompt-lookup drafter, and
+the loop whose greedy output equals plain greedy decoding's over every cache that rolls back."""
+
+import pytest
+import torch
+
+from kvlib.cache import DynamicCache, PagedCache, StaticCache
+from kvlib.cache.latent import LatentCache
+from kvlib.cache.paged_bounds import PageBoundsCache
+from kvlib.cache.quantized import QuantizedCache, QuantizedPagedCache
+from kvlib.generation import generate
+from kvlib.loaders.course_model import load_course_mla_model, load_course_model
+from kvlib.quant import QuantScheme
+from kvlib.speculative import (
+    greedy_accept,
+    ngram_draft,
+    residual_distribution,
+    speculative_accept,
+    speculative_generate,
+)
+
+INT8 = QuantScheme("int8", reduce="channels")
+
+
+def one_hot_logits(tokens, vocab=10):
+    return torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float()
+
+
+@pytest.mark.parametrize(
+    ("draft", "target", "expected"),
+    [
+        ([3, 4, 5], [3, 4, 5, 6], (3, 6)),  # all accepted: the bonus token
+        ([3, 4, 5], [3, 7, 5, 6], (1, 7)),  # stops at the first mismatch, even if later ones match
+        ([3, 4, 5], [8, 4, 5, 6], (0, 8)),  # none: the target's own token
+        ([], [2], (0, 2)),  # nothing drafted: a plain decode step
+    ],
+)
+def test_greedy_acceptance_is_the_longest_matching_prefix_then_the_targets_token(
+    draft, target, expected
+):
+    assert greedy_accept(draft, one_hot_logits(target)) == expected
+
+
+def test_verification_names_a_wrong_shape():
+    with pytest.raises(
+        ValueError, match=r"target_logits: expected a \(3, V\) tensor, got \(2, 10\)"
+    ):
+        greedy_accept([1, 2], one_hot_logits([1, 2]))
+    with pytest.raises(ValueError, match=r"draft_probs: expected a \(1, V\) tensor"):
+        speculative_accept([1], torch.ones(2, 4) / 4, torch.ones(2, 4) / 4)
+
+
+def test_the_residual_is_the_normalised_positive_part_of_p_minus_q():
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.6, 0.2])
+    assert torch.allclose(residual_distribution(p, q), torch.tensor([1.0, 0.0, 0.0]))
+    assert torch.equal(residual_distribution(p, p), p)  # nothing is ever rejected
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's goodness-of-fit test: P(chi2 with V - 1 degrees of freedom >= the statistic)."""
+    expected = probs.double() * counts.sum()
+    stat = ((counts.double() - expected) ** 2 / expected).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2.0), stat / 2))
+
+
+def emitted(rule, draws: int, seed: int = 0):
+    """Counts of the first emitted token, and of the second where the first draft token stood,
+    over `draws` steps of k = 2 with fixed p (target) and q (draft) rows over 6 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(3, 6, generator=torch.Generator().manual_seed(7)) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(2, 6, generator=torch.Generator().manual_seed(8)) * 1.5, dim=-1)
+    first, second = torch.zeros(6), torch.zeros(6)
+    for _ in range(draws):
+        draft = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+        accepted, token = rule(draft, q, p, g)
+        tokens = [*draft[:accepted], token]
+        first[tokens[0]] += 1
+        if accepted >= 1:
+            second[tokens[1]] += 1
+    return p, first, second
+
+
+def resample_from_p(draft, q, p, g):
+    """A plausible mistake: on rejection, sample from p instead of the residual."""
+    accepted, _ = speculative_accept(draft, q, p, g)
+    return accepted, int(torch.multinomial(p[accepted], 1, generator=g))
+
+
+def test_speculative_sampling_emits_the_targets_distribution():
+    """10,000 steps: the first emitted token follows p_0 and, after an accepted first token, the
+    second follows p_1 (chi-square p-values above 0.001 for the rule, at a fixed seed); the same
+    test rejects resampling from p instead of the residual (p-value below 1e-9: it has the power
+    to see the mistake at this sample size)."""
+    p, first, second = emitted(speculative_accept, 10_000)
+    assert chi_square_p_value(first, p[0]) > 1e-3
+    assert second.sum() > 2_500 and chi_square_p_value(second, p[1]) > 1e-3
+    _, wrong_first, _ = emitted(resample_from_p, 10_000)
+    assert chi_square_p_value(wrong_first, p[0]) < 1e-9
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "expected"),
+    [
+        ([1, 2, 3, 9, 1, 2, 3], 3, [9, 1, 2]),  # 3-gram [1, 2, 3] seen before: what followed
+        ([1, 2, 3, 9, 1, 2, 3], 1, [9]),
+        ([5, 1, 7, 6, 1, 8, 6, 1], 2, [8, 6]),  # the latest earlier [6, 1]
+        ([4, 5, 6], 3, []),  # nothing recurs
+        ([2, 2, 2, 2], 3, [2]),  # the latest earlier [2, 2, 2] is followed by one token
+    ],
+)
+def test_prompt_lookup_proposes_what_followed_the_latest_earlier_ngram(tokens, k, expected):
+    assert ngram_draft(tokens, k) == expected
+
+
+def test_prompt_lookup_names_bad_arguments():
+    with pytest.raises(ValueError, match="k"):
+        ngram_draft([1, 2], 0)
+    with pytest.raises(ValueError, match="min_ngram: expected at most max_ngram = 2, got 3"):
+        ngram_draft([1, 2], 2, max_ngram=2, min_ngram=3)
+
+
+@pytest.fixture(scope="module")
+def course_model():
+    return load_course_model()
+
+
+def caches(model):
+    c, paged = model.config, {"block_size": 4}
+    return {
+        "dynamic": lambda: DynamicCache(c.num_hidden_layers),
+        "static": lambda: StaticCache.for_model(model, 1, 128),
+        "paged": lambda: PagedCache.for_model(model, 1, 128, **paged),
+        "bounds": lambda: PageBoundsCache.for_model(model, 1, 128, **paged),
+        "quantized-paged": lambda: QuantizedPagedCache.for_model(
+            model, 1, 128, key_scheme=INT8, **paged
+        ),
+    }
+
+
+def no_draft(tokens, k):
+    return []
+
+
+def repetitive_prompt(model):
+    """A prompt that repeats a random 8-token phrase four times: the drafter's favourite text."""
+    phrase = torch.randint(
+        0, model.config.vocab_size, (8,), generator=torch.Generator().manual_seed(3)
+    )
+    return phrase.repeat(4)[None]
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "paged", "bounds", "quantized-paged"])
+def test_greedy_speculation_emits_plain_greedy_tokens_over_every_cache_that_rolls_back(
+    course_model, kind
+):
+    """Prompt lookup over a repetitive prompt, k = 4: the tokens equal greedy decoding's with the
+    same cache kind and no draft (and `generate`'s for the dense caches), in fewer forwards."""
+    model, make = course_model, caches(course_model)[kind]
+    prompt = repetitive_prompt(model)
+    tokens, stats = speculative_generate(model, prompt, make(), max_new_tokens=40, k=4)
+    plain, plain_stats = speculative_generate(
+        model, prompt, make(), max_new_tokens=40, drafter=no_draft
+    )
+    assert torch.equal(tokens, plain)
+    if kind in ("dynamic", "static"):
+        assert torch.equal(tokens, generate(model, prompt, 40))
+    assert plain_stats.num_drafts == 39 and plain_stats.tokens_per_step == 1.0
+    assert stats.num_accepted_tokens > 0 and stats.num_drafts < 39
+    assert stats.num_emitted_tokens == 39 == stats.num_drafts + stats.num_accepted_tokens
+
+
+def test_greedy_speculation_over_mla_latent_cache(course_model):
+    model = load_course_mla_model()
+    prompt = repetitive_prompt(model)
+    make = lambda: LatentCache(model.config.num_hidden_layers)  # noqa: E731
+    tokens, stats = speculative_generate(model, prompt, make(), max_new_tokens=24, k=3)
+    plain, _ = speculative_generate(model, prompt, make(), max_new_tokens=24, drafter=no_draft)
+    assert torch.equal(tokens, plain) and stats.num_drafts < 23
+
+
+def test_a_drafter_that_is_often_wrong_still_changes_nothing(course_model):
+    """Every draft token wrong on purpose: each step rolls back all k and emits one token."""
+    model = course_model
+    prompt = repetitive_prompt(model)
+    vocab = model.config.vocab_size
+    wrong = lambda tokens, k: [(tokens[-1] + 1 + i) % vocab for i in range(k)]  # noqa: E731
+    plain, _ = speculative_generate(
+        model,
+        prompt,
+        PagedCache.for_model(model, 1, 128, block_size=4),
+        max_new_tokens=20,
+        drafter=no_draft,
+    )
+    cache = PagedCache.for_model(model, 1, 128, block_size=4)
+    tokens, stats = speculative_generate(model, prompt, cache, max_new_tokens=20, drafter=wrong)
+    assert torch.equal(tokens, plain)
+    assert cache.length == prompt.shape[1] + 19  # all but the newest token are cached
+    assert cache.num_blocks_in_use == -(-cache.length // 4)  # every rolled-back block returned
+    cache.manager.check_invariants()
+
+
+def test_the_loop_refuses_what_it_cannot_do(course_model):
+    model = course_model
+    prompt = repetitive_prompt(model)
+    with pytest.raises(ValueError, match=r"input_ids: expected \(1, T\) int64"):
+        speculative_generate(model, prompt.repeat(2, 1), DynamicCache(4), max_new_tokens=4)
+    with pytest.raises(ValueError, match="drafter: expected token ids in"):
+        speculative_generate(
+            model, prompt, DynamicCache(4), max_new_tokens=4, drafter=lambda t, k: [10**6]
+        )
+    kivi = QuantizedCache(4, INT8, residual_length=4)
+    with pytest.raises(NotImplementedError, match="QuantizedCache does not roll back"):
+        speculative_generate(model, prompt, kivi, max_new_tokens=8)
