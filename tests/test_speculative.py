@@ -11,7 +11,9 @@ from kvlib.cache.quantized import QuantizedCache, QuantizedPagedCache
 from kvlib.generation import generate
 from kvlib.loaders.course_model import load_course_mla_model, load_course_model
 from kvlib.quant import QuantScheme
+from kvlib.sparse import SparsePagedCache
 from kvlib.speculative import (
+    SparseSelfDrafter,
     greedy_accept,
     ngram_draft,
     residual_distribution,
@@ -211,3 +213,43 @@ def test_the_loop_refuses_what_it_cannot_do(course_model):
     kivi = QuantizedCache(4, INT8, residual_length=4)
     with pytest.raises(NotImplementedError, match="QuantizedCache does not roll back"):
         speculative_generate(model, prompt, kivi, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("budget_pages", [2, 4])
+def test_self_speculation_over_a_few_pages_emits_plain_greedy_tokens(course_model, budget_pages):
+    """The target drafts over `budget_pages` pages of its own cache (2: the sink page and the
+    newest, a window; 4: Quest's picks), then verifies densely: the tokens equal dense greedy
+    decoding's, the cache ends holding exactly the emitted tokens (no draft K/V left), and the
+    draft steps read fewer K/V tokens than they held."""
+    model = course_model
+    prompt = torch.randint(
+        0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(5)
+    )
+
+    def sparse_cache():
+        return SparsePagedCache.for_model(
+            model, 1, 160, block_size=4, dense_layers=1, decode_attention="torch"
+        )
+
+    plain, _ = speculative_generate(
+        model, prompt, sparse_cache(), max_new_tokens=32, drafter=no_draft
+    )
+    assert torch.equal(plain, generate(model, prompt, 32))
+    cache = sparse_cache()
+    drafter = SparseSelfDrafter(model, cache, budget_pages)
+    tokens, stats = speculative_generate(
+        model, prompt, cache, max_new_tokens=32, k=3, drafter=drafter
+    )
+    assert torch.equal(tokens, plain)
+    assert stats.num_accepted_tokens > 0 and cache.budget_pages is None
+    assert cache.length == 64 + 31
+    counts = cache.read_counts()
+    assert counts["kv_tokens_read"] < counts["kv_tokens_held"]
+
+
+def test_self_speculation_needs_a_sparse_cache(course_model):
+    with pytest.raises(TypeError, match="expected a kvlib.sparse.SparsePagedCache"):
+        SparseSelfDrafter(course_model, DynamicCache(4), 2)
+    cache = SparsePagedCache.for_model(course_model, 1, 32, block_size=4, decode_attention="torch")
+    with pytest.raises(ValueError, match="budget_pages: expected at least sink_pages"):
+        SparseSelfDrafter(course_model, cache, 1)

@@ -10,6 +10,8 @@ al., 2023, "Accelerating Large Language Model Decoding with Speculative Sampling
   distribution exactly.
 - `ngram`: a drafter that needs no model: prompt lookup (the tokens that followed the latest earlier
   occurrence of the text's last n-gram; vLLM's `ngram` method).
+- `self_draft`: self-speculation: the target drafts over a few pages of its own cache (chapter
+  15's sparse view; sinks and a window when the budget is just those), verified densely.
 - `decode`: the loop: draft, verify in one forward, keep the accepted tokens, `cache.truncate` the
   rest; greedy output token-identical to `kvlib.generation.generate`'s.
 
@@ -21,9 +23,11 @@ why.
 
 from kvlib.speculative.decode import SpeculationStats, speculative_generate
 from kvlib.speculative.ngram import ngram_draft
+from kvlib.speculative.self_draft import SparseSelfDrafter
 from kvlib.speculative.verify import greedy_accept, residual_distribution, speculative_accept
 
 __all__ = [
+    "SparseSelfDrafter",
     "SpeculationStats",
     "greedy_accept",
     "ngram_draft",
