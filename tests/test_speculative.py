@@ -253,3 +253,27 @@ def test_self_speculation_needs_a_sparse_cache(course_model):
     cache = SparsePagedCache.for_model(course_model, 1, 32, block_size=4, decode_attention="torch")
     with pytest.raises(ValueError, match="budget_pages: expected at least sink_pages"):
         SparseSelfDrafter(course_model, cache, 1)
+
+
+def test_verify_cost_writes_ratios_and_the_recording_holds_the_claim(tmp_path):
+    """`verify_cost --quick` writes one row per q with q = 1's ratio 1; its 16-token forward costs
+    well under 16 single steps (generous: 8x, on a machine with another core busy). The recorded
+    file covers both models at two contexts each; there q tokens cost less than q steps, and 16
+    less than a third of 16: the tokens speculation verifies come nearly free."""
+    import csv
+
+    from kvlib.course.recorded import recorded_file
+    from kvlib.experiments import verify_cost
+
+    out = tmp_path / "verify_cost.csv"
+    assert verify_cost.main(["--quick", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out)))
+    assert [int(r["query_tokens"]) for r in rows] == list(verify_cost.QUERY_TOKENS)
+    assert float(rows[0]["ratio"]) == 1.0 and float(rows[-1]["ratio"]) < 8
+    recorded = list(csv.DictReader(open(recorded_file("verify_cost.csv"))))
+    runs = {(r["model"], int(r["context"])) for r in recorded}
+    assert runs == {(m, c) for m, cs in verify_cost.CONTEXTS.items() for c in cs}
+    for r in recorded:
+        q, ratio = int(r["query_tokens"]), float(r["ratio"])
+        assert ratio < q if q > 1 else ratio == 1.0
+        assert ratio < 16 / 3 or q < 16
