@@ -313,6 +313,7 @@ class LlamaModel(nn.Module):
         attention_weights: list | None = None,
         validate: bool = True,
         logits_indices: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for the T new tokens.
 
@@ -331,6 +332,9 @@ class LlamaModel(nn.Module):
                 engine's rows that sample this step: a prompt's last token, not its other
                 tokens); None: all T. The final norm and `lm_head`, a (d_model x V) product per
                 row, then run on m rows only (vLLM's `logits_indices`).
+            tree_mask: (T, T) bool, which of the new tokens each new token sees (itself and its
+                ancestors when the T tokens are a tree of draft candidates: SpecInfer, Miao et
+                al., 2024); None: causal. Pass the tree's `position_ids` (depths) with it.
         Returns:
             (B, T, V) logits in float32; (B, m, V) with `logits_indices`.
         Raises:
@@ -374,6 +378,14 @@ class LlamaModel(nn.Module):
         mask = attention_mask_3d(
             t, past + t, attention_mask, self.config.sliding_window, input_ids.device
         )
+        if tree_mask is not None:
+            if tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"tree_mask: expected a ({t}, {t}) bool tensor, got {tuple(tree_mask.shape)} "
+                    f"{tree_mask.dtype}"
+                )
+            mask = mask.clone()
+            mask[..., past:] &= tree_mask.to(mask.device)  # within the causal (and window) rule
         backend = get_backend(self.attention_backend)
         if hasattr(cache, "begin_forward"):  # a cache that stores only real tokens (paged)
             cache.begin_forward(t, attention_mask)

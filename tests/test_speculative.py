@@ -20,6 +20,7 @@ from kvlib.speculative import (
     speculative_accept,
     speculative_generate,
 )
+from kvlib.speculative.tree import tree_attention_mask, tree_depths, verify_tree
 
 INT8 = QuantScheme("int8", reduce="channels")
 
@@ -277,3 +278,90 @@ def test_verify_cost_writes_ratios_and_the_recording_holds_the_claim(tmp_path):
         q, ratio = int(r["query_tokens"]), float(r["ratio"])
         assert ratio < q if q > 1 else ratio == 1.0
         assert ratio < 16 / 3 or q < 16
+
+
+def test_a_tree_mask_lets_each_node_see_its_ancestors_only():
+    #        0
+    #      /   \
+    #     1     2
+    #    / \     \
+    #   3   4     5
+    parents = [-1, 0, 0, 1, 1, 2]
+    mask = tree_attention_mask(parents)
+    assert mask[3].nonzero().flatten().tolist() == [0, 1, 3]
+    assert mask[5].nonzero().flatten().tolist() == [0, 2, 5]
+    assert tree_depths(parents) == [0, 1, 1, 2, 2, 2]
+    with pytest.raises(ValueError, match="node 2's parent among nodes 0..1"):
+        tree_depths([-1, 0, 2])
+
+
+TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3]  # the root, two candidates, then three, then one
+
+
+def test_verifying_a_tree_equals_verifying_each_branch_alone(course_model):
+    """One forward over the tree with its mask and depth positions gives, at every node, the
+    logits of a plain causal forward over that node's branch alone (float32, to 1e-5)."""
+    import copy
+
+    model = course_model
+    prompt = repetitive_prompt(model)
+    cache = DynamicCache(model.config.num_hidden_layers)
+    with torch.no_grad():
+        model(prompt, cache=cache)
+    tokens = [5, 17, 42, 8, 99, 3, 64]
+    depths = tree_depths(TREE_PARENTS)
+    past = cache.length
+    with torch.no_grad():
+        tree_logits = model(
+            torch.tensor([tokens]),
+            cache=copy.deepcopy(cache),
+            position_ids=torch.tensor([[past + d for d in depths]]),
+            tree_mask=tree_attention_mask(TREE_PARENTS),
+        )[0]
+        for leaf in (4, 5, 6, 3):
+            branch = [leaf]
+            while TREE_PARENTS[branch[0]] != -1:
+                branch.insert(0, TREE_PARENTS[branch[0]])
+            alone = model(torch.tensor([[tokens[i] for i in branch]]), cache=copy.deepcopy(cache))[
+                0
+            ]
+            assert torch.allclose(alone, tree_logits[branch], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static", "paged", "bounds"])
+def test_greedy_tree_speculation_emits_plain_greedy_tokens(course_model, kind):
+    """Each step drafts a tree whose first branch is prompt lookup's guess and whose other
+    candidates are wrong on purpose; the accepted branch's K/V is moved into place and the rest
+    rolled back: the tokens equal plain greedy decoding's, in fewer forwards, and the cache holds
+    exactly the emitted tokens but the newest, whose K/V give the plain cache's next logits (the
+    tokens alone would not show misplaced K/V: the course model's argmax survives them)."""
+    model, make = course_model, caches(course_model)[kind]
+    prompt, n_new, vocab = repetitive_prompt(course_model), 30, course_model.config.vocab_size
+    plain_cache = make()
+    plain, _ = speculative_generate(
+        model, prompt, plain_cache, max_new_tokens=n_new, drafter=no_draft
+    )
+    cache, out, forwards = make(), [], 0
+    with torch.no_grad():
+        next_token = int(model(prompt, cache=cache)[0, -1].argmax())
+    while True:
+        out.append(next_token)
+        if len(out) >= n_new:
+            break
+        guess = ngram_draft(prompt[0].tolist() + out, 2) or [0]
+        decoy = [(t + 1) % vocab for t in guess]
+        tokens, parents = [next_token, decoy[0], guess[0]], [-1, 0, 0]  # the decoy first
+        if len(guess) > 1:
+            tokens += [decoy[1], guess[1]]
+            parents += [2, 2]
+        accepted, next_token = verify_tree(model, cache, tokens, parents)
+        out += accepted
+        forwards += 1
+    assert out[:n_new] == plain[0, prompt.shape[1] :].tolist()
+    assert forwards < n_new - 1
+    assert cache.length == prompt.shape[1] + len(out) - 1
+    cache.truncate(plain_cache.length)  # the same tokens cached: the same next logits
+    probe = torch.tensor([[plain[0, -1]]])
+    with torch.no_grad():
+        got, expected = model(probe, cache=cache)[0, -1], model(probe, cache=plain_cache)[0, -1]
+    assert torch.allclose(got, expected, atol=1e-4, rtol=0)

@@ -28,7 +28,9 @@ defines `truncate(length)`, after which it holds exactly what it held when its `
 `length`, as if the positions after it had never been written (the K/V of rejected draft
 tokens). Dense, static, latent, paged and page-bounds caches define it; a cache that cannot undo a
 write (a quantized cache that has quantized the group, an evicting cache that evicted) raises
-`NotImplementedError` saying why.
+`NotImplementedError` saying why. Tree speculation also needs `move_tokens(src, dst)`: the K/V of
+positions `src` copied to positions `dst` in every layer and sequence (the accepted branch moved
+into place before the truncate; chapter 9's repack within a sequence).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "KVCache",
     "check_kv_append",
     "check_kv_update",
+    "check_moves",
     "check_truncate_length",
     "check_unpadded",
 ]
@@ -168,3 +171,25 @@ def check_truncate_length(length: object, held: int) -> int:
             f"prefix of them), got {length}"
         )
     return length
+
+
+def check_moves(src, dst, held: int) -> tuple[list[int], list[int]]:
+    """`src` and `dst` as lists of positions in [0, held) of one length, `dst` without repeats, and
+    every destination at or before its source, in increasing order: a forward copy then reads
+    every source before it is overwritten (what `move_tokens` needs).
+
+    Raises:
+        ValueError: anything else, naming the argument.
+    """
+    src, dst = [int(i) for i in src], [int(i) for i in dst]
+    if len(src) != len(dst):
+        raise ValueError(f"src, dst: expected one length, got {len(src)} and {len(dst)}")
+    for name, positions in (("src", src), ("dst", dst)):
+        if any(not 0 <= i < held for i in positions):
+            raise ValueError(f"{name}: expected positions in [0, {held}), got {positions}")
+    if any(b <= a for a, b in zip(dst, dst[1:])) or any(d > s for s, d in zip(src, dst)):
+        raise ValueError(
+            f"dst: expected increasing positions, each at or before its source, got {dst} for "
+            f"sources {src}"
+        )
+    return src, dst

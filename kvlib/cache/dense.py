@@ -20,7 +20,7 @@ import copy
 import torch
 
 from kvlib._validate import check_positive_int
-from kvlib.cache.base import check_kv_append, check_kv_update, check_truncate_length
+from kvlib.cache.base import check_kv_append, check_kv_update, check_moves, check_truncate_length
 from kvlib.errors import CacheOverflowError
 
 __all__ = ["DynamicCache", "StaticCache"]
@@ -106,6 +106,19 @@ class DynamicCache(_DenseCache):
             None if v is None else v.repeat_interleave(num_copies, dim=0) for v in self.values
         ]
         return bigger
+
+    def move_tokens(self, src, dst) -> None:
+        """Copy the K/V of positions `src` to positions `dst` in every layer (tree speculation's
+        accepted branch moved into place; then `truncate`).
+
+        Raises:
+            ValueError: as `kvlib.cache.base.check_moves`.
+        """
+        src, dst = check_moves(src, dst, self.length)
+        for tensors in (self.keys, self.values):
+            for t in tensors:
+                if t is not None:
+                    t[:, :, dst] = t[:, :, src]  # the read is a copy: sources read first
 
     def _keep(self, length: int) -> None:
         """Each layer's tensors cut to their first `length` positions: views, so a rollback
@@ -248,6 +261,11 @@ class StaticCache(_DenseCache):
         ].repeat_interleave(num_copies, dim=2)
         bigger.allocations = self.allocations + 1
         return bigger
+
+    def move_tokens(self, src, dst) -> None:
+        """As `DynamicCache.move_tokens`, in the buffer."""
+        src, dst = check_moves(src, dst, self.length)
+        self.buffer[:, :, :, :, dst] = self.buffer[:, :, :, :, src]
 
     def _keep(self, length: int) -> None:
         """The rolled-back positions zeroed, as in a buffer that was never written there."""

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from kvlib._validate import check_positive_int
-from kvlib.cache.base import check_kv_update, check_truncate_length
+from kvlib.cache.base import check_kv_update, check_moves, check_truncate_length
 from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.block_pool import BlockPool
 from kvlib.ops.attention import reference_attention
@@ -347,6 +347,37 @@ class PagedCache:
                 self._truncated_block(manager.block_tables[b][-1], keep % self.block_size)
         self.length = length
         self._step = self._mask = None
+
+    def move_tokens(self, src, dst) -> None:
+        """Copy the K/V of positions `src` to positions `dst` of every sequence (as
+        `DynamicCache.move_tokens`; positions of the batch, each sequence holding all of them),
+        through each sequence's slots, in every per-slot pool.
+
+        Raises:
+            ValueError: as `kvlib.cache.base.check_moves`; a sequence with padding; a destination
+                in a block another sequence also holds (its K/V would change).
+            NotImplementedError: a cache that cannot roll back (`rollback_refusal`).
+        """
+        if self.rollback_refusal:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not move tokens back: {self.rollback_refusal}"
+            )
+        src, dst = check_moves(src, dst, self.length)
+        manager = self.manager
+        for b in sorted(manager.block_tables):
+            if manager.num_tokens(b) != self.length:
+                raise ValueError(f"move_tokens: sequence {b} has padding; expected none")
+            for p in dst:
+                block = manager.block_tables[b][p // self.block_size]
+                if manager.pool.blocks[block].ref_cnt > 1:
+                    raise ValueError(f"dst: position {p} of sequence {b} is in a shared block")
+            slots = [manager.slot(b, p) for p in src], [manager.slot(b, p) for p in dst]
+            self._move_slots(*slots)
+
+    def _move_slots(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        for pool in self._pools():
+            flat = pool.flatten(0, 1)
+            flat[dst_slots] = flat[src_slots]
 
     def _truncated_block(self, block: int, kept_slots: int) -> None:
         """The slots past `kept_slots` of a block a rollback kept, zeroed in every per-slot pool

@@ -64,6 +64,15 @@ class PageBoundsCache(PagedCache):
     def _pools(self) -> list[torch.Tensor]:
         return super()._pools() + self.key_min + self.key_max
 
+    def _move_slots(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """The moved K/V, and the bounds of every block written recomputed from all its slots
+        (the next `truncate` recomputes its partial block from the slots it keeps)."""
+        for pool in self.key_cache + self.value_cache:
+            flat = pool.flatten(0, 1)
+            flat[dst_slots] = flat[src_slots]
+        for block in sorted({s // self.block_size for s in dst_slots}):
+            self._truncated_block(block, self.block_size)
+
     def _truncated_block(self, block: int, kept_slots: int) -> None:
         """A rollback's partial block: its dropped slots zeroed and its bounds recomputed from
         the keys it keeps (the same minima and maxima the writes folded in, exactly)."""

@@ -12,6 +12,8 @@ al., 2023, "Accelerating Large Language Model Decoding with Speculative Sampling
   occurrence of the text's last n-gram; vLLM's `ngram` method).
 - `self_draft`: self-speculation: the target drafts over a few pages of its own cache (chapter
   15's sparse view; sinks and a window when the budget is just those), verified densely.
+- `tree`: tree speculation: several candidates per position in one forward with a tree attention
+  mask (SpecInfer; Medusa), the accepted branch's K/V moved into place (`move_tokens`).
 - `decode`: the loop: draft, verify in one forward, keep the accepted tokens, `cache.truncate` the
   rest; greedy output token-identical to `kvlib.generation.generate`'s.
 
