@@ -13,6 +13,7 @@ from kvlib.loaders.course_model import load_course_mla_model, load_course_model
 from kvlib.quant import QuantScheme
 from kvlib.sparse import SparsePagedCache
 from kvlib.speculative import (
+    Draft,
     SparseSelfDrafter,
     greedy_accept,
     ngram_draft,
@@ -365,3 +366,53 @@ def test_greedy_tree_speculation_emits_plain_greedy_tokens(course_model, kind):
     with torch.no_grad():
         got, expected = model(probe, cache=cache)[0, -1], model(probe, cache=plain_cache)[0, -1]
     assert torch.allclose(got, expected, atol=1e-4, rtol=0)
+
+
+def second_token_counts(model, prompt, drafter, runs: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(model.config.vocab_size)
+    for _ in range(runs):
+        cache = DynamicCache(model.config.num_hidden_layers)
+        tokens, stats = speculative_generate(  # 3 tokens: the second is a verified draft's
+            model,
+            prompt,
+            cache,
+            max_new_tokens=3,
+            k=1,
+            drafter=drafter,
+            temperature=1.0,
+            generator=g,
+        )
+        assert stats.num_draft_tokens == 1
+        counts[tokens[0, prompt.shape[1] + 1]] += 1
+    return counts
+
+
+def test_sampled_speculation_keeps_the_targets_distribution(course_model):
+    """300 runs of three tokens at temperature 1, drafting one token (the last one again, a one-hot
+    q): the second token's frequencies match the exact sum_x p(x) p(y | x) (chi-square over the
+    cells expecting 5 or more, the rest pooled: p-value above 0.001 at a fixed seed). A drafter
+    that misreports its q (claims uniform, proposes one token: the pitfall of a draft sampled at
+    another temperature than the one the rule is given) fails the same test (below 1e-6)."""
+    model = course_model
+    prompt = repetitive_prompt(model)[:, :12]
+    with torch.no_grad():
+        first = torch.softmax(model(prompt)[0, -1].double(), -1)  # (V,)
+        vocab = first.shape[0]
+        both = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        second = torch.softmax(model(both)[:, -1].double(), -1)  # (V, V): row x is p(. | x)
+    expected = first @ second  # (V,)
+
+    def pooled_p_value(counts):
+        big = expected * counts.sum() >= 5
+        observed = torch.cat([counts[big], counts[~big].sum()[None]])
+        probs = torch.cat([expected[big], expected[~big].sum()[None]])
+        return chi_square_p_value(observed, probs / probs.sum())
+
+    repeat_last = lambda tokens, k: [tokens[-1]]  # noqa: E731
+    assert pooled_p_value(second_token_counts(model, prompt, repeat_last, 300)) > 1e-3
+
+    def liar(tokens, k):
+        return Draft([tokens[-1]], torch.full((1, vocab), 1.0 / vocab, dtype=torch.float64))
+
+    assert pooled_p_value(second_token_counts(model, prompt, liar, 300)) < 1e-6

@@ -11,8 +11,8 @@ tokens after it, rolling the cache back (`truncate`) after each, so every run se
 context. The runs are interleaved over q, `REPEATS` rounds after a warm-up round, and the figure
 is each q's median; `ratio` is that median over q = 1's, the number the chapter reads. torch runs
 on one thread, so that whatever else keeps the machine's other cores busy slows every q alike
-(two threads on a busy 2-core machine stall each other and scatter the times). `--quick`: the course model at one context, 3
-rounds (what a notebook can afford to re-run).
+(two threads on a busy 2-core machine stall each other and scatter the times). `--quick`: the
+course model at one context, 3 rounds (what a notebook can afford to re-run).
 """
 
 from __future__ import annotations

@@ -23,12 +23,13 @@ paged, page-bounds and per-token quantized paged caches roll back; caches that c
 why.
 """
 
-from kvlib.speculative.decode import SpeculationStats, speculative_generate
+from kvlib.speculative.decode import Draft, SpeculationStats, speculative_generate
 from kvlib.speculative.ngram import ngram_draft
 from kvlib.speculative.self_draft import SparseSelfDrafter
 from kvlib.speculative.verify import greedy_accept, residual_distribution, speculative_accept
 
 __all__ = [
+    "Draft",
     "SparseSelfDrafter",
     "SpeculationStats",
     "greedy_accept",

@@ -12,14 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from kvlib._validate import check_positive_int
 from kvlib.speculative.ngram import ngram_draft
-from kvlib.speculative.verify import greedy_accept
+from kvlib.speculative.verify import greedy_accept, speculative_accept
 
-__all__ = ["SpeculationStats", "speculative_generate"]
+__all__ = ["Draft", "SpeculationStats", "speculative_generate"]
+
+
+class Draft(NamedTuple):
+    """A drafter's guess with the distributions it was sampled from: `tokens` (k ids) and `probs`
+    (k, V), row i the q_i that token i was drawn from (at the temperature the target samples
+    with: speculative sampling's output is the target's only if q is what the draft really
+    used)."""
+
+    tokens: list[int]
+    probs: torch.Tensor
 
 
 @dataclasses.dataclass
@@ -50,9 +61,11 @@ def speculative_generate(
     *,
     max_new_tokens: int,
     k: int = 4,
-    drafter: Callable[[Sequence[int], int], Sequence[int]] = ngram_draft,
+    drafter: Callable[[Sequence[int], int], Sequence[int] | Draft] = ngram_draft,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, SpeculationStats]:
-    """Greedy speculative decoding of one sequence.
+    """Speculative decoding of one sequence: greedy (temperature 0) or sampled.
 
     Args:
         model: a `kvlib.model.LlamaModel` (the target).
@@ -61,14 +74,21 @@ def speculative_generate(
             tokens (a step writes its k draft tokens before the rejected ones are removed).
         max_new_tokens: N >= 1 tokens to emit.
         k: draft tokens per step, at most (fewer near the end, or when the drafter has fewer).
-        drafter: `drafter(tokens so far, k)` -> up to k token ids (default: prompt lookup).
+        drafter: `drafter(tokens so far, k)` -> up to k token ids, a deterministic guess (its
+            distribution q is one-hot: prompt lookup, the default), or a `Draft` with the (k, V)
+            distributions its tokens were sampled from.
+        temperature: 0: greedy, token-identical to greedy decoding; > 0: the target samples from
+            softmax(logits / temperature), through `verify.speculative_accept`, so the tokens are
+            distributed as plain sampling's at that temperature.
+        generator: the request's generator for every draw (sampling only).
 
     Returns:
         ((1, T + N) int64 tokens, `SpeculationStats`).
 
     Raises:
-        ValueError: input_ids not (1, T) int64; N or k not positive; a drafted id outside the
-            vocabulary. NotImplementedError: a cache that cannot roll back (from `truncate`).
+        ValueError: input_ids not (1, T) int64; N or k not positive; a negative temperature; a
+            drafted id outside the vocabulary. NotImplementedError: a cache that cannot roll back
+            (from `truncate`).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.dtype != torch.int64:
         raise ValueError(
@@ -77,26 +97,57 @@ def speculative_generate(
         )
     max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
     k = check_positive_int("k", k)
+    if not temperature >= 0:
+        raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
     vocab, device = model.config.vocab_size, input_ids.device
+
+    def probs(logits):  # the target's distributions at this temperature, in float64
+        return torch.softmax(logits.double() / temperature, dim=-1)
+
     stats, new = SpeculationStats(), []
     with torch.no_grad():
-        next_token = int(model(input_ids, cache=cache)[0, -1].argmax())  # the prefill's token
+        last = model(input_ids, cache=cache)[0, -1]  # the prefill's token
+        if temperature:
+            next_token = int(torch.multinomial(probs(last), 1, generator=generator))
+        else:
+            next_token = int(last.argmax())
         while True:
             new.append(next_token)
             if len(new) == max_new_tokens:
                 break
             room = min(k, max_new_tokens - len(new) - 1)  # accepted + the target's token fit
-            draft = [int(t) for t in drafter(input_ids[0].tolist() + new, k)][:room] if room else []
-            if any(not 0 <= t < vocab for t in draft):
-                raise ValueError(f"drafter: expected token ids in [0, {vocab}), got {draft}")
-            step = torch.tensor([[next_token, *draft]], device=device)
+            draft = _draft(drafter(input_ids[0].tolist() + new, k), room, vocab) if room else None
+            guess = [] if draft is None else draft.tokens
+            step = torch.tensor([[next_token, *guess]], device=device)
             logits = model(step, cache=cache)[0]  # (1 + k', V): one forward verifies all
-            accepted, next_token = greedy_accept(draft, logits)
-            cache.truncate(cache.length - (len(draft) - accepted))  # the rejected tokens' K/V
-            new += draft[:accepted]
+            if temperature:
+                accepted, next_token = speculative_accept(
+                    guess,
+                    draft.probs.double() if draft else torch.zeros(0, vocab),
+                    probs(logits),
+                    generator,
+                )
+            else:
+                accepted, next_token = greedy_accept(guess, logits)
+            cache.truncate(cache.length - (len(guess) - accepted))  # the rejected tokens' K/V
+            new += guess[:accepted]
             stats.num_drafts += 1
-            stats.num_draft_tokens += len(draft)
+            stats.num_draft_tokens += len(guess)
             stats.num_accepted_tokens += accepted
             stats.num_emitted_tokens += accepted + 1
     tokens = torch.cat([input_ids, torch.tensor([new], device=device)], dim=1)
     return tokens, stats
+
+
+def _draft(proposed, room: int, vocab: int) -> Draft | None:
+    """A drafter's answer as a `Draft` of at most `room` tokens (a plain list: one-hot q)."""
+    if not isinstance(proposed, Draft):
+        proposed = [int(t) for t in proposed]
+        if any(not 0 <= t < vocab for t in proposed):
+            raise ValueError(f"drafter: expected token ids in [0, {vocab}), got {proposed}")
+        one_hot = torch.zeros(len(proposed), vocab, dtype=torch.float64)
+        one_hot[torch.arange(len(proposed)), proposed] = 1.0
+        proposed = Draft(proposed, one_hot)
+    if not proposed.tokens:
+        return None
+    return Draft(proposed.tokens[:room], proposed.probs[:room])

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from kvlib._validate import check_positive_int
+from kvlib.speculative.decode import Draft
 
 __all__ = ["SparseSelfDrafter"]
 
@@ -33,13 +34,25 @@ class SparseSelfDrafter:
         cache: the `kvlib.sparse.SparsePagedCache` the target decodes with (its `budget_pages`
             must be None outside the draft steps: the verification reads every page).
         budget_pages: pages a draft step reads per sequence and sparse layer.
+        temperature: 0: greedy drafts (a list of ids); > 0: each draft token sampled from the
+            sparse view's softmax(logits / temperature), returned as a `Draft` with those
+            distributions (give the loop the same temperature).
+        generator: the draws' generator (sampling only).
 
     Raises:
         ValueError: `budget_pages` not a positive int, or below the cache's forced pages.
         TypeError: a cache without `budget_pages` (not a sparse cache).
     """
 
-    def __init__(self, model, cache, budget_pages: int):
+    def __init__(
+        self,
+        model,
+        cache,
+        budget_pages: int,
+        *,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ):
         if not hasattr(cache, "budget_pages"):
             raise TypeError(
                 f"cache: expected a kvlib.sparse.SparsePagedCache, got {type(cache).__name__}"
@@ -51,22 +64,29 @@ class SparseSelfDrafter:
                 f"budget_pages: expected at least sink_pages + recent_pages = {forced}, got "
                 f"{budget_pages}"
             )
+        if not temperature >= 0:
+            raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
         self.model, self.cache, self.budget_pages = model, cache, budget_pages
+        self.temperature, self.generator = temperature, generator
 
-    def __call__(self, tokens: Sequence[int], k: int) -> list[int]:
+    def __call__(self, tokens: Sequence[int], k: int) -> list[int] | Draft:
         """k draft tokens after `tokens`, whose last token is not in the cache yet (the loop feeds
         it next); the cache is left as it was."""
         cache, start = self.cache, self.cache.length
         device = self.model.lm_head.weight.device
-        token, draft = int(tokens[-1]), []
+        token, draft, probs = int(tokens[-1]), [], []
         cache.budget_pages = self.budget_pages
         try:
             with torch.no_grad():
                 for _ in range(k):
                     logits = self.model(torch.tensor([[token]], device=device), cache=cache)
-                    token = int(logits[0, -1].argmax())
+                    if self.temperature:
+                        probs.append(torch.softmax(logits[0, -1].double() / self.temperature, -1))
+                        token = int(torch.multinomial(probs[-1], 1, generator=self.generator))
+                    else:
+                        token = int(logits[0, -1].argmax())
                     draft.append(token)
         finally:
             cache.budget_pages = None
             cache.truncate(start)  # the draft steps' sparse K/V: not the target's
-        return draft
+        return Draft(draft, torch.stack(probs).cpu()) if self.temperature else draft
