@@ -104,10 +104,6 @@ class CompactingPagedCache(PagedCache):
         num_kv_heads: int,
         head_dim: int,
         *,
-        num_blocks: int,
-        block_size: int = 16,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
         policy: EvictionPolicy | None = None,
         budget: int | None = None,
         strategy: str | None = None,
@@ -115,16 +111,9 @@ class CompactingPagedCache(PagedCache):
         rotate_on_read: bool = False,
         rope: tuple | None = None,
         sliding_window: int | None = None,
+        **paged,
     ):
-        super().__init__(
-            num_layers,
-            num_kv_heads,
-            head_dim,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            dtype=dtype,
-            device=device,
-        )
+        super().__init__(num_layers, num_kv_heads, head_dim, **paged)
         if policy is not None:
             if not isinstance(policy, EvictionPolicy):
                 raise TypeError(f"policy: expected an EvictionPolicy, got {type(policy).__name__}")

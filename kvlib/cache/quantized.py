@@ -324,12 +324,9 @@ class QuantizedPagedCache(PagedCache):
         num_kv_heads: int,
         head_dim: int,
         *,
-        num_blocks: int,
-        block_size: int = 16,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
         key_scheme: QuantScheme,
         value_scheme: QuantScheme | None = None,
+        **paged,
     ):
         self.key_scheme = _check_scheme("key_scheme", key_scheme)
         self.value_scheme = _check_scheme(
@@ -341,15 +338,7 @@ class QuantizedPagedCache(PagedCache):
                     f"{name}: a paged cache quantizes each token as it is written, so scales "
                     f"must be per token (reduce='channels'), got {scheme.granularity}"
                 )
-        super().__init__(
-            num_layers,
-            num_kv_heads,
-            head_dim,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            dtype=dtype,
-            device=device,
-        )
+        super().__init__(num_layers, num_kv_heads, head_dim, **paged)
 
     def _make_pools(self, num_blocks: int, device: torch.device) -> None:
         """Per layer: codes `(num_blocks, block_size, H_kv, D · bits / 8)`, scales (and zero points)
