@@ -114,8 +114,7 @@ def check(
             verdict = serve(channel, _OnlyFunction(function), until="verdict")
     except CheckTimeout:  # the grader is out of step: the next check starts a fresh one
         _stop_checker()
-        message = f"timed out after {timeout_s:g} s (an infinite loop, or far too slow)"
-        verdict = ("verdict", False, message, 0)
+        verdict = ("verdict", False, str(QuestionTimeout(timeout_s)), 0)
     except ChannelClosed:
         _stop_checker()
         verdict = ("verdict", False, "the grader ended unexpectedly", 0)
@@ -224,8 +223,7 @@ class _PeerSide:
 
         self.channel, self.timeout_s = channel, timeout_s
         self.deadline = time.monotonic() + timeout_s
-        self.pid = os.getppid()  # the notebook started this process
-        memory = PeakMemory(self.pid)  # best effort: the notebook's process can reset it
+        memory = PeakMemory(os.getppid())  # the notebook's process, which can reset it
         self.memory = memory if memory.available else None
 
     def request(self, message, *, compact: bool = False):
@@ -235,9 +233,7 @@ class _PeerSide:
             wait = max(0.0, self.deadline - time.monotonic())
             return self.channel.request(message, wait, compact=compact)
         except ChannelTimeout:
-            raise QuestionTimeout(
-                f"timed out after {self.timeout_s:g} s (an infinite loop, or far too slow)"
-            ) from None
+            raise QuestionTimeout(self.timeout_s) from None
         except Unsolicited as exc:
             raise ProcessEnded(str(exc)) from None
         except ChannelClosed:

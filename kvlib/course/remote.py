@@ -30,7 +30,10 @@ class LearnerRaised(Exception):
 
 
 class QuestionTimeout(Exception):
-    """The learner's process ran past the question's time; the grader killed it."""
+    """The learner's process ran past the question's `timeout_s`; the grader killed it."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(f"timed out after {timeout_s:g} s (an infinite loop, or far too slow)")
 
 
 class ProcessEnded(Exception):
@@ -55,10 +58,6 @@ class Remote:
     def __init__(self, submission, name: str, description: dict, target: str = ""):
         self._submission, self.name, self.description = submission, name, description
         self._target = target or name  # the binding called (the tests grade variants by name)
-
-    @property
-    def is_triton_kernel(self) -> bool:
-        return bool(self.description.get("jit"))
 
     def __call__(self, *args, **kwargs):
         return self.call(*args, **kwargs).result
@@ -184,7 +183,7 @@ class Remote:
     def launch(self, grid: tuple, *args, _mutates=(), **kwargs) -> Call:
         """Launch a Triton kernel `kernel[grid](*args, **kwargs)` in the learner's process, under
         Triton's interpreter (CPU tensors)."""
-        if not self.is_triton_kernel:
+        if not self.description.get("jit"):
             raise AssertionError(
                 f"`{self.name}` should be a @triton.jit kernel (a triton JITFunction), got a "
                 f"{self.description.get('type', '?')}"

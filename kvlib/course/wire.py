@@ -197,18 +197,17 @@ def encode(value, memo: dict | None = None, depth: int = 0):
     memo[key] = (len(memo), value)  # keep value alive so ids stay unique
     if isinstance(value, ParentRows):
         return ("O", "ParentRows", repr(value), ())
-    if "torch" in sys.modules:
-        torch = sys.modules["torch"]
-        if isinstance(value, torch.Tensor):
-            if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
-                return ("O", type(value).__name__, "a torch.Tensor subclass", ())
-            t = value.detach()
-            if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
-                t = t.to_dense() if t.layout != torch.strided else t
-                t = t.cpu()
-            flat = t.contiguous().reshape(-1)
-            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-            return ("T", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+            return ("O", type(value).__name__, "a torch.Tensor subclass", ())
+        t = value.detach()
+        if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
+            t = t.to_dense() if t.layout != torch.strided else t
+            t = t.cpu()
+        flat = t.contiguous().reshape(-1)
+        raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        return ("T", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             return ("O", "ndarray", "a numpy array of Python objects", ())
@@ -400,12 +399,8 @@ class ParentRows:
         self.reads = None
         self._ask = None
 
-    def __getstate__(self):
-        return {"shape": self.shape, "dtype": self.dtype, "max_rows": self.max_rows,
-                "index": self.index}  # fmt: skip
-
-    def __setstate__(self, state):
-        self.__dict__.update(state, _array=None, reads=None, _ask=None)
+    def __getstate__(self):  # what crosses the wire: not the array
+        return {**self.__dict__, "_array": None, "reads": None, "_ask": None}
 
     @property
     def ndim(self) -> int:
