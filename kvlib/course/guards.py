@@ -143,9 +143,7 @@ class _Prologues(ast.NodeVisitor):
             for part in ast.walk(call):
                 part.lineno = part.end_lineno = first.lineno
                 part.col_offset = part.end_col_offset = 0
-            docstring = isinstance(first, ast.Expr) and isinstance(
-                getattr(first, "value", None), ast.Constant
-            )
+            docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
             node.body.insert(1 if docstring and isinstance(first.value.value, str) else 0, call)
         self.stack += [node.name, "<locals>"]
         self.generic_visit(node)

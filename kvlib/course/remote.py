@@ -229,10 +229,10 @@ def _aliases(result, args_after: list, info: dict) -> list[int]:
 
     walk(result)
     spans = info.get("extents", {})
-    result_spans = spans.get("result", [])
+    result_spans, args_spans = spans.get("result", []), spans.get("args", [])
     hits = []
     for index, arg in enumerate(args_after):
-        arg_spans = spans.get("args", [])[index] if index < len(spans.get("args", [])) else []
+        arg_spans = args_spans[index] if index < len(args_spans) else []
         overlap = any(a0 < b1 and b0 < a1 for a0, a1 in result_spans for b0, b1 in arg_spans)
         same = id(arg) in inside and not isinstance(arg, (int, float, str, bool, type(None)))
         if overlap or same:

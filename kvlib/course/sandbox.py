@@ -107,10 +107,7 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
         if not _is_triton_kernel(fn):
             error = TypeError(f"expected a @triton.jit kernel, got a {type(fn).__name__}")
             return ("raised", "TypeError", str(error), error), info
-        interpreter = sys.modules.get("triton.runtime.interpreter")
-        info["interpreter"] = interpreter is not None and isinstance(
-            fn, interpreter.InterpretedFunction
-        )
+        info["interpreter"] = _is_triton_kernel(fn, interpreted=True)
     profiler = None
     with contextlib.ExitStack() as stack:
         if options.get("torch_ops"):
@@ -137,12 +134,12 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
     return ("returned", result), info
 
 
-def _is_triton_kernel(value) -> bool:
-    """A @triton.jit kernel: a JITFunction, or the InterpretedFunction that @triton.jit makes of
-    one under TRITON_INTERPRET=1 (wrapping a plain Python function)."""
+def _is_triton_kernel(value, interpreted: bool = False) -> bool:
+    """A @triton.jit kernel: a JITFunction (unless `interpreted`), or the InterpretedFunction that
+    @triton.jit makes of one under TRITON_INTERPRET=1 (wrapping a plain Python function)."""
     jit = sys.modules.get("triton.runtime.jit")
     interpreter = sys.modules.get("triton.runtime.interpreter")
-    if jit is not None and isinstance(value, jit.JITFunction):
+    if not interpreted and jit is not None and isinstance(value, jit.JITFunction):
         return True
     return (
         interpreter is not None
