@@ -1,29 +1,23 @@
 """The exercise notebook's side of grading: `check("question_id", function)` and `show(function,
 ...)`.
 
-check() starts a grader subprocess (`python -m kvlib.course.checking --peer`, one per notebook
-kernel), which holds the test, the expected values and the verdict, and runs the question with the
-same `run_question` as the grader; this process serves its requests (`kvlib.course.sandbox`), so
-the learner's function runs here, with the same kvlib functions unavailable. A ✅ here is a pass
-in the grader.
-
-check() has the grader's limits. Its test may run 60 s by default: past it, the cell stops the
-function (an alarm raises `CheckTimeout`, a BaseException, in the main thread, again every half
-second while the function catches it) and prints the grader's timeout message. Where no alarm is
-available (Windows, or check() called outside the main thread) the function runs until it returns
-or is interrupted; the grader still times it out. And the grader skips a cell that runs longer
-than the same 60 s while it loads the notebook: in Jupyter, check() times the cells as they run
-and fails a function whose defining cell ran that long, as the grader would.
-
-Each check() draws its own random cases (the seed is in a failure message; `check(..., seed=N)`
-replays them). The grader subprocess runs isolated from the notebook's environment (`python -I`:
-no PYTHONPATH, no user site-packages), so nothing on the notebook's path changes its verdict.
+check() starts a grader subprocess (one per notebook kernel, with `python -I`: no PYTHONPATH, no
+user site-packages) that holds the test, the expected values and the verdict and runs the
+question with the grader's own `run_question`; this process serves its requests
+(`kvlib.course.sandbox`), so the learner's function runs here, with the same kvlib functions
+unavailable. A ✅ here is a pass in the grader, with the grader's limits: past `timeout_s` an alarm
+raises `CheckTimeout` (a BaseException) in the main thread, again every half second while the
+function catches it (without an alarm, on Windows or outside the main thread, the grader still
+times it out); in Jupyter, a function whose defining cell ran longer than the grader gives a cell
+fails, as the grader skips that cell. Each check() draws its own random cases (`seed=N` replays
+them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -57,7 +51,10 @@ _PEER = (
     "    sys.path.append(sys.argv[1])\n"
     "os.environ['KVLIB_CHECK_PEER'] = '1'  # the grader's side: nothing to guard\n"
     "from kvlib.course import checking\n"
-    "checking._peer_entry(int(sys.argv[2]), int(sys.argv[3]))\n"
+    "try:\n"
+    "    checking._peer_main(int(sys.argv[2]), int(sys.argv[3]))\n"
+    "except KeyboardInterrupt:  # an interrupted or shut-down notebook signals its process group\n"
+    "    pass  # this process then ends as when the notebook goes, without a traceback\n"
 )
 
 
@@ -75,17 +72,14 @@ class _OnlyFunction(dict):
 def check(
     question_id: str, function: Callable, *, timeout_s: float = 60.0, seed: int | None = None
 ) -> None:
-    """Run question `question_id`'s test on `function` now and print the verdict.
+    """Run question `question_id`'s test on `function` now, as the grader would, and print the
+    verdict (returns None). Past `timeout_s` (the grader's limit per question, and per cell
+    while it loads the notebook) the function is stopped and the check fails. `seed`: the random
+    cases (default: drawn afresh; a failure says which). Silent while the grader executes the
+    notebook (it grades every question itself).
 
-    The grader's own machinery: a grader subprocess holds the test, the expected values and the
-    verdict, and sends the test's inputs here, where `function` runs (with the same kvlib
-    functions unavailable, and no processes); so a ✅ here is a pass there. Past `timeout_s` (the
-    grader's limit per question, and per cell while it loads the notebook) the function is
-    stopped and the check fails with the grader's message. `seed`: the random cases (default:
-    drawn afresh; a failure says which).
-
-    Returns None: the printed line is the verdict (a check cell shows nothing else). While the
-    grader executes the notebook it prints nothing (it grades every question itself).
+    Raises:
+        ValueError: no question `question_id`.
     """
     if os.environ.get(ENV_GRADING) == "1":
         CHECKED_WHILE_GRADING[question_id] = function
@@ -97,10 +91,7 @@ def check(
     if slow is not None:
         print(f"❌ {question_id}: {slow}")
         return
-    if seed is None:
-        import secrets
-
-        seed = secrets.randbelow(2**32)
+    seed = secrets.randbelow(2**32) if seed is None else seed
     global _CHECKER
     if _CHECKER is None or _CHECKER[0].poll() is not None:
         # one grader subprocess serves this notebook's checks (its imports are paid once)
@@ -123,8 +114,7 @@ def check(
             verdict = serve(channel, _OnlyFunction(function), until="verdict")
     except CheckTimeout:  # the grader is out of step: the next check starts a fresh one
         _stop_checker()
-        message = f"timed out after {timeout_s:g} s (an infinite loop, or far too slow)"
-        verdict = ("verdict", False, message, 0)
+        verdict = ("verdict", False, str(QuestionTimeout(timeout_s)), 0)
     except ChannelClosed:
         _stop_checker()
         verdict = ("verdict", False, "the grader ended unexpectedly", 0)
@@ -228,12 +218,12 @@ def _stop_checker() -> None:
 class _PeerSide:
     """The learner's side as seen by check()'s grader subprocess: the notebook process."""
 
-    def __init__(self, channel, deadline: float):
+    def __init__(self, channel, timeout_s: float):
         from kvlib.course.memory_window import PeakMemory
 
-        self.channel, self.deadline = channel, deadline
-        self.pid = os.getppid()  # the notebook started this process
-        memory = PeakMemory(self.pid)  # best effort: the notebook's process can reset it
+        self.channel, self.timeout_s = channel, timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        memory = PeakMemory(os.getppid())  # the notebook's process, which can reset it
         self.memory = memory if memory.available else None
 
     def request(self, message, *, compact: bool = False):
@@ -243,9 +233,7 @@ class _PeerSide:
             wait = max(0.0, self.deadline - time.monotonic())
             return self.channel.request(message, wait, compact=compact)
         except ChannelTimeout:
-            raise QuestionTimeout(
-                f"timed out after {self.timeout_s:g} s (an infinite loop, or far too slow)"
-            ) from None
+            raise QuestionTimeout(self.timeout_s) from None
         except Unsolicited as exc:
             raise ProcessEnded(str(exc)) from None
         except ChannelClosed:
@@ -275,8 +263,7 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
         except ValueError as exc:
             channel.tell(("verdict", None, str(exc), 0))
             continue
-        side = _PeerSide(channel, time.monotonic() + timeout_s)
-        side.timeout_s = timeout_s
+        side = _PeerSide(channel, timeout_s)
         try:
             passed, message = run_question(q, side, [], int(seed))
         except (QuestionTimeout, ProcessEnded) as exc:
@@ -284,14 +271,6 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
                 channel.tell(("verdict", False, str(exc), q.points))
             return
         channel.tell(("verdict", passed, message, q.points))
-
-
-def _peer_entry(read_fd: int, write_fd: int) -> None:
-    """`_PEER`'s entry: an interrupted or shut-down notebook kernel signals its whole process
-    group, and this process then ends as it would when the notebook goes, without a traceback on
-    the notebook's stderr."""
-    with contextlib.suppress(KeyboardInterrupt):
-        _peer_main(read_fd, write_fd)
 
 
 def _find_question(question_id: str) -> Question:

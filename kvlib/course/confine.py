@@ -1,29 +1,19 @@
-"""What the operating system enforces and measures about the learner's process. Where the grader
-runs as root on Linux its child: runs in a mount namespace of its own where kvlib's folders hold
-only a minimal package (`minimal_package`: the helpers the questions allow, stubs that raise for
-the rest), /proc hides other processes and temporary folders are a private tmpfs (`isolate`);
-drops to an unprivileged user; cannot create processes (a seccomp filter: `fork`, `vfork`,
-`execve` and `clone` without `CLONE_THREAD` fail; threads are fine); and has its peak memory
-counted by the kernel in a memory cgroup the grader makes for it (`CgroupMemory`). Where it runs
-as another user, the peak resident memory is read from /proc (`PeakMemory`, which the child can
-reset: best effort).
+"""What the operating system enforces about the learner's process (Linux): the grader's child, as
+root, drops to an unprivileged user (`drop_privileges`, `limit_processes`) and then cannot create
+processes (`forbid_processes`: a seccomp filter; `fork`, `vfork`, `execve` and `clone` without
+`CLONE_THREAD` fail, threads are fine). Each says whether it took effect; where the platform
+lacks a piece (macOS, Windows, no seccomp) the grader still runs, with
+`kvlib.course.guards`' Python-level rules only. The mount namespace is `kvlib.course.isolation`'s,
+memory `kvlib.course.memory_window`'s; the network and the CPU need a container
+(book/grader_guarantees.md).
 
-The same process rules at the Python level (`process_refused`, `wrap_fork_exec`) are applied by
-`kvlib.course.guards`' audit hook. Each OS-level piece says whether it took effect
-(`Confinement`); where the platform lacks it (macOS, Windows, a kernel without namespaces or
-seccomp) the grader still runs, with the Python-level rules only, and the report says so. It does
-not limit the network or the CPU: those need a container (see book/grader_guarantees.md).
-
-Sources: seccomp(2), capabilities(7), prctl(2), proc(5), mount_namespaces(7), the kernel's
-cgroup-v1 memory.rst and cgroup-v2.rst; Docker's default seccomp profile answers `clone3` with
-ENOSYS in the same way, so that glibc falls back to `clone`.
+Sources: seccomp(2), capabilities(7), prctl(2); Docker's default seccomp profile answers `clone3`
+with ENOSYS in the same way, so that glibc falls back to `clone`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import os
 import platform
 import stat
@@ -34,18 +24,6 @@ UNPRIVILEGED_USER = "nobody"
 # malloc settings for the child (glibc): every block of 64 KiB or more is its own mapping, given
 # back when freed, so that a large temporary shows in the peak resident memory
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
-
-
-@dataclasses.dataclass
-class Confinement:
-    """What the child's confinement achieved (for the report)."""
-
-    user: str = "the grader's own user"
-    processes: str = "refused by Python's audit hooks only"
-    sight: str = "kvlib visible, guarded at the Python level only"
-
-    def describe(self) -> str:
-        return f"learner code runs as {self.user}; process creation {self.processes}; {self.sight}"
 
 
 def unprivileged_ids() -> tuple[int, int]:
@@ -102,14 +80,6 @@ def _check(result: int, what: str) -> None:
         raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
-def _set_capabilities(ctypes, libc, keep: int) -> None:
-    """Effective and permitted capabilities: the bits of `keep` only (none inheritable)."""
-    header = struct.pack("<Ii", _CAP_VERSION_3, 0)
-    data = struct.pack("<6I", keep, keep, 0, 0, 0, 0)  # two (effective, permitted, inheritable)
-    header_buf, data_buf = ctypes.create_string_buffer(header), ctypes.create_string_buffer(data)
-    _check(libc.capset(header_buf, data_buf), "capset")
-
-
 def drop_privileges(read_paths) -> str:
     """Become the unprivileged user (call as root, before any learner code runs). Keeps
     CAP_DAC_READ_SEARCH (read any file, write none) only where `read_paths` (the interpreter, the
@@ -122,7 +92,10 @@ def drop_privileges(read_paths) -> str:
     os.setgroups([])
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
-    _set_capabilities(ctypes, libc, (1 << _CAP_DAC_READ_SEARCH) if keep_reading else 0)
+    keep = (1 << _CAP_DAC_READ_SEARCH) if keep_reading else 0  # effective and permitted only
+    header = ctypes.create_string_buffer(struct.pack("<Ii", _CAP_VERSION_3, 0))
+    data = struct.pack("<6I", keep, keep, 0, 0, 0, 0)  # two (effective, permitted, inheritable)
+    _check(libc.capset(header, ctypes.create_string_buffer(data)), "capset")
     _check(libc.prctl(_PR_SET_KEEPCAPS, 0, 0, 0, 0), "prctl(PR_SET_KEEPCAPS)")
     who = f"{UNPRIVILEGED_USER} (uid {uid})"
     return who + (", allowed to read every file" if keep_reading else "")
@@ -201,65 +174,3 @@ def limit_processes(extra: int) -> None:
                         count += len(os.listdir(f"/proc/{entry.name}/task"))
     limit = count + extra
     resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
-
-
-# --- no new processes: the Python-level rules (kvlib.course.guards' audit hook applies them) ------
-
-PROCESS_EVENTS = frozenset(
-    {"os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
-     "os.startfile", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg"}
-)  # fmt: skip
-CTYPES_EVENTS = frozenset(
-    {"ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function",
-     "ctypes.cdata", "ctypes.cdata/buffer", "ctypes.addressof", "ctypes.string_at",
-     "ctypes.wstring_at", "ctypes.create_string_buffer", "ctypes.create_unicode_buffer",
-     "ctypes.get_errno", "ctypes.set_errno", "ctypes.PyObj_FromPtr"}
-)  # fmt: skip
-
-
-@functools.lru_cache(maxsize=1)
-def _site_packages() -> tuple[str, ...]:
-    import site
-    import sysconfig
-
-    paths = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
-    with contextlib.suppress(AttributeError):
-        paths.update(site.getsitepackages())
-    return tuple(os.path.realpath(p) + os.sep for p in paths)
-
-
-def process_refused(event: str, args: tuple, rules_apply: bool) -> bool:
-    """Whether the audit event `event` is refused: one that creates a process, signals another
-    process, or uses ctypes, while `rules_apply` (but loading a library that lies in
-    site-packages, as torch does on import, and a signal to this process)."""
-    if not rules_apply or event not in PROCESS_EVENTS and event not in CTYPES_EVENTS:
-        return False
-    if event in ("os.kill", "os.killpg"):
-        return not (event == "os.kill" and args and args[0] == os.getpid())
-    if event == "ctypes.dlopen":  # a package's own library (torch loads one on import)
-        path = args[0] if args else None
-        return not (
-            isinstance(path, str)
-            and os.path.isabs(path)
-            and os.path.realpath(path).startswith(_site_packages())
-        )
-    return True
-
-
-def wrap_fork_exec(rules_apply, error) -> None:
-    """subprocess's and multiprocessing's way to start a process, `_posixsubprocess.fork_exec`,
-    raises no audit event of its own when called directly: refuse it (`error(message)`) while
-    `rules_apply()`."""
-    try:
-        import _posixsubprocess
-    except ImportError:  # Windows
-        return
-    original = _posixsubprocess.fork_exec
-
-    def fork_exec(*args, **kwargs):
-        if rules_apply():
-            raise error("creating a process is not allowed while your code is graded (threads "
-                        "are fine)")  # fmt: skip
-        return original(*args, **kwargs)
-
-    _posixsubprocess.fork_exec = fork_exec

@@ -1,20 +1,16 @@
 """The grader: `python -m kvlib.course.grade NOTEBOOK [--json] [--seed N]` (`grade_notebook`,
 `main`).
 
-Each question is graded against a child process (`kvlib.course.sandbox`) that confines itself
-(an unprivileged user where the grader runs as root; no processes) and executes the notebook's
-code cells one by one: a cell may run `timeout_s` (an error, a hang or an `os._exit` in one cell
-costs that cell only: the child is restarted without it), then each question's test may run
-`timeout_s`. The test, the expected values and the verdict stay here
-(`kvlib.course.grading.run_question`); the test's inputs go to the child by value and the outputs
-come back by value. A call that raises, hangs (the child is killed from here: no exception to
-catch), exits or prints megabytes costs that question its points, never the others'; a question
-that leaves a thread running gets the next question a fresh child.
+Each question is graded against a child process (`kvlib.course.child`) that executed the
+notebook's code cells, each within `timeout_s` (a cell that errs, hangs or ends the process costs
+only itself); each question's test may then run `timeout_s`. The test, the expected values and the
+verdict stay here (`kvlib.course.grading.run_question`). A call that raises, hangs, exits or
+prints megabytes costs that question its points, never the others'; a question that leaves a
+thread running gets the next question a fresh child.
 
-The report carries the run's seed (its random cases: `--seed` replays them), a nonce (the
-environment's KVLIB_GRADE_NONCE, or drawn; the child never sees it) and what confined the child.
-The command exits 0 when grading ran to its end, 2 on a usage error, 3 when the grader itself
-failed; only a run that ended prints a score.
+The report carries the run's seed (`--seed` replays its random cases), a nonce (the environment's
+KVLIB_GRADE_NONCE, or drawn; the child never sees it) and what confined the child. Exit status: 0
+when grading ran to its end, 2 on a usage error, 3 (and no score) when the grader itself failed.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -35,8 +32,6 @@ from kvlib.course.grading import (
     chapter_questions,
     run_question,
 )
-
-# --- the grader -----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -176,12 +171,6 @@ def read_code_cells(path: Path) -> list[str]:
         ) from None
 
 
-def _draw_seed() -> int:
-    import secrets
-
-    return secrets.randbelow(2**32)
-
-
 def grade_notebook(
     notebook: str | os.PathLike,
     *,
@@ -214,10 +203,8 @@ def grade_notebook(
                 f"{[q.id for q in questions]}"
             )
         questions = [q for q in questions if q.id in only]
-    seed = _draw_seed() if seed is None else int(seed)
+    seed = secrets.randbelow(2**32) if seed is None else int(seed)
     if nonce is None:
-        import secrets
-
         nonce = os.environ.get("KVLIB_GRADE_NONCE") or secrets.token_hex(8)
     jobs = [(q, "") for q in questions]
     results, confinement = _grade_questions(cells, jobs, timeout_s, seed, str(path.parent))
@@ -234,7 +221,7 @@ def grade_bindings(
     notebook, against one child process (the grading tests grade many answers this way)."""
     path, cells, questions = _prepare(notebook, timeout_s)
     (q,) = [q for q in questions if q.id == question_id]
-    seed = _draw_seed() if seed is None else int(seed)
+    seed = secrets.randbelow(2**32) if seed is None else int(seed)
     jobs = [(q, name) for name in names]
     return _grade_questions(cells, jobs, timeout_s, seed, str(path.parent))[0]
 

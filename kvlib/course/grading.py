@@ -1,39 +1,17 @@
-"""Graded questions: the registry, what a test sees of the learner's code, and how one question is
-run.
+"""Graded questions: the registry (`question`), what a test sees of the learner's code
+(`Submission`) and how one question is run (`run_question`).
 
-A chapter's questions are test functions in `kvlib/course/checks/chNN.py`, one per question, each
-declared with `@question(...)` (points, the function the learner writes, the kvlib functions its
-answer may call: usually none). The learner's code never runs in the process that holds a test: a
-test receives a `Submission` whose functions are `Remote`s; calling one sends the inputs to the
-learner's process by value and returns the outputs by value (`kvlib.course.wire`). `run_question`
-runs a test against either learner's side:
+A chapter's questions are test functions in `kvlib/course/checks/chNN.py`, each declared with
+`@question(...)`. The learner's code never runs in the process that holds a test: a test's
+`submission.function(name)` is a `Remote`, whose calls send the inputs to the learner's process by
+value and return the outputs by value (`kvlib.course.wire`). `run_question` runs a test against
+either learner's side, so that their verdicts cannot differ: the grader's child process
+(`python -m kvlib.course.grade NOTEBOOK`: `kvlib.course.grader`, `kvlib.course.child`), or the
+notebook itself (`check("question_id", function)`: `kvlib.course.checking`).
 
-- the grader (`python -m kvlib.course.grade NOTEBOOK`, `kvlib.course.grader`): a fresh child
-  process (`kvlib.course.sandbox`) that executed the notebook's code cells;
-- `check("question_id", function)` in the notebook (`kvlib.course.checking`): a grader subprocess
-  runs the same test with the same protocol against the notebook's process.
-
-**What an instructor can rely on** (the grader, every platform): the test, the expected values
-and the verdict stay in the grader's process, which receives only plain data, numbered frames it
-asked for (anything else ends the learner's process and fails that question, never the grader);
-random cases are drawn afresh on every run from a seed the report prints (`--seed` replays it,
-`--seed -` reads it from standard input), and `check()` draws its own; arrays a rule forbids
-holding whole (chapter 4's K and V) stay in the grader's process, served a slice at a time and
-counted there. Where the grader runs as root on Linux (`kvlib.course.confine`) the child also runs
-as an unprivileged user in a mount namespace where kvlib holds only the helpers the questions
-allow (KVLIB_GRADE_ISOLATION=0 turns it off), other processes are hidden and temporary files are a
-private tmpfs; it cannot create
-processes (seccomp); its peak memory is counted by the kernel in a cgroup of its own, over windows
-the grader opens and closes. Elsewhere the Python-level guard (`kvlib.course.guards`) keeps kvlib
-unavailable as a best effort, and memory is read from /proc or measured by the child itself; the
-report's `sandbox` line says which applied (book/grader_guarantees.md).
-
-**What needs a container**: the learner's code runs on the grader's machine, with network access
-and CPU of its own. An instructor grading untrusted notebooks runs the grader as root in a
-container without network or secrets (book/grader_guarantees.md). The grader does not grade
-prose, nor judge whether code was copied: an instructor reads the notebook.
-
-`check`, `show`, `grade_notebook` and the rest of the grader's API stay importable from here.
+What the grader guarantees on which platform, and what needs a container, is in
+book/grader_guarantees.md. It does not grade prose, nor judge whether code was copied: an
+instructor reads the notebook. `check`, `show` and the grader's API stay importable from here.
 """
 
 from __future__ import annotations
@@ -56,6 +34,7 @@ from kvlib.course.remote import (  # noqa: F401 (the checks import them from her
     expect_int,
     expect_list,
     expect_tensor,
+    is_int,
     peak_allocation,
 )
 from kvlib.course.wire import ParentRows
@@ -109,14 +88,6 @@ def question(*, function: str, points: int = 1, allowed: tuple[str, ...] = ()) -
         return test
 
     return register
-
-
-def is_int(value) -> bool:
-    """Whether `value` counts as an int answer: an int or a numpy integer, not a bool (as
-    `expect_int` checks; for the items of a list, `expect_list(got, is_int, ...)`)."""
-    import numpy as np
-
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def chapter_questions(chapter: str) -> list[Question]:

@@ -1,31 +1,27 @@
-"""Default-deny while a graded call runs: kvlib is unavailable to the learner's code, except the
-helpers its question allows, and no process may be created.
+"""Default-deny while a graded call runs (`call_learner`, or a thread it started): kvlib is
+unavailable to the learner's code, except the helpers its question allows, and no process may be
+created.
 
-**kvlib.** While a graded call runs (`call_learner`, or a thread it started), a function of
-kvlib's library or of the check modules called by anything but kvlib library code raises
-GradingError, unless the question allows it (`@question(allowed=...)`). Every function of every
-imported kvlib module (and of each imported later: an import hook) is recompiled from its source
-with a first statement that calls the guard, held as a constant of the code.
+**kvlib.** Every function of every imported kvlib module (and of each imported later: an import
+hook) is recompiled from its source with a first statement that calls the guard: called by
+anything but kvlib library code, a function of kvlib's library or of the check modules raises
+GradingError unless the question allows it (`@question(allowed=...)`). A copy of kvlib's code is
+not matched: an instructor judges copying.
 
-A **copy** of kvlib's code (its source compiled again) is not matched: where the OS allows it
-the mount namespace (`kvlib.course.isolation`) hides kvlib's files from the learner's process, and
-copying code is for an instructor reading the notebook to judge, not the grader.
+**Processes.** An audit hook refuses to create processes, to signal another process, and
+`ctypes` (but loading a library in site-packages, as torch does on import): in the grader's child
+always (`forbid_processes`), elsewhere while a graded call runs, in its process and in any
+process forked from it earlier (a pool made while a notebook ran). Threads are allowed.
 
-**Processes.** The same audit hook refuses to create processes (`subprocess`, `os.system`,
-`os.fork`, `os.exec*`, `os.posix_spawn`, `os.spawn*`, `_posixsubprocess.fork_exec`), to signal
-another process, and `ctypes` (but loading a library that lies in site-packages, as torch does on
-import): in the grader's child always, from before the notebook loads (`forbid_processes`), and
-elsewhere while a graded call runs, in the process that runs it and in any process forked from it
-earlier (a pool made while a notebook ran). Threads are allowed. In the grader's child on Linux a
-seccomp filter refuses the same in the kernel (`kvlib.course.confine`).
-
-All of this runs in the learner's own process, which can rewrite it: a best effort (see
-book/grader_guarantees.md for what the OS enforces where).
+All of this runs in the learner's own process, which can rewrite it: a best effort. Where the OS
+enforces more (a mount namespace, seccomp) is in book/grader_guarantees.md.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -35,8 +31,6 @@ import sys
 import types
 import warnings
 from pathlib import Path
-
-from kvlib.course import confine
 
 _KVLIB_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 _COURSE_DIR = str(Path(__file__).resolve().parent) + os.sep
@@ -80,12 +74,6 @@ def call_learner(fn, args, kwargs, grid):
             _SHARED[0] = 0
 
 
-def _allowed(dotted: str) -> bool:
-    if os.getpid() != _ORIGIN:
-        return False  # a fork: nothing is allowed
-    return any(dotted == name or dotted.startswith(name + ".") for name in _state["allowed"])
-
-
 def _guard(dotted: str) -> None:
     """The first statement of every guarded function."""
     if not _state["installed"] or not graded_call_running():
@@ -101,23 +89,21 @@ def _guard(dotted: str) -> None:
             f"{dotted} is the grader's own check code, unavailable to your answer: write it "
             "yourself"
         )
-    if not _allowed(dotted):
-        raise GradingError(_unavailable(dotted))
-
-
-def _unavailable(dotted: str) -> str:
-    allowed = ", ".join(_state["allowed"]) if os.getpid() == _ORIGIN else ""
+    allowed = _state["allowed"] if os.getpid() == _ORIGIN else ()  # a fork: nothing is allowed
+    if any(dotted == name or dotted.startswith(name + ".") for name in allowed):
+        return
     graded = f"question {_state['question']!r}" if _state["question"] else "your code"
-    return (
+    raise GradingError(
         f"{dotted} is unavailable while {graded} is graded: write it yourself (kvlib functions "
-        f"this question allows: {allowed or 'none'})"
+        f"this question allows: {', '.join(allowed) or 'none'})"
     )
 
 
 # --- recompiling kvlib with the guard -------------------------------------------------------------
 
 _LIBRARY: dict[int, types.CodeType] = {}  # id -> code of kvlib's library: callers let through
-_GUARDED: dict[str, dict] = {}  # file -> {(qualname, first line): guarded code}
+# file -> (its guarded module code or None, {(qualname, first line): guarded code})
+_GUARDED: dict[str, tuple[types.CodeType | None, dict]] = {}
 _GUARDED_IDS: set[int] = set()
 
 
@@ -157,9 +143,7 @@ class _Prologues(ast.NodeVisitor):
             for part in ast.walk(call):
                 part.lineno = part.end_lineno = first.lineno
                 part.col_offset = part.end_col_offset = 0
-            docstring = isinstance(first, ast.Expr) and isinstance(
-                getattr(first, "value", None), ast.Constant
-            )
+            docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
             node.body.insert(1 if docstring and isinstance(first.value.value, str) else 0, call)
         self.stack += [node.name, "<locals>"]
         self.generic_visit(node)
@@ -188,15 +172,15 @@ def _walk(code: types.CodeType):
             yield from _walk(const)
 
 
-def _guarded_codes(filename: str) -> dict:
-    """{(qualname, first line): guarded code} for kvlib's file `filename`, compiled once."""
+def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
+    """(the guarded module code, {(qualname, first line): guarded code}) for kvlib's file
+    `filename`, compiled once; (None, {}) where it is not kvlib's or does not compile."""
     if filename in _GUARDED:
         return _GUARDED[filename]
     module = _module_name(filename)
-    table: dict = {}
-    _GUARDED[filename] = table
+    _GUARDED[filename] = (None, {})
     if module is None:
-        return table
+        return _GUARDED[filename]
     try:
         source = Path(filename).read_text(encoding="utf-8")
         tree = ast.parse(source, filename)
@@ -205,15 +189,16 @@ def _guarded_codes(filename: str) -> dict:
             warnings.simplefilter("ignore")  # "'str' object is not callable": the placeholder
             guarded = _bind(compile(tree, filename, "exec", dont_inherit=True))
     except (OSError, SyntaxError, ValueError):
-        return table
-    library = not module.startswith(_CHECKS_PREFIX)
+        return _GUARDED[filename]
+    table, library = {}, not module.startswith(_CHECKS_PREFIX)
     for code in _walk(guarded):
         if library:
             _LIBRARY[id(code)] = code
         if any(c is _guard for c in code.co_consts):
             table[(code.co_qualname, code.co_firstlineno)] = code
             _GUARDED_IDS.add(id(code))
-    return table
+    _GUARDED[filename] = (guarded, table)
+    return _GUARDED[filename]
 
 
 def _guard_function(fn: types.FunctionType) -> None:
@@ -221,7 +206,7 @@ def _guard_function(fn: types.FunctionType) -> None:
     code = fn.__code__
     if id(code) in _GUARDED_IDS or _module_name(code.co_filename) is None:
         return  # guarded already, or not kvlib's library or check code
-    guarded = _guarded_codes(code.co_filename).get((code.co_qualname, code.co_firstlineno))
+    guarded = _guarded_codes(code.co_filename)[1].get((code.co_qualname, code.co_firstlineno))
     if guarded is not None and guarded.co_freevars == code.co_freevars:
         _ORIGINAL.setdefault(id(fn), (fn, code))
         fn.__code__ = guarded
@@ -252,52 +237,26 @@ def remove_guards() -> None:
     _state.update(question="", allowed=(), installed=False)
 
 
-class _GuardingFinder(importlib.abc.MetaPathFinder):
-    """Guards a kvlib module imported (again) after `install_guards`, before any call."""
+class _GuardingLoader(importlib.machinery.SourceFileLoader):
+    """Runs a kvlib module imported (again) after `install_guards` as its guarded code."""
 
+    def exec_module(self, module):
+        code = _guarded_codes(self.path)[0]
+        if code is None:
+            return super().exec_module(module)
+        _LIBRARY[id(code)] = code  # the module's own body calls into kvlib
+        exec(code, module.__dict__)
+
+
+class _GuardingFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if not fullname.startswith("kvlib"):
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        loader = spec.loader
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec):
-                return loader.create_module(spec)
-
-            def exec_module(self, module):
-                filename = getattr(module, "__file__", None) or ""
-                if _module_name(filename) is None or not hasattr(loader, "get_code"):
-                    loader.exec_module(module)
-                    return
-                code = loader.get_code(module.__name__)
-                for part in _walk(code):  # the module's own body calls into kvlib
-                    _LIBRARY[id(part)] = part
-                _guarded_codes(filename)
-                exec(code, module.__dict__)
-                for value in list(vars(module).values()):
-                    for fn in _functions_of(value):
-                        _guard_function(fn)
-
-            def __getattr__(self, name):
-                return getattr(loader, name)
-
-        spec.loader = Loader()
+        loader = getattr(spec, "loader", None)
+        if isinstance(loader, importlib.machinery.SourceFileLoader) and _module_name(loader.path):
+            spec.loader = _GuardingLoader(loader.name, loader.path)
         return spec
-
-
-def _functions_of(value) -> list:
-    if isinstance(value, (staticmethod, classmethod)):
-        value = value.__func__
-    if isinstance(value, property):
-        return [f for f in (value.fget, value.fset, value.fdel) if f is not None]
-    if isinstance(value, types.FunctionType):
-        return [value]
-    if isinstance(value, type):
-        return [f for attr in vars(value).values() for f in _functions_of(attr)]
-    return []
 
 
 def _install_import_hook() -> None:
@@ -307,35 +266,85 @@ def _install_import_hook() -> None:
 
 # --- the audit hook: a guarded function's code, processes ----------------------------------------
 
-_EVENTS = {"object.__setattr__"} | confine.PROCESS_EVENTS | confine.CTYPES_EVENTS
+_REFUSED = frozenset(
+    {"os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
+     "os.startfile", "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg",
+     "ctypes.dlopen", "ctypes.dlsym", "ctypes.dlsym/handle", "ctypes.call_function",
+     "ctypes.cdata", "ctypes.cdata/buffer", "ctypes.addressof", "ctypes.string_at",
+     "ctypes.wstring_at", "ctypes.create_string_buffer", "ctypes.create_unicode_buffer",
+     "ctypes.get_errno", "ctypes.set_errno", "ctypes.PyObj_FromPtr"}
+)  # fmt: skip
+
+
+def _rules_apply() -> bool:
+    return _state["always"] or _state["installed"] and graded_call_running()
+
+
+@functools.lru_cache(maxsize=1)
+def _site_packages() -> tuple[str, ...]:
+    import site
+    import sysconfig
+
+    paths = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    with contextlib.suppress(AttributeError):
+        paths.update(site.getsitepackages())
+    return tuple(os.path.realpath(p) + os.sep for p in paths)
+
+
+def _refused(event: str, args: tuple) -> bool:
+    """Whether the audit event `event` (of `_REFUSED`) is refused now: all are while the rules
+    apply, but loading a library that lies in site-packages (torch does on import) and a signal
+    to this process."""
+    if not _rules_apply():
+        return False
+    if event in ("os.kill", "os.killpg"):
+        return not (event == "os.kill" and args and args[0] == os.getpid())
+    if event == "ctypes.dlopen":
+        path = args[0] if args else None
+        return not (
+            isinstance(path, str)
+            and os.path.isabs(path)
+            and os.path.realpath(path).startswith(_site_packages())
+        )
+    return True
 
 
 def _audit(event: str, args: tuple) -> None:
-    if event not in _EVENTS:
-        return
-    if event != "object.__setattr__":
-        rules_apply = _state["always"] or _state["installed"] and graded_call_running()
-        if confine.process_refused(event, args, rules_apply):
+    if event in _REFUSED:
+        if _refused(event, args):
             raise GradingError(
                 f"{event} is not allowed while your code is graded: it runs without creating "
                 "processes or using ctypes (threads are fine)"
             )
         return
-    if not (_state["installed"] and graded_call_running()) or len(args) < 3:
+    if event != "object.__setattr__" or not (_state["installed"] and graded_call_running()):
         return
-    if args[1] == "__code__" and type(args[0]) is types.FunctionType:
+    if len(args) >= 3 and args[1] == "__code__" and type(args[0]) is types.FunctionType:
         if id(args[0].__code__) in _GUARDED_IDS:
             raise GradingError("a guarded kvlib function's code cannot be replaced while graded")
 
 
 def _install_audit_hook() -> None:
-    if not _state.get("audit_hook"):
-        sys.addaudithook(_audit)  # for the life of the process: an audit hook cannot be removed
-        _state["audit_hook"] = True
-        confine.wrap_fork_exec(
-            lambda: _state["always"] or _state["installed"] and graded_call_running(),
-            lambda message: GradingError(message),
-        )
+    """The audit hook, and `_posixsubprocess.fork_exec` refused while the rules apply (the way
+    subprocess and multiprocessing start a process raises no audit event called directly)."""
+    if _state.get("audit_hook"):
+        return
+    sys.addaudithook(_audit)  # for the life of the process: an audit hook cannot be removed
+    _state["audit_hook"] = True
+    try:
+        import _posixsubprocess
+    except ImportError:  # Windows
+        return
+    original = _posixsubprocess.fork_exec
+
+    def fork_exec(*args, **kwargs):
+        if _rules_apply():
+            raise GradingError(
+                "creating a process is not allowed while your code is graded (threads are fine)"
+            )
+        return original(*args, **kwargs)
+
+    _posixsubprocess.fork_exec = fork_exec
 
 
 def forbid_processes() -> None:

@@ -1,10 +1,8 @@
 """A learner's function seen from the grader (`Remote`): calling it sends the inputs to the
 learner's process by value and returns what came back (`Call`: the result, the arguments after
-the call, what was measured), answering what the learner's side asks meanwhile (`_Exchange`: rows
-of an array the grader keeps, the span of a memory measurement read from outside the process);
-and the helpers the checks use to judge what came back (`expect_list`, `expect_int`,
-`expect_tensor`, `peak_allocation`). Whether a result is a view of an argument is read from where
-their memory lies (`_aliases`), whether an argument changed from its value (`_same_value`).
+the call, what was measured), serving meanwhile the rows of an array the grader keeps that the
+learner's side asks for; and the helpers the checks use to judge what came back (`expect_list`,
+`expect_int`, `expect_tensor`, `peak_allocation`).
 """
 
 from __future__ import annotations
@@ -32,7 +30,10 @@ class LearnerRaised(Exception):
 
 
 class QuestionTimeout(Exception):
-    """The learner's process ran past the question's time; the grader killed it."""
+    """The learner's process ran past the question's `timeout_s`; the grader killed it."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(f"timed out after {timeout_s:g} s (an infinite loop, or far too slow)")
 
 
 class ProcessEnded(Exception):
@@ -57,10 +58,6 @@ class Remote:
     def __init__(self, submission, name: str, description: dict, target: str = ""):
         self._submission, self.name, self.description = submission, name, description
         self._target = target or name  # the binding called (the tests grade variants by name)
-
-    @property
-    def is_triton_kernel(self) -> bool:
-        return bool(self.description.get("jit"))
 
     def __call__(self, *args, **kwargs):
         return self.call(*args, **kwargs).result
@@ -93,23 +90,22 @@ class Remote:
         from kvlib.course.wire import decode
 
         side = self._submission.side  # the channel to the learner's process
-        exchange = _Exchange(args)
         window = getattr(side, "memory", None) if options.get("measure_memory") else None
         if options.get("measure_memory"):
             options["measure_memory"] = "parent" if window is not None else "self"
             options["return_args"] = False  # in the window: the reply holds the result only
         message = ("call", self._target, list(args), kwargs, options)
-        direct = getattr(side, "call_direct", None)
-        if direct is not None:  # a learner's side in this process (the draws tests)
-            reply = direct(message, exchange.answer)
+        measured: dict = {}
+        if hasattr(side, "call_direct"):  # a learner's side in this process (the draws tests)
+            reply = side.call_direct(message, lambda ask: _rows_asked(args, ask))
         else:
             if window is not None:
                 side.request(("collect",))  # the garbage of earlier calls goes first
                 window.open()
-            reply = side.request(message, compact=True) if window else side.request(message)
+            reply = side.request(message, compact=window is not None)
             sent = side.channel.sent_bytes
             while reply[0] == "rows":
-                reply = side.request(exchange.answer(reply))
+                reply = side.request(_rows_asked(args, reply))
             if window is not None:
                 peak, fell = window.close()
                 if fell:
@@ -118,24 +114,23 @@ class Remote:
                         "grader measured the call's peak memory: it is measured from what your "
                         "process held when the call started"
                     )
-                exchange.measured.update(peak_bytes=max(0, peak - sent), measured_by="grader")
-        info_at = 3
+                measured = {"peak_bytes": max(0, peak - sent), "measured_by": "grader"}
         try:
-            info = decode(reply[info_at]) if len(reply) > info_at else {}
+            info = decode(reply[3]) if len(reply) > 3 else {}
         except (ValueError, TypeError, RecursionError):
             info = {}
         if not isinstance(info, dict):
             info = {}
         for key in ("peak_bytes", "measured_by"):  # the grader's alone
             info.pop(key, None)
-        info.update(exchange.measured)
+        info.update(measured)
         if "peak_bytes" not in info and options.get("measure_memory") == "self":
             torch_peak, python_peak = info.get("torch_peak_bytes"), info.get("python_peak_bytes")
             if type(torch_peak) is not int or type(python_peak) is not int:
                 raise AssertionError(f"`{self.name}`'s memory could not be measured")
             info["peak_bytes"] = torch_peak + python_peak
             info["measured_by"] = "your process"
-        return (*reply[:info_at], info, *reply[info_at + 1 :])
+        return (*reply[:3], info, *reply[4:])
 
     def _finish(self, args, options, reply) -> Call:
         from kvlib.course.wire import decode
@@ -170,14 +165,9 @@ class Remote:
                     f"`{self.name}` changed its argument {index + 1} ({_kind(before)}) in place: "
                     "leave its inputs as they were"
                 )
-        spans = info.get("extents", {}).get("args", [])
+        was, spans = info.get("extents_before", []), info.get("extents", {}).get("args", [])
         for index in sorted(mutates):
-            before = info.get("extents_before", [])
-            if (
-                index < min(len(before), len(spans))
-                and before[index]
-                and (before[index] != spans[index])
-            ):
+            if index < min(len(was), len(spans)) and was[index] and was[index] != spans[index]:
                 violations.append(
                     f"`{self.name}` gave its argument {index + 1} ({_kind(args[index])}) new "
                     "memory (`x.data = ...` or `x.set_(...)`): write into its own memory, in place"
@@ -193,7 +183,7 @@ class Remote:
     def launch(self, grid: tuple, *args, _mutates=(), **kwargs) -> Call:
         """Launch a Triton kernel `kernel[grid](*args, **kwargs)` in the learner's process, under
         Triton's interpreter (CPU tensors)."""
-        if not self.is_triton_kernel:
+        if not self.description.get("jit"):
             raise AssertionError(
                 f"`{self.name}` should be a @triton.jit kernel (a triton JITFunction), got a "
                 f"{self.description.get('type', '?')}"
@@ -208,24 +198,17 @@ class Remote:
         return call
 
 
-class _Exchange:
-    """The grader's answers to what the learner's side asks while one call runs: rows of an
-    argument the grader keeps (`ParentRows`); `measured`: the call's peak memory, where the
-    grader measured it."""
+def _rows_asked(args, ask: tuple) -> tuple:
+    """The grader's answer to the learner's side asking, while a call runs, for rows of an
+    argument the grader keeps (`ParentRows`): `("rows", index, start, stop)`."""
+    from kvlib.course.wire import encode
 
-    def __init__(self, args):
-        self.args = args
-        self.measured: dict = {}
-
-    def answer(self, ask: tuple) -> tuple:
-        from kvlib.course.wire import encode
-
-        if len(ask) == 4 and all(type(n) is int for n in ask[1:]):
-            _, index, start, stop = ask
-            rows = self.args[index] if 0 <= index < len(self.args) else None
-            if isinstance(rows, ParentRows) and 0 <= stop - start <= rows.max_rows:
-                return ("rows", encode(rows.rows(start, stop)))
-        return ("error", "no such rows")
+    if len(ask) == 4 and all(type(n) is int for n in ask[1:]):
+        _, index, start, stop = ask
+        rows = args[index] if 0 <= index < len(args) else None
+        if isinstance(rows, ParentRows) and 0 <= stop - start <= rows.max_rows:
+            return ("rows", encode(rows.rows(start, stop)))
+    return ("error", "no such rows")
 
 
 def _aliases(result, args_after: list, info: dict) -> list[int]:
@@ -246,10 +229,10 @@ def _aliases(result, args_after: list, info: dict) -> list[int]:
 
     walk(result)
     spans = info.get("extents", {})
-    result_spans = spans.get("result", [])
+    result_spans, args_spans = spans.get("result", []), spans.get("args", [])
     hits = []
     for index, arg in enumerate(args_after):
-        arg_spans = spans.get("args", [])[index] if index < len(spans.get("args", [])) else []
+        arg_spans = args_spans[index] if index < len(args_spans) else []
         overlap = any(a0 < b1 and b0 < a1 for a0, a1 in result_spans for b0, b1 in arg_spans)
         same = id(arg) in inside and not isinstance(arg, (int, float, str, bool, type(None)))
         if overlap or same:
@@ -263,13 +246,17 @@ def expect_list(got, item_ok: Callable[[object], bool], should: str) -> None:
     assert isinstance(got, list) and all(item_ok(item) for item in got), f"{should}, got {got!r}"
 
 
-def expect_int(got, what: str) -> None:
-    """Fail unless `got` is an int (a numpy integer counts; a bool or a float does not)."""
+def is_int(value) -> bool:
+    """Whether `value` counts as an int answer: an int or a numpy integer, not a bool (for the
+    items of a list, `expect_list(got, is_int, ...)`)."""
     import numpy as np
 
-    assert isinstance(got, (int, np.integer)) and not isinstance(got, (bool, np.bool_)), (
-        f"{what} should return an int, got {type(got).__name__} {got!r}"
-    )
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def expect_int(got, what: str) -> None:
+    """Fail unless `got` is an int (`is_int`: a numpy integer counts, a bool or a float not)."""
+    assert is_int(got), f"{what} should return an int, got {type(got).__name__} {got!r}"
 
 
 def expect_tensor(got, expected, name: str) -> None:

@@ -1,22 +1,18 @@
-"""The learner's side of grading: a process that holds the learner's code, receives a test's inputs
-and returns the outputs by value (`kvlib.course.wire`). The grader (`kvlib.course.grading`) keeps
-the tests, the expected values and the verdict in its own process, which the learner's code cannot
-reach.
+"""The learner's side of grading: the process that holds the learner's code answers the grader's
+requests (`handle_request`, `serve`) with values sent by value (`kvlib.course.wire`); the tests,
+the expected values and the verdict stay in the grader's process. Two processes serve:
 
-Two servers answer the grader's requests, with the same `handle_request`:
-- the grader's child process (`python -m kvlib.course.sandbox RFD WFD`), which first confines
-  itself (an unprivileged user where the grader runs as root, no new processes:
-  `kvlib.course.confine`, `kvlib.course.guards.forbid_processes`), then executes a notebook's code
-  cells one by one, reporting each cell as it finishes (so a cell that ends the process or hangs
-  costs only itself: the grader restarts the child without it);
+- the grader's child (`python -m kvlib.course.sandbox RFD WFD`, `child_main`), which confines
+  itself (`kvlib.course.confine`, `kvlib.course.isolation`, `kvlib.course.guards`), then executes
+  the notebook's code cells one by one, reporting each as it finishes (a cell that ends the
+  process or hangs costs only itself: the grader restarts the child without it);
 - the notebook itself, while `check()` waits for the grader subprocess it started.
 
-A call runs as a graded call (`kvlib.course.guards`: kvlib unavailable but what the question
-allows, no processes) and, as the test asks, with the torch operators it ran recorded. While it
-runs it may ask the grader for rows of an array the grader keeps (`kvlib.course.wire.ParentRows`).
-Its memory is measured by the grader from outside, over a window the grader opens before it
-sends the call and closes when the reply comes; only where it cannot does this process measure
-itself (`measure_memory == "self"`).
+A call runs as a graded call (`kvlib.course.guards`), with the torch operators it ran recorded
+where the test asks; it may ask the grader for rows of an array the grader keeps (`ParentRows`).
+The grader measures its memory from outside, over a window it opens before it sends the call and
+closes when the reply comes; only where it cannot does this process measure itself
+(`measure_memory == "self"`).
 """
 
 from __future__ import annotations
@@ -27,19 +23,8 @@ import os
 import sys
 import types
 
-from kvlib.course.guards import GradingError, call_learner, install_guards
-from kvlib.course.wire import (  # noqa: F401 (the protocol's names, importable from here)
-    Channel,
-    ChannelClosed,
-    ChannelTimeout,
-    Opaque,
-    ParentRows,
-    decode,
-    encode,
-    extents,
-)
-
-__all__ = ["GradingError", "CheckTimeout", "handle_request", "serve", "child_main"]
+from kvlib.course.guards import call_learner, install_guards
+from kvlib.course.wire import Channel, ParentRows, encode, extents, safe_text
 
 MESSAGE_CHARS = 400
 
@@ -120,16 +105,10 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
     grid = options.get("grid")
     if grid is not None:
         if not _is_triton_kernel(fn):
-            return (
-                "raised",
-                "TypeError",
-                f"expected a @triton.jit kernel, got a {type(fn).__name__}",
-            ), info
-        interpreter = sys.modules.get("triton.runtime.interpreter")
-        info["interpreter"] = interpreter is not None and isinstance(
-            fn, interpreter.InterpretedFunction
-        )
-    ops: set = set()
+            error = TypeError(f"expected a @triton.jit kernel, got a {type(fn).__name__}")
+            return ("raised", "TypeError", str(error), error), info
+        info["interpreter"] = _is_triton_kernel(fn, interpreted=True)
+    profiler = None
     with contextlib.ExitStack() as stack:
         if options.get("torch_ops"):
             # the profiler records every operator at the dispatcher's entry, composite ones
@@ -138,9 +117,7 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
             from torch.profiler import ProfilerActivity, profile
 
             _silence_stderr(stack)
-            holder: list = []
-            stack.callback(lambda: ops.update(e.name for e in holder[0].events()))  # after exit
-            holder.append(stack.enter_context(profile(activities=[ProfilerActivity.CPU])))
+            profiler = stack.enter_context(profile(activities=[ProfilerActivity.CPU]))
         if options.get("measure_memory"):
             _fixed_malloc()
             if options["measure_memory"] == "self":  # the grader cannot measure from outside
@@ -150,26 +127,19 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
         except CheckTimeout:
             raise  # check()'s deadline: the notebook's cell stops here
         except BaseException as exc:  # noqa: BLE001 - report anything, SystemExit included
-            return ("raised", type(exc).__name__, _safe_str(exc)[:MESSAGE_CHARS], exc), info
-    if options.get("torch_ops"):
-        info["torch_ops"] = sorted(ops)
+            return ("raised", type(exc).__name__, safe_text(exc, str)[:MESSAGE_CHARS], exc), info
+    if profiler is not None:  # its events, once it stopped
+        info["torch_ops"] = sorted({e.name for e in profiler.events()})
     info["extents"] = {"result": extents(result), "args": [extents(a) for a in args]}
     return ("returned", result), info
 
 
-def _safe_str(exc) -> str:
-    try:
-        return str(exc)
-    except BaseException:  # noqa: BLE001
-        return f"<{type(exc).__name__}>"
-
-
-def _is_triton_kernel(value) -> bool:
-    """A @triton.jit kernel: a JITFunction, or the InterpretedFunction that @triton.jit makes of
-    one under TRITON_INTERPRET=1 (wrapping a plain Python function)."""
+def _is_triton_kernel(value, interpreted: bool = False) -> bool:
+    """A @triton.jit kernel: a JITFunction (unless `interpreted`), or the InterpretedFunction that
+    @triton.jit makes of one under TRITON_INTERPRET=1 (wrapping a plain Python function)."""
     jit = sys.modules.get("triton.runtime.jit")
     interpreter = sys.modules.get("triton.runtime.interpreter")
-    if jit is not None and isinstance(value, jit.JITFunction):
+    if not interpreted and jit is not None and isinstance(value, jit.JITFunction):
         return True
     return (
         interpreter is not None
@@ -239,7 +209,7 @@ def handle_request(request, namespace: dict, ask=None):
             return (
                 "raised",
                 type(exc).__name__,
-                f"its result could not be read: {_safe_str(exc)}",
+                f"its result could not be read: {safe_text(exc, str)}",
                 encode(info),
                 _mro(exc),
                 None,
@@ -297,7 +267,7 @@ def _load(channel: Channel, namespace: dict, cells: list[str], skip: set[int], n
             linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
             exec(compile(text, filename, "exec"), namespace)
         except BaseException as exc:  # noqa: BLE001 - learner code may raise SystemExit too
-            error = f"cell {index}: {type(exc).__name__}: {_safe_str(exc)}"[:MESSAGE_CHARS]
+            error = f"cell {index}: {type(exc).__name__}: {safe_text(exc, str)}"[:MESSAGE_CHARS]
         for name in names:
             if namespace.get(name) is not before[name]:
                 defined[name] = index
@@ -305,32 +275,33 @@ def _load(channel: Channel, namespace: dict, cells: list[str], skip: set[int], n
 
 
 def _confine(read_paths, package: dict | None) -> str:
-    """Confine this process before any learner code runs (see kvlib.course.confine)."""
+    """Confine this process before any learner code runs (`kvlib.course.isolation`,
+    `kvlib.course.confine`, `kvlib.course.guards`); what took effect, for the report."""
     import ctypes  # noqa: F401 (imported now: its own import opens a library, refused later)
 
     from kvlib.course import confine, guards
 
-    confinement = confine.Confinement()
+    user, processes = "the grader's own user", "refused by Python's audit hooks only"
+    sight = "kvlib visible, guarded at the Python level only"
     if package and os.geteuid() == 0:
-        try:
-            keep = [os.path.realpath(p) for p in read_paths]
-            from kvlib.course.isolation import isolate
+        from kvlib.course.isolation import isolate
 
+        keep = [os.path.realpath(p) for p in read_paths]
+        try:
             sight = isolate(package["dirs"], package["files"], package["home"], keep)
-            confinement.sight = sight
         except OSError as exc:
-            confinement.sight = f"kvlib visible (no mount namespace: {exc})"
+            sight = f"kvlib visible (no mount namespace: {exc})"
     if os.name == "posix" and os.geteuid() == 0:
         try:
-            confinement.user = confine.drop_privileges(read_paths)
+            user = confine.drop_privileges(read_paths)
             confine.limit_processes(extra=4 * (os.cpu_count() or 1) + 256)
         except OSError as exc:
-            confinement.user = f"root (could not drop privileges: {exc})"
+            user = f"root (could not drop privileges: {exc})"
     with contextlib.suppress(OSError):
         if confine.forbid_processes():
-            confinement.processes = "refused by the kernel (seccomp) and Python's audit hooks"
+            processes = "refused by the kernel (seccomp) and Python's audit hooks"
     guards.forbid_processes()
-    return confinement.describe()
+    return f"learner code runs as {user}; process creation {processes}; {sight}"
 
 
 def child_main(read_fd: int, write_fd: int) -> None:

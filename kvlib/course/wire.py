@@ -19,6 +19,7 @@ import pickle
 import select
 import struct
 import sys
+import time
 
 MAX_FRAME_BYTES = 512 * 2**20  # a reply larger than this is refused
 
@@ -77,7 +78,7 @@ class Channel:
             if type(message) is tuple and message and type(message[0]) is str:
                 return message
         raise Unsolicited(
-            f"your process sent the grader a message it did not ask for ({_safe_repr(frame)[:80]})"
+            f"your process sent the grader a message it did not ask for ({safe_text(frame)[:80]})"
         )
 
     # the learner's side
@@ -110,10 +111,8 @@ class Channel:
                     raise ChannelClosed(str(exc)) from None
                 view = view[written:]
 
-    def _read(self, size: int, deadline: float | None, into: bytearray | None = None):
-        import time
-
-        out = bytearray(size) if into is None else into
+    def _read(self, size: int, deadline: float | None) -> bytearray:
+        out = bytearray(size)
         view, done = memoryview(out), 0
         while done < size:
             if deadline is not None:
@@ -130,8 +129,6 @@ class Channel:
         return out
 
     def recv(self, timeout_s: float | None = None):
-        import time
-
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         size, count = struct.unpack("<QI", self._read(12, deadline))
         sizes = struct.unpack(f"<{count}Q", self._read(8 * count, deadline)) if count < 64 else ()
@@ -200,18 +197,17 @@ def encode(value, memo: dict | None = None, depth: int = 0):
     memo[key] = (len(memo), value)  # keep value alive so ids stay unique
     if isinstance(value, ParentRows):
         return ("O", "ParentRows", repr(value), ())
-    if "torch" in sys.modules:
-        torch = sys.modules["torch"]
-        if isinstance(value, torch.Tensor):
-            if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
-                return ("O", type(value).__name__, "a torch.Tensor subclass", ())
-            t = value.detach()
-            if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
-                t = t.to_dense() if t.layout != torch.strided else t
-                t = t.cpu()
-            flat = t.contiguous().reshape(-1)
-            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-            return ("T", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+            return ("O", type(value).__name__, "a torch.Tensor subclass", ())
+        t = value.detach()
+        if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
+            t = t.to_dense() if t.layout != torch.strided else t
+            t = t.cpu()
+        flat = t.contiguous().reshape(-1)
+        raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+        return ("T", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             return ("O", "ndarray", "a numpy array of Python objects", ())
@@ -241,12 +237,14 @@ def encode(value, memo: dict | None = None, depth: int = 0):
                 for k, v in list(fields.items())[:50]
                 if isinstance(k, str)
             )
-    return ("O", type(value).__name__, _safe_repr(value), attrs)
+    return ("O", type(value).__name__, safe_text(value)[:200], attrs)
 
 
-def _safe_repr(value) -> str:
+def safe_text(value, text=repr) -> str:
+    """`text(value)` (repr or str), or `<type name>` where the learner's __repr__ or __str__
+    raises."""
     try:
-        return repr(value)[:200]
+        return text(value)
     except BaseException:  # noqa: BLE001 - a learner's __repr__ may raise anything
         return f"<{type(value).__name__}>"
 
@@ -401,12 +399,8 @@ class ParentRows:
         self.reads = None
         self._ask = None
 
-    def __getstate__(self):
-        return {"shape": self.shape, "dtype": self.dtype, "max_rows": self.max_rows,
-                "index": self.index}  # fmt: skip
-
-    def __setstate__(self, state):
-        self.__dict__.update(state, _array=None, reads=None, _ask=None)
+    def __getstate__(self):  # what crosses the wire: not the array
+        return {**self.__dict__, "_array": None, "reads": None, "_ask": None}
 
     @property
     def ndim(self) -> int:
