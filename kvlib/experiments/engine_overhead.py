@@ -25,8 +25,6 @@ recordings do (the host path launches no multi-threaded operation: those wait fo
 
 from __future__ import annotations
 
-import datetime
-import platform
 import statistics
 import sys
 import time
@@ -103,21 +101,11 @@ def measure(model, batch_sizes=BATCH_SIZES, engines=ENGINES, *, repeats=REPEATS,
 
 
 def record(out_csv: str, engines=ENGINES) -> list[dict]:
-    import numpy
-
-    from kvlib.experiments.timing import commit_label
+    from kvlib.experiments.timing import cpu_facts
     from kvlib.loaders.course_model import load_course_model
 
     times = measure(load_course_model(), engines=engines)
-    facts = dict(
-        device=platform.processor() or platform.machine(),
-        threads=torch.get_num_threads(),
-        python=platform.python_version(),
-        torch=torch.__version__,
-        numpy=numpy.__version__,
-        commit=commit_label(),
-        date=datetime.date.today().isoformat(),
-    )
+    facts = cpu_facts()
     rows = []
     for (name, n), (cpu_ms, wall_ms) in times.items():
         host = statistics.median(cpu_ms)

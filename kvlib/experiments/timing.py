@@ -67,6 +67,26 @@ def device_facts() -> dict:
     }
 
 
+def cpu_facts() -> dict:
+    """What a CPU recording names: the processor, torch's thread count, Python, torch and numpy
+    versions, the commit (`commit_label`) and today's date."""
+    import datetime
+    import platform
+
+    import numpy
+    import torch
+
+    return dict(
+        device=platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        numpy=numpy.__version__,
+        commit=commit_label(),
+        date=datetime.date.today().isoformat(),
+    )
+
+
 def commit_label() -> str:
     """The commit the code came from: $KVLIB_COMMIT (set where the checkout has no .git), else
     `git rev-parse --short HEAD` (with "+dirty" for uncommitted changes), else "unknown"."""

@@ -17,8 +17,6 @@ course model at one context, 3 rounds (what a notebook can afford to re-run).
 
 from __future__ import annotations
 
-import datetime
-import platform
 import statistics
 import time
 
@@ -97,19 +95,9 @@ def measure(quick: bool = False) -> list[dict]:
 
 
 def record(out_csv: str, quick: bool = False) -> list[dict]:
-    import numpy
+    from kvlib.experiments.timing import cpu_facts
 
-    from kvlib.experiments.timing import commit_label
-
-    facts = dict(
-        device=platform.processor() or platform.machine(),
-        threads=torch.get_num_threads(),
-        python=platform.python_version(),
-        torch=torch.__version__,
-        numpy=numpy.__version__,
-        commit=commit_label(),
-        date=datetime.date.today().isoformat(),
-    )
+    facts = cpu_facts()
     return write_rows(out_csv, [{**row, **facts} for row in measure(quick)])
 
 
