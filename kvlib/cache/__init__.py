@@ -22,7 +22,9 @@
 - `block_table.shuffled_block_tables`: block tables scattered by a busy allocator, for the paged
   decode kernel of chapter 11;
 - `paged_bounds.PageBoundsCache`: the paged cache with each block's key minima and maxima kept as
-  blocks fill, the page metadata of query-aware sparse attention (`kvlib.sparse`, chapter 15).
+  blocks fill, the page metadata of query-aware sparse attention (`kvlib.sparse`, chapter 15);
+- `ring.RingCache`: a sliding-window layer's ring buffer of W slots per sequence, position p in
+  slot p mod W, a fixed size whatever the length (chapter 17).
 
 Each chapter adds a module here and plugs it in; the model's layers do not change.
 """
@@ -34,6 +36,7 @@ from kvlib.cache.evicting import EvictingCache
 from kvlib.cache.latent import LatentCache
 from kvlib.cache.paged import PagedCache
 from kvlib.cache.quantized import QuantizedCache, QuantizedPagedCache
+from kvlib.cache.ring import RingCache
 
 __all__ = [
     "CompactingPagedCache",
@@ -44,5 +47,6 @@ __all__ = [
     "PagedCache",
     "QuantizedCache",
     "QuantizedPagedCache",
+    "RingCache",
     "StaticCache",
 ]

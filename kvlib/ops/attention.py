@@ -13,6 +13,10 @@ A backend is a function `backend(q, kv, mask, *, weights_out=None) -> out` with
   path passes its own (`kvlib.layers.mla`), because its queries are wider than the heads it scores;
 - `out`: (B, H, T, D_v) in q's dtype (D_v: the values' last dimension, usually D).
 
+`reference_attention` also takes `sinks`: (H,) learned sink logits (gpt-oss, OpenAI 2025: one
+logit per head in the softmax denominator, no value; see `kvlib.ref.attention`), None by default;
+the other backends do not.
+
 The model picks one by name (`ATTENTION_BACKENDS`); a cache whose `update` returns something else
 (a block table, quantized codes) brings its own as `cache.attention_backend`.
 """
@@ -54,12 +58,21 @@ def reference_attention(
     *,
     weights_out: list | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q kᵀ · scale, masked) v, written out: K/V repeated to H heads.
+
+    With `sinks` ((H,) float, learned sink logits in the units of the scaled scores), each head's
+    scores get one more column, its sink, before the softmax, and lose it after: the sink takes
+    its share of the denominator and adds no value (gpt-oss's reference `sdpa`, OpenAI 2025;
+    attention sinks: Xiao et al., ICLR 2024). `weights_out` then gets rows that sum to below 1.
 
     Returns (B, H, T, D_v) in q's dtype; scores and softmax in fp32 (fp64 for fp64 inputs). The
     readable baseline every other backend is checked against (Vaswani et al., 2017; GQA's head
     sharing: Ainslie et al., 2023).
+
+    Raises:
+        ValueError, TypeError: `sinks` not a floating (H,) tensor on q's device.
     """
     k, v = kv
     group = q.shape[1] // k.shape[1]
@@ -69,10 +82,29 @@ def reference_attention(
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # fp32, or fp64 if given
     mask = mask[:, None] if mask.dim() == 3 else mask  # (B or 1, 1 or H, T, S)
     scores = scores.masked_fill(~mask, float("-inf"))
-    weights = scores.softmax(dim=-1).to(q.dtype)  # (B, H, T, S)
+    if sinks is None:
+        weights = scores.softmax(dim=-1).to(q.dtype)  # (B, H, T, S)
+    else:
+        _check_sinks(sinks, q)
+        sink_column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        extended = torch.cat([scores, sink_column], dim=-1)  # (B, H, T, S + 1)
+        weights = extended.softmax(dim=-1)[..., :-1].to(q.dtype)  # (B, H, T, S): sink dropped
     if weights_out is not None:
         weights_out.append(weights.detach())
     return weights @ v  # (B, H, T, D)
+
+
+def _check_sinks(sinks: object, q: torch.Tensor) -> None:
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise TypeError(
+            f"sinks: expected a floating (H,) tensor of sink logits, got {type(sinks).__name__} "
+            f"{getattr(sinks, 'dtype', '')}"
+        )
+    if sinks.shape != (q.shape[1],) or sinks.device != q.device:
+        raise ValueError(
+            f"sinks: expected shape ({q.shape[1]},) (one per query head) on {q.device}, got "
+            f"{tuple(sinks.shape)} on {sinks.device}"
+        )
 
 
 def grouped_attention(

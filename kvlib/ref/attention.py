@@ -2,6 +2,12 @@
 cached keys, scaled dot-product attention (Vaswani et al., 2017, "Attention Is All You Need"), and
 one cached decode step. Float64, so the naive and cached paths of chapter 1 agree to round-off.
 
+Learned attention sinks (`sinks=`; chapter 17): one logit per head that joins the softmax's
+denominator and carries no value, `out = Σ_j exp(s_j - m) v_j / (exp(sink - m) + Σ_j exp(s_j - m))`,
+so a head may attend to "nothing" (gpt-oss, OpenAI 2025, model card and reference implementation:
+the sink is a score column concatenated before the softmax and dropped after it). StreamingLLM
+(Xiao et al., ICLR 2024) found that models trained without one use their first tokens as sinks.
+
 What it deliberately does not do: batching, multiple heads, RoPE. `kvlib.model` is the real model.
 """
 
@@ -62,7 +68,12 @@ def causal_mask(num_queries: int, num_keys: int) -> np.ndarray:
 
 
 def attention_weights(
-    q: np.ndarray, k: np.ndarray, mask: np.ndarray | None = None, *, scale: float | None = None
+    q: np.ndarray,
+    k: np.ndarray,
+    mask: np.ndarray | None = None,
+    *,
+    scale: float | None = None,
+    sinks: np.ndarray | float | None = None,
 ) -> np.ndarray:
     """The attention probabilities softmax(q k^T * scale) with masked entries at 0.
 
@@ -71,8 +82,10 @@ def attention_weights(
         k: (..., S, D) keys.
         mask: bool (T, S) or (..., T, S); True = may attend. None = attend everywhere.
         scale: defaults to D ** -0.5.
+        sinks: learned sink logits, shape q.shape[:-2] (one per head: (H,) for q (H, T, D); a
+            float for q (T, D)), in the units of the scaled scores; None = no sink.
     Returns:
-        (..., T, S) float array; each row sums to 1.
+        (..., T, S) float array; each row sums to 1, or to 1 - (the sink's share) with sinks.
     Raises:
         TypeError, ValueError: see `attention`.
     """
@@ -105,7 +118,18 @@ def attention_weights(
                 "mask: every query row needs at least one True (a fully masked row has no output)"
             )
         scores = np.where(mask, scores, -np.inf)
-    return softmax(scores, axis=-1)
+    if sinks is None:
+        return softmax(scores, axis=-1)
+    sinks = np.asarray(sinks, dtype=scores.dtype) if isinstance(sinks, float) else sinks
+    check_array("sinks", sinks, floating=True)
+    if sinks.shape != scores.shape[:-2]:
+        raise ValueError(
+            f"sinks: expected shape {scores.shape[:-2]} (one logit per head: q's leading dims), "
+            f"got {sinks.shape}"
+        )
+    sink_column = np.broadcast_to(sinks[..., None, None], scores.shape[:-1] + (1,))  # (..., T, 1)
+    extended = np.concatenate([scores, sink_column], axis=-1)  # (..., T, S + 1)
+    return softmax(extended, axis=-1)[..., :-1]  # the sink's column dropped: it has no value
 
 
 def attention(
@@ -115,6 +139,7 @@ def attention(
     mask: np.ndarray | None = None,
     *,
     scale: float | None = None,
+    sinks: np.ndarray | float | None = None,
 ) -> np.ndarray:
     """Scaled dot-product attention, softmax(q k^T * scale) v (Vaswani et al., 2017).
 
@@ -124,14 +149,16 @@ def attention(
         v: (..., S, D_v) float values.
         mask: bool (T, S) or (..., T, S); True = may attend (see `causal_mask`). None = no mask.
         scale: multiplier of the scores; defaults to D ** -0.5.
+        sinks: learned sink logits (one per head, shape q.shape[:-2]; see the module docstring),
+            or None.
     Returns:
         (..., T, D_v) array.
     Raises:
-        TypeError: a non-array or non-float input, or a non-bool mask.
-        ValueError: ranks or sizes that disagree, or a mask row with no True.
+        TypeError: a non-array or non-float input (sinks included), or a non-bool mask.
+        ValueError: ranks or sizes that disagree (sinks included), or a mask row with no True.
     """
     check_array("v", v, floating=True)
-    weights = attention_weights(q, k, mask, scale=scale)  # (..., T, S)
+    weights = attention_weights(q, k, mask, scale=scale, sinks=sinks)  # (..., T, S)
     if v.shape[:-1] != k.shape[:-1]:
         raise ValueError(f"v: expected leading shape {k.shape[:-1]} (from k), got {v.shape[:-1]}")
     return weights @ v  # (..., T, D_v)

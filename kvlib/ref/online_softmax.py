@@ -14,6 +14,10 @@ What it does:
   passes) and the online-normaliser version, kept to count passes over K and V (`RowReadCounter`).
 - `accumulated_attention`: per-token probabilities recovered after a fused pass from the saved
   log-sum-exp, with one more pass over K (what score-based eviction needs).
+- Learned attention sinks (`sink=`, chapter 17; gpt-oss, OpenAI 2025; StreamingLLM, Xiao et al.,
+  ICLR 2024): a logit that joins the softmax denominator with no value. `tiled_attention` starts
+  its recurrence from it (m = sink, l = 1, acc = 0: a key of score `sink` and value 0);
+  `merge_partials` adds it once, as one more partial (out 0, lse = sink), never once per split.
 
 What it does not do: run fast. These are references for chapter 11's Triton kernel, written for
 reading; they follow `kvlib.ref.attention.attention`'s layout: q (T, D), k (S, D), v (S, D_v).
@@ -53,6 +57,17 @@ def online_softmax_update(m: float, l: float, block: np.ndarray) -> tuple[float,
     return m_new, l * math.exp(m - m_new) + float(np.exp(block - m_new).sum())
 
 
+def _check_sink(sink) -> float | np.ndarray | None:
+    """`sink` as a finite float (or a float array for `merge_partials`), or None."""
+    if sink is None:
+        return None
+    if isinstance(sink, (bool, np.bool_)) or not isinstance(sink, (float, int, np.ndarray)):
+        raise TypeError(f"sink: expected a finite float logit or None, got {type(sink).__name__}")
+    if not np.all(np.isfinite(sink)):
+        raise ValueError(f"sink: expected a finite logit (None for no sink), got {sink}")
+    return sink if isinstance(sink, np.ndarray) else float(sink)
+
+
 def _check_qkv(q: np.ndarray, k, v) -> tuple[int, int]:
     check_array("q", q, ndim=2, floating=True)
     if len(k.shape) != 2 or len(v.shape) != 2:
@@ -73,6 +88,7 @@ def tiled_attention(
     query_tile_size: int | None = None,
     causal: bool = False,
     scale: float | None = None,
+    sink: float | None = None,
 ) -> np.ndarray:
     """Attention computed tile by tile with the FlashAttention recurrence (Dao et al., 2022).
 
@@ -96,8 +112,11 @@ def tiled_attention(
         query_tile_size: query rows per tile (default: tile_size).
         causal: apply the causal mask.
         scale: defaults to D ** -0.5.
+        sink: a learned sink logit (this head's), or None: the recurrence starts from the state
+            after a key of score `sink` and value 0, so the sink enters the denominator once.
     Returns:
-        (T, D_v) float64, equal to `kvlib.ref.attention.attention` to round-off.
+        (T, D_v) float64, equal to `kvlib.ref.attention.attention` (with `sinks=sink`) to
+        round-off.
     Raises:
         TypeError, ValueError: bad arrays or sizes; causal with T > S.
     """
@@ -111,12 +130,13 @@ def tiled_attention(
     if causal and t > s:
         raise ValueError(f"q: causal attention needs T <= S, got T = {t}, S = {s}")
     scale = q.shape[1] ** -0.5 if scale is None else float(scale)
+    sink = _check_sink(sink)
     out = np.empty((t, v.shape[1]))
     for q_start in range(0, t, query_tile_size):
         q_tile = q[q_start : q_start + query_tile_size]  # [query_tile, D]
         rows = q_tile.shape[0]
-        m = np.full(rows, -np.inf)  # running max per query
-        l = np.zeros(rows)  # running denominator per query
+        m = np.full(rows, -np.inf if sink is None else sink)  # running max per query
+        l = np.full(rows, 0.0 if sink is None else 1.0)  # running denominator: exp(sink - sink)
         acc = np.zeros((rows, v.shape[1]))  # unnormalised output, [query_tile, D_v]
         # the tile's last query sees keys <= this
         last_visible = s - t + q_start + rows - 1 if causal else s - 1
@@ -185,7 +205,10 @@ def partial_attention(
 
 
 def merge_partials(
-    outs: Sequence[np.ndarray], lses: Sequence[np.ndarray]
+    outs: Sequence[np.ndarray],
+    lses: Sequence[np.ndarray],
+    *,
+    sink: float | np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Merge partial attention results over disjoint chunks into the result over their union.
 
@@ -193,11 +216,17 @@ def merge_partials(
     denominator), so `out = Σ w_i out_i / Σ w_i` and `lse = M + log Σ w_i`. Exact; associative and
     independent of order; chunks with lse = -inf (nothing visible) get weight 0.
 
+    A learned sink joins here, once: one more partial with out = 0 and lse = sink, whose weight
+    only enlarges the denominator. Adding it inside each split's partial instead counts it once
+    per split (the classic bug; `partial_attention` therefore takes no sink).
+
     Args:
         outs: partial outputs, each (..., D_v).
         lses: their log-sum-exps, each (...).
+        sink: the sink logit (a float, or an array broadcastable to an lse's shape), or None.
     Returns:
-        (out (..., D_v), lse (...)). If every chunk is empty for a query: out 0, lse -inf.
+        (out (..., D_v), lse (...)); with a sink, `lse` includes it. If every chunk is empty for
+        a query and there is no sink: out 0, lse -inf.
     """
     if len(outs) != len(lses) or not outs:
         raise ValueError(
@@ -209,6 +238,10 @@ def merge_partials(
             f"lses: expected shape {outs.shape[1:-1]} per partial (outs without D_v), got "
             f"{lses.shape[1:]}"
         )
+    if _check_sink(sink) is not None:  # once, as a partial of its own: its share of the denominator
+        sink_lse = np.broadcast_to(np.asarray(sink, dtype=lses.dtype), lses.shape[1:])
+        outs = np.concatenate([outs, np.zeros_like(outs[:1])])  # (n + 1, ..., D_v)
+        lses = np.concatenate([lses, sink_lse[None]])  # (n + 1, ...)
     top = lses.max(axis=0)  # (...)
     safe_top = np.where(np.isneginf(top), 0.0, top)
     weights = np.exp(lses - safe_top)  # (n, ...): 0 for empty chunks
@@ -222,7 +255,13 @@ def merge_partials(
 
 
 def split_k_attention(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, *, num_splits: int, scale: float | None = None
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    num_splits: int,
+    scale: float | None = None,
+    sink: float | None = None,
 ) -> np.ndarray:
     """Decode attention with the cache split into `num_splits` chunks, each attended independently
     (in parallel on a GPU), then merged with their log-sum-exps.
@@ -231,16 +270,18 @@ def split_k_attention(
         q: (T, D) decode queries (no mask: the whole cache is in their past).
         k: (S, D); v: (S, D_v).
         num_splits: chunks (>= 1; more than S leaves some chunks empty, which is allowed).
+        sink: a learned sink logit, or None; added once, in the merge.
     Returns:
         (T, D_v).
     """
     _, s = _check_qkv(q, k, v)
     num_splits = check_positive_int("num_splits", num_splits)
+    _check_sink(sink)
     bounds = np.linspace(0, s, num_splits + 1).round().astype(int)
     partials = [
         partial_attention(q, k[a:b], v[a:b], scale=scale) for a, b in zip(bounds[:-1], bounds[1:])
     ]
-    out, _ = merge_partials([o for o, _ in partials], [lse for _, lse in partials])
+    out, _ = merge_partials([o for o, _ in partials], [lse for _, lse in partials], sink=sink)
     return out
 
 
