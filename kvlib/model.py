@@ -334,7 +334,8 @@ class LlamaModel(nn.Module):
                 row, then run on m rows only (vLLM's `logits_indices`).
             tree_mask: (T, T) bool, which of the new tokens each new token sees (itself and its
                 ancestors when the T tokens are a tree of draft candidates: SpecInfer, Miao et
-                al., 2024); None: causal. Pass the tree's `position_ids` (depths) with it.
+                al., 2024); None: causal. Pass the tree's positions with it: `position_ids` =
+                the cached length plus each node's depth.
         Returns:
             (B, T, V) logits in float32; (B, m, V) with `logits_indices`.
         Raises:
@@ -379,13 +380,18 @@ class LlamaModel(nn.Module):
             t, past + t, attention_mask, self.config.sliding_window, input_ids.device
         )
         if tree_mask is not None:
+            if self.config.sliding_window is not None:
+                raise ValueError(
+                    "tree_mask: a sliding window counts positions, and a tree's nodes sit at their "
+                    "depths, not their places in the chunk; not supported with sliding_window"
+                )
             if tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool:
                 raise ValueError(
                     f"tree_mask: expected a ({t}, {t}) bool tensor, got {tuple(tree_mask.shape)} "
                     f"{tree_mask.dtype}"
                 )
             mask = mask.clone()
-            mask[..., past:] &= tree_mask.to(mask.device)  # within the causal (and window) rule
+            mask[..., past:] &= tree_mask.to(mask.device)  # within the causal rule
         backend = get_backend(self.attention_backend)
         if hasattr(cache, "begin_forward"):  # a cache that stores only real tokens (paged)
             cache.begin_forward(t, attention_mask)

@@ -212,6 +212,19 @@ def test_a_rolled_back_block_leaves_the_prefix_cache():
     assert manager.allocate("c", [1, 2, 3, 4, 5, 6, 7, 9, 10]) == 8  # the new content is found
 
 
+def test_blocks_a_rollback_drops_whole_leave_the_prefix_cache():
+    """A draft of 4 tokens fills block 1 and is rejected whole: the block goes back to the pool
+    without its hash (its K/V may come from a draft's inexact forward), so a prompt that carries
+    those tokens recomputes them."""
+    manager = BlockManager(BlockPool(8, 4))
+    manager.allocate("a", [1, 2, 3, 4, 5])
+    for token in (6, 7, 8, 9):
+        manager.append_slot("a", token)  # block 1 = [5, 6, 7, 8], hashed
+    manager.truncate("a", 4)
+    manager.check_invariants()
+    assert manager.allocate("b", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4
+
+
 def test_allocator_invariants_hold_over_10000_random_operations():
     runner = AllocatorMachine.TestCase
     runner.settings = settings(

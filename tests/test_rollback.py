@@ -141,3 +141,45 @@ def test_caches_that_cannot_roll_back_say_why():
     )
     with pytest.raises(NotImplementedError, match="evicted or compacted tokens"):
         compacting.truncate(0)
+
+
+def test_a_rollback_that_cannot_copy_leaves_the_cache_as_it_was():
+    """Three samples share a partial block and one block is free: rolling all three back into it
+    needs two copies; the rollback raises before changing any sequence or any K/V."""
+    from kvlib.errors import OutOfBlocksError
+
+    cache = PagedCache(LAYERS, HEADS, DIM, num_blocks=3, block_size=4)
+    k = torch.randn(1, HEADS, 6, DIM)
+    write(cache, "paged", k, k)  # 2 blocks, the second partial
+    cache = cache.repeat(3)
+    before = ([list(t) for t in cache.manager.block_tables.values()], cache.key_cache[0].clone())
+    with pytest.raises(OutOfBlocksError):
+        cache.truncate(5)
+    assert cache.length == 6 and cache.seq_lens.tolist() == [6, 6, 6]
+    assert [list(t) for t in cache.manager.block_tables.values()] == before[0]
+    assert torch.equal(cache.key_cache[0], before[1])
+    cache.manager.check_invariants()
+
+
+def test_moving_tokens_checks_every_sequence_before_moving_any():
+    cache = make("paged", 2, 4)
+    k = torch.randn(2, HEADS, 5, DIM)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, :2] = 0  # sequence 1 is left-padded
+    for layer in range(LAYERS):
+        if layer == 0:
+            cache.begin_forward(5, mask)
+        cache.update(layer, k, k)
+    cache.advance(5)
+    before = cache.key_cache[0].clone()
+    with pytest.raises(ValueError, match="sequence 1 has padding"):
+        cache.move_tokens([3], [2])
+    assert torch.equal(cache.key_cache[0], before)
+
+
+def test_a_rollback_to_nothing_leaves_a_cache_as_new():
+    cache = make("paged", 1, 4)
+    write(cache, "paged", torch.randn(1, HEADS, 3, DIM), torch.randn(1, HEADS, 3, DIM))
+    cache.truncate(0)
+    write(cache, "paged", torch.randn(2, HEADS, 3, DIM), torch.randn(2, HEADS, 3, DIM))  # batch 2
+    assert cache.seq_lens.tolist() == [3, 3]

@@ -186,9 +186,14 @@ class BlockManager:
         speculative step rolls back its rejected tokens): blocks left empty are freed, hashes of
         blocks no longer full dropped, and a partly filled last block that is shared is copied
         now (copy-on-write, the pair appended to `copies`), so the next `append_slot` needs
-        exactly the blocks its token count says. A partly filled last block held by this sequence
-        alone leaves the prefix cache: its freed slots will be written again, and a later prompt
-        must not find the old tokens' hash on the new K/V.
+        exactly the blocks its token count says. Blocks held by this sequence alone that the
+        rollback touches leave the prefix cache: a partly filled last block (its freed slots will
+        be written again, and a later prompt must not find the old tokens' hash on the new K/V)
+        and every block dropped whole (its tokens were rolled back: a speculative step's rejected
+        tokens, whose K/V a draft may have computed inexactly). Shared blocks keep their hashes:
+        their K/V stay the other holders'. (A speculating engine should also append draft slots
+        with `append_slot(seq_id, None)` and `set_token` only the accepted ones, so a rejected
+        token is never hashed at all.)
 
         Raises:
             ValueError: `num_tokens` outside [1, the sequence's tokens].
@@ -209,6 +214,9 @@ class BlockManager:
             self._uncache(last)  # a shared block keeps its hash: the others' K/V stay
         del hashes[cut:]
         dropped = table[keep_blocks:]
+        for block in dropped:
+            if self.pool.blocks[block].ref_cnt == 1:
+                self._uncache(block)
         del table[keep_blocks:], tokens[num_tokens:]
         self.pool.free(reversed(dropped))
         if copy:

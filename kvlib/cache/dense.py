@@ -62,6 +62,16 @@ class _DenseCache:
         self._keep(length)
         self.length = length
 
+    def move_tokens(self, src, dst) -> None:
+        """Copy the K/V of positions `src` to positions `dst` (tree speculation); the dense and
+        static caches define it.
+
+        Raises:
+            NotImplementedError: here (`rollback_refusal` says why, if the cache has a reason).
+        """
+        why = self.rollback_refusal or "it has no move_tokens"
+        raise NotImplementedError(f"{type(self).__name__} does not move tokens: {why}")
+
 
 class DynamicCache(_DenseCache):
     """A growing cache: per layer, keys and values `(B, H_kv, S, D)` concatenated each step."""

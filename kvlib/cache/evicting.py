@@ -265,6 +265,10 @@ class EvictingCache:
             "tokens before the rolled-back positions may already be gone"
         )
 
+    def move_tokens(self, src, dst) -> None:
+        """Not supported, as `truncate` (tree speculation moves tokens and then truncates)."""
+        self.truncate(0)
+
     def reorder(self, indices: torch.Tensor) -> None:
         """Keep sequences `indices` of the batch, in that order (beam search)."""
         self.layers = [None if s is None else s.index_batch(indices) for s in self.layers]

@@ -34,6 +34,7 @@ from kvlib._validate import check_positive_int
 from kvlib.cache.base import check_kv_update, check_moves, check_truncate_length
 from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.block_pool import BlockPool
+from kvlib.errors import OutOfBlocksError
 from kvlib.ops.attention import reference_attention
 
 __all__ = ["PagedCache", "PagedKV", "paged_attention", "read_slots"]
@@ -321,11 +322,13 @@ class PagedCache:
         (`BlockManager.truncate`: blocks left empty return to the pool, a shared partial block is
         copied on write, a private one leaves the prefix cache), the dropped slots of a kept
         block are zeroed in every layer, and a sequence left with no token is freed. The cache
-        then reads as one that never saw the later positions.
+        then reads as one that never saw the later positions. A rollback to 0 leaves it empty, as
+        new.
 
         Raises:
             ValueError: `length` not an int in [0, self.length].
-            OutOfBlocksError: a shared partial block needs a copy and no block is free.
+            OutOfBlocksError: a shared partial block needs a copy and no block is free (the cache
+                is left as it was).
             NotImplementedError: a cache that cannot roll back (`rollback_refusal` says why).
         """
         if self.rollback_refusal:
@@ -334,18 +337,23 @@ class PagedCache:
             )
         length = check_truncate_length(length, self.length)
         dropped = self.length - length  # every sequence's newest positions, padding trailing none
-        manager = self.manager
-        for b in sorted(manager.block_tables):
-            held = manager.num_tokens(b)
-            keep = held - dropped
-            if keep <= 0:
-                manager.free(b)
-                continue
-            manager.truncate(b, keep)
-            self._apply_copies()
-            if keep % self.block_size:
-                self._truncated_block(manager.block_tables[b][-1], keep % self.block_size)
+        saved, kept = copy.deepcopy(self.manager), {}  # the allocator restored if a copy fails
+        try:
+            for b in sorted(self.manager.block_tables):
+                kept[b] = self.manager.num_tokens(b) - dropped
+                if kept[b] > 0:
+                    self.manager.truncate(b, kept[b])
+                else:
+                    self.manager.free(b)
+        except OutOfBlocksError:
+            self.manager = saved  # no K/V was touched yet
+            raise
+        self._apply_copies()  # before zeroing: a copy takes the shared block's slots as they are
+        for b, keep in kept.items():
+            if keep > 0 and keep % self.block_size:
+                self._truncated_block(self.manager.block_tables[b][-1], keep % self.block_size)
         self.length = length
+        self.batch_size = self.batch_size if self.manager.block_tables else None
         self._step = self._mask = None
 
     def move_tokens(self, src, dst) -> None:
@@ -363,16 +371,17 @@ class PagedCache:
                 f"{type(self).__name__} does not move tokens back: {self.rollback_refusal}"
             )
         src, dst = check_moves(src, dst, self.length)
-        manager = self.manager
-        for b in sorted(manager.block_tables):
+        manager, moves = self.manager, []
+        for b in sorted(manager.block_tables):  # every sequence checked before any moves
             if manager.num_tokens(b) != self.length:
                 raise ValueError(f"move_tokens: sequence {b} has padding; expected none")
             for p in dst:
                 block = manager.block_tables[b][p // self.block_size]
                 if manager.pool.blocks[block].ref_cnt > 1:
                     raise ValueError(f"dst: position {p} of sequence {b} is in a shared block")
-            slots = [manager.slot(b, p) for p in src], [manager.slot(b, p) for p in dst]
-            self._move_slots(*slots)
+            moves.append(([manager.slot(b, p) for p in src], [manager.slot(b, p) for p in dst]))
+        for src_slots, dst_slots in moves:
+            self._move_slots(src_slots, dst_slots)
 
     def _move_slots(self, src_slots: list[int], dst_slots: list[int]) -> None:
         for pool in self._pools():

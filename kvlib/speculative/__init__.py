@@ -9,7 +9,7 @@ al., 2023, "Accelerating Large Language Model Decoding with Speculative Sampling
   min(1, p/q), else resample from the normalised max(0, p - q)), which keeps the target's
   distribution exactly.
 - `ngram`: a drafter that needs no model: prompt lookup (the tokens that followed the latest earlier
-  occurrence of the text's last n-gram; vLLM's `ngram` method).
+  occurrence of the text's last n-gram; vLLM's `ngram` method takes the earliest).
 - `self_draft`: self-speculation: the target drafts over a few pages of its own cache (chapter
   15's sparse view; sinks and a window when the budget is just those), verified densely.
 - `tree`: tree speculation: several candidates per position in one forward with a tree attention

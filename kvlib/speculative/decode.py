@@ -70,8 +70,10 @@ def speculative_generate(
     Args:
         model: a `kvlib.model.LlamaModel` (the target).
         input_ids: (1, T) int64, the prompt.
-        cache: an empty cache that rolls back (`truncate`), with room for T + max_new_tokens + k
-            tokens (a step writes its k draft tokens before the rejected ones are removed).
+        cache: an empty cache that rolls back (`truncate`), with room for T + max_new_tokens - 1
+            tokens (the newest token is never fed; a step asks for no more draft tokens than
+            still fit, so its verification stays within that, and so do the draft steps of a
+            drafter that writes to the cache, as `SparseSelfDrafter` does).
         max_new_tokens: N >= 1 tokens to emit.
         k: draft tokens per step, at most (fewer near the end, or when the drafter has fewer).
         drafter: `drafter(tokens so far, k)` -> up to k token ids, a deterministic guess (its
@@ -107,8 +109,8 @@ def speculative_generate(
     stats, new = SpeculationStats(), []
     with torch.no_grad():
         last = model(input_ids, cache=cache)[0, -1]  # the prefill's token
-        if temperature:
-            next_token = int(torch.multinomial(probs(last), 1, generator=generator))
+        if temperature:  # drawn on the CPU, as `speculative_accept` draws
+            next_token = int(torch.multinomial(probs(last).cpu(), 1, generator=generator))
         else:
             next_token = int(last.argmax())
         while True:
@@ -116,7 +118,9 @@ def speculative_generate(
             if len(new) == max_new_tokens:
                 break
             room = min(k, max_new_tokens - len(new) - 1)  # accepted + the target's token fit
-            draft = _draft(drafter(input_ids[0].tolist() + new, k), room, vocab) if room else None
+            draft = (
+                _draft(drafter(input_ids[0].tolist() + new, room), room, vocab) if room else None
+            )
             guess = [] if draft is None else draft.tokens
             step = torch.tensor([[next_token, *guess]], device=device)
             logits = model(step, cache=cache)[0]  # (1 + k', V): one forward verifies all
@@ -141,13 +145,13 @@ def speculative_generate(
 
 def _draft(proposed, room: int, vocab: int) -> Draft | None:
     """A drafter's answer as a `Draft` of at most `room` tokens (a plain list: one-hot q)."""
-    if not isinstance(proposed, Draft):
-        proposed = [int(t) for t in proposed]
-        if any(not 0 <= t < vocab for t in proposed):
-            raise ValueError(f"drafter: expected token ids in [0, {vocab}), got {proposed}")
-        one_hot = torch.zeros(len(proposed), vocab, dtype=torch.float64)
-        one_hot[torch.arange(len(proposed)), proposed] = 1.0
-        proposed = Draft(proposed, one_hot)
-    if not proposed.tokens:
+    tokens = [int(t) for t in (proposed.tokens if isinstance(proposed, Draft) else proposed)]
+    if any(not 0 <= t < vocab for t in tokens):
+        raise ValueError(f"drafter: expected token ids in [0, {vocab}), got {tokens}")
+    if not tokens:
         return None
-    return Draft(proposed.tokens[:room], proposed.probs[:room])
+    if isinstance(proposed, Draft):
+        return Draft(tokens[:room], proposed.probs[:room])
+    one_hot = torch.zeros(len(tokens), vocab, dtype=torch.float64)
+    one_hot[torch.arange(len(tokens)), tokens] = 1.0
+    return Draft(tokens[:room], one_hot[:room])

@@ -1,7 +1,12 @@
-"""A drafter without a model: prompt lookup (vLLM's `ngram` speculative method; Saxena, 2023,
-"Prompt Lookup Decoding"). Text that repeats itself (code edits, summaries quoting their source,
+"""A drafter without a model: prompt lookup (Saxena, 2023, "Prompt Lookup Decoding"; vLLM's `ngram`
+speculative method). Text that repeats itself (code edits, summaries quoting their source,
 retrieval answers) continues the way it continued before: find an earlier occurrence of the text's
 last n tokens and propose the tokens that followed it.
+
+Which occurrence: here the latest (the nearest context). vLLM's proposer
+(`vllm/v1/spec_decode/ngram_proposer.py`) and Saxena's code take the earliest among the longest
+matches; on text that repeats one phrase the two agree, on text whose continuations drift they can
+propose different tokens.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Self-speculation: the target model drafts for itself over a sparse view of its own cache, and
-verifies over the full cache (TriForce, Sun et al., 2024; MagicDec, Chen et al., ICLR 2025: at
+verifies over the full cache (TriForce, Sun et al., 2024; MagicDec, Sadhukhan et al., ICLR 2025: at
 long context a decode step's cost is the cache it reads, so a draft that reads a few pages is
 cheap, and it is the same model, so it guesses well).
 
@@ -40,7 +40,8 @@ class SparseSelfDrafter:
         generator: the draws' generator (sampling only).
 
     Raises:
-        ValueError: `budget_pages` not a positive int, or below the cache's forced pages.
+        ValueError: `budget_pages` not a positive int, or below the cache's forced pages; a cache
+            whose `budget_pages` is already set.
         TypeError: a cache without `budget_pages` (not a sparse cache).
     """
 
@@ -56,6 +57,11 @@ class SparseSelfDrafter:
         if not hasattr(cache, "budget_pages"):
             raise TypeError(
                 f"cache: expected a kvlib.sparse.SparsePagedCache, got {type(cache).__name__}"
+            )
+        if cache.budget_pages is not None:
+            raise ValueError(
+                f"cache: expected budget_pages None (the verification reads every page), got "
+                f"{cache.budget_pages}"
             )
         check_positive_int("budget_pages", budget_pages)
         forced = cache.sink_pages + cache.recent_pages

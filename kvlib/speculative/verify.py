@@ -89,7 +89,8 @@ def speculative_accept(
         after them: resampled from the residual at the first rejection, else the bonus from row k.
 
     Raises:
-        ValueError: shapes other than (k, V) and (k + 1, V) with one V.
+        ValueError: shapes other than (k, V) and (k + 1, V) with one V; a draft token outside
+            [0, V) or of probability 0 under its row of `draft_probs`.
     """
     draft = [int(t) for t in draft]
     _check_rows("target_probs", target_probs, len(draft) + 1)
@@ -98,6 +99,15 @@ def speculative_accept(
         raise ValueError(
             f"draft_probs: expected V = {target_probs.shape[1]} columns (the target's), got "
             f"{draft_probs.shape[1]}"
+        )
+    # a few rows of V: drawn on the CPU, where a CPU generator draws, whatever the model's device
+    target_probs, draft_probs = target_probs.double().cpu(), draft_probs.double().cpu()
+    if any(
+        not 0 <= t < target_probs.shape[1] or draft_probs[i, t] <= 0 for i, t in enumerate(draft)
+    ):
+        raise ValueError(
+            f"draft: expected token ids that their draft_probs rows give a probability above 0 "
+            f"(a token q could not draw means q is not the draft's distribution), got {draft}"
         )
     for i, token in enumerate(draft):
         p, q = target_probs[i, token], draft_probs[i, token]
