@@ -286,6 +286,32 @@ def attention_mask_3d(
     return mask
 
 
+def restrict_to_tree(
+    mask: torch.Tensor, tree_mask: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """`mask` (B or 1, T, S) with its last T columns (the new tokens) narrowed to `tree_mask`
+    (T, T) bool: each new token sees the cached tokens, its tree ancestors and itself.
+
+    Raises:
+        ValueError: a tree_mask that is not (T, T) bool, or a sliding window (it counts positions
+            and a tree's nodes sit at their depths, not their places in the chunk).
+    """
+    t = mask.shape[-2]
+    if sliding_window is not None:
+        raise ValueError(
+            "tree_mask: a sliding window counts positions, and a tree's nodes sit at their "
+            "depths, not their places in the chunk; not supported with sliding_window"
+        )
+    if tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool:
+        raise ValueError(
+            f"tree_mask: expected a ({t}, {t}) bool tensor, got {tuple(tree_mask.shape)} "
+            f"{tree_mask.dtype}"
+        )
+    mask = mask.clone()
+    mask[..., -t:] &= tree_mask.to(mask.device)  # within the causal rule
+    return mask
+
+
 class LlamaModel(nn.Module):
     """Llama-architecture causal LM: `model(input_ids) -> logits (B, T, V)`."""
 
@@ -379,19 +405,8 @@ class LlamaModel(nn.Module):
         mask = attention_mask_3d(
             t, past + t, attention_mask, self.config.sliding_window, input_ids.device
         )
-        if tree_mask is not None:
-            if self.config.sliding_window is not None:
-                raise ValueError(
-                    "tree_mask: a sliding window counts positions, and a tree's nodes sit at their "
-                    "depths, not their places in the chunk; not supported with sliding_window"
-                )
-            if tree_mask.shape != (t, t) or tree_mask.dtype != torch.bool:
-                raise ValueError(
-                    f"tree_mask: expected a ({t}, {t}) bool tensor, got {tuple(tree_mask.shape)} "
-                    f"{tree_mask.dtype}"
-                )
-            mask = mask.clone()
-            mask[..., past:] &= tree_mask.to(mask.device)  # within the causal rule
+        if tree_mask is not None:  # chapter 16: a tree of draft tokens
+            mask = restrict_to_tree(mask, tree_mask, c.sliding_window)
         backend = get_backend(self.attention_backend)
         if hasattr(cache, "begin_forward"):  # a cache that stores only real tokens (paged)
             cache.begin_forward(t, attention_mask)
