@@ -99,8 +99,7 @@ def speculative_generate(
         )
     max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
     k = check_positive_int("k", k)
-    if not temperature >= 0:
-        raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
+    check_temperature(temperature)
     vocab, device = model.config.vocab_size, input_ids.device
 
     def probs(logits):  # the target's distributions at this temperature, in float64
@@ -118,19 +117,13 @@ def speculative_generate(
             if len(new) == max_new_tokens:
                 break
             room = min(k, max_new_tokens - len(new) - 1)  # accepted + the target's token fit
-            draft = (
-                _draft(drafter(input_ids[0].tolist() + new, room), room, vocab) if room else None
-            )
-            guess = [] if draft is None else draft.tokens
+            proposed = drafter(input_ids[0].tolist() + new, room) if room else []
+            guess = _draft_tokens(proposed, room, vocab)
             step = torch.tensor([[next_token, *guess]], device=device)
             logits = model(step, cache=cache)[0]  # (1 + k', V): one forward verifies all
             if temperature:
-                accepted, next_token = speculative_accept(
-                    guess,
-                    draft.probs.double() if draft else torch.zeros(0, vocab),
-                    probs(logits),
-                    generator,
-                )
+                q = _draft_probs(proposed, guess, vocab)
+                accepted, next_token = speculative_accept(guess, q, probs(logits), generator)
             else:
                 accepted, next_token = greedy_accept(guess, logits)
             cache.truncate(cache.length - (len(guess) - accepted))  # the rejected tokens' K/V
@@ -143,15 +136,34 @@ def speculative_generate(
     return tokens, stats
 
 
-def _draft(proposed, room: int, vocab: int) -> Draft | None:
-    """A drafter's answer as a `Draft` of at most `room` tokens (a plain list: one-hot q)."""
+def check_temperature(temperature) -> float:
+    """`temperature` if it is a number >= 0 (0: greedy).
+
+    Raises:
+        ValueError: anything else (NaN included), naming the argument.
+    """
+    if not temperature >= 0:
+        raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
+    return temperature
+
+
+def _draft_tokens(proposed, room: int, vocab: int) -> list[int]:
+    """A drafter's answer (ids, or a `Draft`) as at most `room` token ids.
+
+    Raises:
+        ValueError: an id outside [0, vocab).
+    """
     tokens = [int(t) for t in (proposed.tokens if isinstance(proposed, Draft) else proposed)]
     if any(not 0 <= t < vocab for t in tokens):
         raise ValueError(f"drafter: expected token ids in [0, {vocab}), got {tokens}")
-    if not tokens:
-        return None
+    return tokens[:room]
+
+
+def _draft_probs(proposed, guess: list[int], vocab: int) -> torch.Tensor:
+    """(len(guess), V) q rows of the tokens kept: a `Draft`'s own, else one-hot (a deterministic
+    drafter puts all its probability on its guess)."""
     if isinstance(proposed, Draft):
-        return Draft(tokens[:room], proposed.probs[:room])
-    one_hot = torch.zeros(len(tokens), vocab, dtype=torch.float64)
-    one_hot[torch.arange(len(tokens)), tokens] = 1.0
-    return Draft(tokens[:room], one_hot[:room])
+        return proposed.probs[: len(guess)]
+    one_hot = torch.zeros(len(guess), vocab, dtype=torch.float64)
+    one_hot[torch.arange(len(guess)), guess] = 1.0
+    return one_hot

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from kvlib._validate import check_positive_int
-from kvlib.speculative.decode import Draft
+from kvlib.speculative.decode import Draft, check_temperature
 
 __all__ = ["SparseSelfDrafter"]
 
@@ -70,8 +70,7 @@ class SparseSelfDrafter:
                 f"budget_pages: expected at least sink_pages + recent_pages = {forced}, got "
                 f"{budget_pages}"
             )
-        if not temperature >= 0:
-            raise ValueError(f"temperature: expected a number >= 0, got {temperature!r}")
+        check_temperature(temperature)
         self.model, self.cache, self.budget_pages = model, cache, budget_pages
         self.temperature, self.generator = temperature, generator
 
