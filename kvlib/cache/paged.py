@@ -337,23 +337,28 @@ class PagedCache:
             )
         length = check_truncate_length(length, self.length)
         dropped = self.length - length  # every sequence's newest positions, padding trailing none
-        saved, kept = copy.deepcopy(self.manager), {}  # the allocator restored if a copy fails
+        manager, bs = self.manager, self.block_size
+        kept = {b: manager.num_tokens(b) - dropped for b in sorted(manager.block_tables)}
+        copies = any(  # a kept partial block that is shared: copy-on-write, which may fail
+            n > 0 and n % bs and manager.pool.blocks[manager.block_tables[b][n // bs]].ref_cnt > 1
+            for b, n in kept.items()
+        )
+        saved = copy.deepcopy(manager) if copies else None  # the allocator, restored on failure
         try:
-            for b in sorted(self.manager.block_tables):
-                kept[b] = self.manager.num_tokens(b) - dropped
+            for b in kept:
                 if kept[b] > 0:
-                    self.manager.truncate(b, kept[b])
+                    manager.truncate(b, kept[b])
                 else:
-                    self.manager.free(b)
+                    manager.free(b)
         except OutOfBlocksError:
             self.manager = saved  # no K/V was touched yet
             raise
         self._apply_copies()  # before zeroing: a copy takes the shared block's slots as they are
         for b, keep in kept.items():
-            if keep > 0 and keep % self.block_size:
-                self._truncated_block(self.manager.block_tables[b][-1], keep % self.block_size)
+            if keep > 0 and keep % bs:
+                self._truncated_block(manager.block_tables[b][-1], keep % bs)
         self.length = length
-        self.batch_size = self.batch_size if self.manager.block_tables else None
+        self.batch_size = self.batch_size if manager.block_tables else None
         self._step = self._mask = None
 
     def move_tokens(self, src, dst) -> None:
