@@ -455,3 +455,27 @@ def test_bad_drafts_and_caches_are_refused_by_name(course_model):
     windowed = LlamaModel(dataclasses.replace(model.config, sliding_window=8))
     with pytest.raises(ValueError, match="tree_mask: a sliding window counts positions"):
         windowed(torch.tensor([[1, 2]]), tree_mask=torch.ones(2, 2, dtype=torch.bool))
+
+
+@pytest.mark.recorded
+def test_recorded_spec_acceptance_spot_check(course_model):
+    """Two of `results/spec_acceptance.csv`'s course-model rows recomputed (prompt 0, k = 4, prompt
+    lookup and self-speculation at 2 pages): greedy runs, so every count is equal, and the run's
+    tokens are plain greedy decoding's."""
+    import csv
+
+    from kvlib.course.recorded import recorded_file
+    from kvlib.experiments import spec_acceptance as S
+
+    recorded = {
+        (r["drafter"], r["budget_pages"]): r
+        for r in csv.DictReader(open(recorded_file("spec_acceptance.csv")))
+        if r["model"] == "course model" and r["k"] == "4" and r["prompt"] == "0"
+    }
+    prompt = S.course_prompts()[0]
+    plain = generate(course_model, prompt, S.NEW_TOKENS["course model"])
+    for drafter, budget in (("ngram", None), ("self", 2)):
+        tokens, values = S.run_one(course_model, prompt, "course model", drafter, 4, budget)
+        assert torch.equal(tokens, plain)
+        row = recorded[drafter, str(budget or "")]
+        assert {name: int(row[name]) for name in values} == values, (drafter, row)
