@@ -1421,6 +1421,312 @@ def compact_table(block_table, seq_len, pages, block_size):
 """,
         "the blocks in the order the pages were given",
     ),
+    (
+        "16",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # the bonus forgotten: row k never read
+    chosen = target_logits.argmax(dim=-1).tolist()
+    for i, token in enumerate(draft):
+        if token != chosen[i]:
+            return i, chosen[i]
+    return len(draft), chosen[len(draft) - 1]
+""",
+        "the bonus forgotten",
+    ),
+    (
+        "16",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # the correction read from the next row
+    chosen = target_logits.argmax(dim=-1).tolist()
+    for i, token in enumerate(draft):
+        if token != chosen[i]:
+            return i, chosen[i + 1]
+    return len(draft), chosen[len(draft)]
+""",
+        "one row late",
+    ),
+    (
+        "16",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # draft token i checked against row i + 1
+    chosen = target_logits.argmax(dim=-1).tolist()
+    for i, token in enumerate(draft):
+        if token != chosen[i + 1]:
+            return i, chosen[i + 1]
+    return len(draft), chosen[len(draft)]
+""",
+        "the rows shifted by one",
+    ),
+    (
+        "16",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # every match counted, not the leading ones
+    chosen = target_logits.argmax(dim=-1).tolist()
+    accepted = sum(d == c for d, c in zip(draft, chosen))
+    return accepted, chosen[accepted]
+""",
+        "every matching draft token counted",
+    ),
+    (
+        "16",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # the rejected draft token kept
+    chosen = target_logits.argmax(dim=-1).tolist()
+    for i, token in enumerate(draft):
+        if token != chosen[i]:
+            return i, token
+    return len(draft), chosen[len(draft)]
+""",
+        "the rejected draft token returned",
+    ),
+    (
+        "16",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # ties: the last maximum
+    chosen = [int((row == row.max()).nonzero()[-1]) for row in target_logits]
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        accepted += 1
+    return accepted, chosen[accepted]
+""",
+        "ties broken towards the last maximum",
+    ),
+    (
+        "16",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # the residual not normalised
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            return i, (p[i] - q[i]).clamp(min=0)
+    return len(draft), p[len(draft)]
+""",
+        "the residual not normalised",
+    ),
+    (
+        "16",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # p_i itself at a rejection
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            return i, p[i]
+    return len(draft), p[len(draft)]
+""",
+        "p_i resampled at a rejection",
+    ),
+    (
+        "16",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # max(0, q - p)
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            residual = (q[i] - p[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "the residual the wrong way round",
+    ),
+    (
+        "16",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # the bonus from the last draft row
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[max(len(draft) - 1, 0)]
+""",
+        "the bonus from row k - 1",
+    ),
+    (
+        "16",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # accept when u <= q / p
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * p[i, token] > q[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "the ratio inverted",
+    ),
+    (
+        "16",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # accept when u <= p(x)
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u > p[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "q forgotten",
+    ),
+    (
+        "16",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # a tie rejected
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u >= p[i, token] / q[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "a tie rejected",
+    ),
+    (
+        "16",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # shared blocks freed too
+    keep = -(-new_len // block_size)
+    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], block_table[keep:][::-1], copy
+""",
+        "shared blocks freed",
+    ),
+    (
+        "16",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # new_len // size + 1 blocks
+    keep = min(new_len // block_size + 1, len(block_table))
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    copy = new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], freed, copy
+""",
+        "an empty block kept",
+    ),
+    (
+        "16",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # new_len // size blocks
+    keep = new_len // block_size
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], freed, copy
+""",
+        "the partly filled last block dropped",
+    ),
+    (
+        "16",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # freed in table order
+    keep = -(-new_len // block_size)
+    freed = [b for b in block_table[keep:] if ref_cnt[b] == 1]
+    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], freed, copy
+""",
+        "freed in table order",
+    ),
+    (
+        "16",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # a shared last block copied
+    keep = -(-new_len // block_size)
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    copy = keep > 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], freed, copy
+""",
+        "a full shared last block copied",
+    ),
+    (
+        "16",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # any partial block copied
+    keep = -(-new_len // block_size)
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    return block_table[:keep], freed, new_len % block_size != 0
+""",
+        "a private partial block copied",
+    ),
+    (
+        "16",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # no copy-on-write
+    keep = -(-new_len // block_size)
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    return block_table[:keep], freed, False
+""",
+        "no copy-on-write",
+    ),
+    (
+        "16",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # alpha^k
+    tokens = k + 1 if alpha == 1 else (1 - alpha**k) / (1 - alpha)
+    return tokens, tokens / (c * k + 1)
+""",
+        "alpha^k instead of alpha^(k + 1)",
+    ),
+    (
+        "16",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # the accepted drafts only
+    tokens = float(sum(alpha**i for i in range(1, k + 1)))
+    return tokens, tokens / (c * k + 1)
+""",
+        "the target's own token left out",
+    ),
+    (
+        "16",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # k tokens at alpha = 1
+    tokens = float(k) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens / (c * k + 1)
+""",
+        "k tokens at alpha = 1",
+    ),
+    (
+        "16",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # a step costs the drafts only
+    tokens = k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens / (c * k) if c * k else tokens
+""",
+        "the target's pass left out",
+    ),
+    (
+        "16",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # k + 1 draft steps
+    tokens = k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens / (c * (k + 1) + 1)
+""",
+        "k + 1 draft steps",
+    ),
+    (
+        "16",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # the drafts' cost forgotten
+    tokens = k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens
+""",
+        "the speed-up as tokens per step",
+    ),
 ]
 
 
@@ -1652,6 +1958,36 @@ def compact_table(block_table, seq_len, pages, block_size):
 _solved_decode_read_bytes = decode_read_bytes
 def decode_read_bytes(*args):
     return np.int64(_solved_decode_read_bytes(*args))
+""",
+    ),
+    (
+        "16",
+        "greedy_accept",
+        """
+_solved_greedy_accept = greedy_accept
+def greedy_accept(draft, target_logits):
+    accepted, token = _solved_greedy_accept(draft, target_logits)
+    return np.int64(accepted), np.int64(token)
+""",
+    ),
+    (
+        "16",
+        "rejection_sample",
+        """
+_solved_rejection_sample = rejection_sample
+def rejection_sample(draft, q, p, uniforms):
+    accepted, distribution = _solved_rejection_sample(draft, q, p, uniforms)
+    return np.int64(accepted), distribution
+""",
+    ),
+    (
+        "16",
+        "rollback_blocks",
+        """
+_solved_rollback_blocks = rollback_blocks
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):
+    kept, freed, copy = _solved_rollback_blocks(block_table, new_len, block_size, ref_cnt)
+    return [np.int64(b) for b in kept], [np.int64(b) for b in freed], np.bool_(copy)
 """,
     ),
 ]
@@ -1958,3 +2294,43 @@ def test_the_written_out_rules_match_kvlibs_oracles():
     for _ in range(300):
         host, disk, operations, _ = ch14._random_lru_case(rng)
         assert ch14._lru_written(host, disk, operations) == ch14._lru(host, disk, operations)
+
+
+def test_chapter_16s_written_out_rules_match_kvlibs_oracles():
+    """Chapter 16's mistakes switch parts of a rule written out in the check: with nothing
+    switched, it is kvlib's own answer (greedy_accept; BlockManager.truncate and free, through a
+    pool set to the case's reference counts)."""
+    from kvlib.course.checks import ch16
+    from kvlib.speculative.verify import greedy_accept
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        draft, logits, _ = ch16._random_greedy_case(rng)
+        chosen = logits.argmax(dim=-1).tolist()
+        assert ch16._greedy(draft, chosen) == greedy_accept(draft, logits), (draft, logits)
+        case = ch16._random_rollback_case(rng)[:4]
+        assert ch16._rollback_formula(*case) == ch16._rollback(*case), case
+
+
+def test_chapter_16s_rejection_oracle_replays_kvlibs_speculative_accept():
+    """rejection_sample's oracle, given the uniforms kvlib's `speculative_accept` draws, accepts
+    as many tokens as kvlib does, and kvlib's next token is the one the same generator draws from
+    the oracle's distribution: the question grades kvlib's rule, with its draws written out."""
+    import torch
+
+    from kvlib.course.checks import ch16
+    from kvlib.speculative.verify import speculative_accept
+
+    rng = np.random.default_rng(16)
+    for seed in range(300):
+        draft, q, p, _, _ = ch16._random_rejection_case(rng)
+        accepted, token = speculative_accept(draft, q, p, torch.Generator().manual_seed(seed))
+        replay, uniforms = torch.Generator().manual_seed(seed), []
+        for i, x in enumerate(draft):  # kvlib's draws, one a position until a rejection
+            uniforms.append(float(torch.rand((), generator=replay, dtype=torch.float64)))
+            if uniforms[-1] * q[i, x] > p[i, x]:
+                break
+        uniforms += [0.0] * (len(draft) - len(uniforms))  # unused after a rejection
+        expected, distribution = ch16._rejection(draft, q, p, uniforms)
+        assert accepted == expected, (seed, draft, uniforms)
+        assert token == int(torch.multinomial(distribution, 1, generator=replay)), seed

@@ -2076,6 +2076,378 @@ def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):  # a float
 """,
         "should return an int",
     ),
+    (
+        "16_speculative_decoding.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # the bonus forgotten: row k never read
+    chosen = target_logits.argmax(dim=-1).tolist()
+    for i, token in enumerate(draft):
+        if token != chosen[i]:
+            return i, chosen[i]
+    return len(draft), chosen[len(draft) - 1]
+""",
+        "the bonus forgotten",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # the correction read from the next row
+    chosen = target_logits.argmax(dim=-1).tolist()
+    for i, token in enumerate(draft):
+        if token != chosen[i]:
+            return i, chosen[i + 1]
+    return len(draft), chosen[len(draft)]
+""",
+        "one row late",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # draft token i checked against row i + 1
+    chosen = target_logits.argmax(dim=-1).tolist()
+    for i, token in enumerate(draft):
+        if token != chosen[i + 1]:
+            return i, chosen[i + 1]
+    return len(draft), chosen[len(draft)]
+""",
+        "the rows shifted by one",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # every match counted, not the leading ones
+    chosen = target_logits.argmax(dim=-1).tolist()
+    accepted = sum(d == c for d, c in zip(draft, chosen))
+    return accepted, chosen[accepted]
+""",
+        "every matching draft token counted",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # the rejected draft token kept
+    chosen = target_logits.argmax(dim=-1).tolist()
+    for i, token in enumerate(draft):
+        if token != chosen[i]:
+            return i, token
+    return len(draft), chosen[len(draft)]
+""",
+        "the rejected draft token returned",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # ties: the last maximum
+    chosen = [int((row == row.max()).nonzero()[-1]) for row in target_logits]
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        accepted += 1
+    return accepted, chosen[accepted]
+""",
+        "ties broken towards the last maximum",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # tensors, not ints
+    chosen = target_logits.argmax(dim=-1)
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        accepted += 1
+    return torch.tensor(accepted), chosen[accepted]
+""",
+        "two ints",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # the residual not normalised
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            return i, (p[i] - q[i]).clamp(min=0)
+    return len(draft), p[len(draft)]
+""",
+        "the residual not normalised",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # p_i itself at a rejection
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            return i, p[i]
+    return len(draft), p[len(draft)]
+""",
+        "p_i resampled at a rejection",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # max(0, q - p)
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            residual = (q[i] - p[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "the residual the wrong way round",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # the bonus from the last draft row
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[max(len(draft) - 1, 0)]
+""",
+        "the bonus from row k - 1",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # accept when u <= q / p
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * p[i, token] > q[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "the ratio inverted",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # accept when u <= p(x)
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u > p[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "q forgotten",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # a tie rejected
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u >= p[i, token] / q[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "a tie rejected",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # float32
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0).float()
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)].float()
+""",
+        "expected dtype torch.float64",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # subtracts q from p in place
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            p[i] -= q[i]
+            residual = p[i].clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)].clone()
+""",
+        "changed its argument 3",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # shared blocks freed too
+    keep = -(-new_len // block_size)
+    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], block_table[keep:][::-1], copy
+""",
+        "shared blocks freed",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # new_len // size + 1 blocks
+    keep = min(new_len // block_size + 1, len(block_table))
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    copy = new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], freed, copy
+""",
+        "an empty block kept",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # new_len // size blocks
+    keep = new_len // block_size
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], freed, copy
+""",
+        "the partly filled last block dropped",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # freed in table order
+    keep = -(-new_len // block_size)
+    freed = [b for b in block_table[keep:] if ref_cnt[b] == 1]
+    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], freed, copy
+""",
+        "freed in table order",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # a shared last block copied
+    keep = -(-new_len // block_size)
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    copy = keep > 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], freed, copy
+""",
+        "a full shared last block copied",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # any partial block copied
+    keep = -(-new_len // block_size)
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    return block_table[:keep], freed, new_len % block_size != 0
+""",
+        "a private partial block copied",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # no copy-on-write
+    keep = -(-new_len // block_size)
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    return block_table[:keep], freed, False
+""",
+        "no copy-on-write",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # ref_cnt decremented in place
+    keep = -(-new_len // block_size)
+    freed = []
+    for b in reversed(block_table[keep:]):
+        ref_cnt[b] -= 1
+        if ref_cnt[b] == 0:
+            freed.append(b)
+    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], freed, copy
+""",
+        "changed its argument 4",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # alpha^k
+    tokens = k + 1 if alpha == 1 else (1 - alpha**k) / (1 - alpha)
+    return tokens, tokens / (c * k + 1)
+""",
+        "alpha^k instead of alpha^(k + 1)",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # the accepted drafts only
+    tokens = float(sum(alpha**i for i in range(1, k + 1)))
+    return tokens, tokens / (c * k + 1)
+""",
+        "the target's own token left out",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # k tokens at alpha = 1
+    tokens = float(k) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens / (c * k + 1)
+""",
+        "k tokens at alpha = 1",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # no case for alpha = 1
+    tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens / (c * k + 1)
+""",
+        "ZeroDivisionError",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # a step costs the drafts only
+    tokens = k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens / (c * k) if c * k else tokens
+""",
+        "the target's pass left out",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # k + 1 draft steps
+    tokens = k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens / (c * (k + 1) + 1)
+""",
+        "k + 1 draft steps",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # the drafts' cost forgotten
+    tokens = k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens
+""",
+        "the speed-up as tokens per step",
+    ),
 ]
 
 
@@ -2664,6 +3036,36 @@ TWIN_ANSWERS = [
         "max_num_seqs=max_num_seqs)\n"
         "    return [(r.request_id, n) for r, n in engine.scheduler.schedule().scheduled]\n",
         "kvlib.engine.llm_engine.LLMEngine.__init__ is unavailable",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "greedy_accept",
+        "from kvlib.speculative import greedy_accept as kvlib_greedy_accept\n\n"
+        "def greedy_accept(draft, target_logits):  # kvlib's own\n"
+        "    return kvlib_greedy_accept(draft, target_logits)\n",
+        "unavailable",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rejection_sample",
+        "from kvlib.speculative.verify import residual_distribution\n\n"
+        "def rejection_sample(draft, q, p, uniforms):  # kvlib's residual\n"
+        "    for i, (token, u) in enumerate(zip(draft, uniforms)):\n"
+        "        if u * q[i, token] > p[i, token]:\n"
+        "            return i, residual_distribution(p[i], q[i])\n"
+        "    return len(draft), p[len(draft)]\n",
+        "unavailable",
+    ),
+    (
+        "16_speculative_decoding.ipynb",
+        "rollback_blocks",
+        "from kvlib.cache.block_manager import BlockManager\n"
+        "from kvlib.cache.block_pool import BlockPool\n\n"
+        "def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # the allocator's own\n"
+        "    pool = BlockPool(max(ref_cnt) + 2, block_size, enable_prefix_caching=False)\n"
+        "    manager = BlockManager(pool)\n"
+        "    return manager, [], False\n",
+        "unavailable",
     ),
 ]
 
@@ -3596,6 +3998,79 @@ VALID_VARIANTS = [
      "        blocks.append(block_table[page])\n"
      "        length += min(block_size, seq_len - page * block_size)\n"
      "    return blocks, length\n",
+     None),
+    ("16_speculative_decoding.ipynb", "greedy_accept",
+     "def greedy_accept(draft, target_logits):  # vectorised: a cumulative product of matches\n"
+     "    chosen = target_logits.argmax(dim=-1)\n"
+     "    k = len(draft)\n"
+     "    matches = torch.tensor(draft, dtype=torch.long) == chosen[:k]\n"
+     "    accepted = int(matches.long().cumprod(dim=0).sum())\n"
+     "    return accepted, int(chosen[accepted])\n",
+     None),
+    ("16_speculative_decoding.ipynb", "greedy_accept",
+     "import numpy as np\n\n"
+     "def greedy_accept(draft, target_logits):  # numpy: argmax also takes the first maximum\n"
+     "    chosen = np.argmax(target_logits.numpy(), axis=-1)\n"
+     "    for i, token in enumerate(draft):\n"
+     "        if token != chosen[i]:\n"
+     "            return i, chosen[i]\n"
+     "    return len(draft), chosen[len(draft)]\n",
+     None),
+    ("16_speculative_decoding.ipynb", "rejection_sample",
+     "def rejection_sample(draft, q, p, uniforms):  # vectorised, dividing\n"
+     "    k = len(draft)\n"
+     "    rows, tokens = torch.arange(k), torch.tensor(draft, dtype=torch.long)\n"
+     "    ok = torch.tensor(uniforms, dtype=torch.float64) <= p[rows, tokens] / q[rows, tokens]\n"
+     "    accepted = int(ok.long().cumprod(dim=0).sum())\n"
+     "    if accepted == k:\n"
+     "        return k, p[k].clone()\n"
+     "    residual = torch.relu(p[accepted] - q[accepted])\n"
+     "    return accepted, residual / residual.sum()\n",
+     None),
+    ("16_speculative_decoding.ipynb", "rejection_sample",
+     "def rejection_sample(draft, q, p, uniforms):  # min(1, p / q), torch.where\n"
+     "    for i, token in enumerate(draft):\n"
+     "        if not uniforms[i] <= min(1.0, float(p[i, token] / q[i, token])):\n"
+     "            residual = torch.where(p[i] > q[i], p[i] - q[i], torch.zeros_like(p[i]))\n"
+     "            return i, residual / residual.sum()\n"
+     "    return len(draft), p[-1]\n",
+     None),
+    ("16_speculative_decoding.ipynb", "rollback_blocks",
+     "import math\n\n"
+     "def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # block by block, from the "
+     "end\n"
+     "    kept, freed = list(block_table), []\n"
+     "    while kept and (len(kept) - 1) * block_size >= new_len:\n"
+     "        block = kept.pop()\n"
+     "        if ref_cnt[block] == 1:\n"
+     "            freed.append(block)\n"
+     "    partial = kept and math.ceil(new_len / block_size) * block_size != new_len\n"
+     "    return kept, freed, bool(partial and ref_cnt[kept[-1]] > 1)\n",
+     None),
+    ("16_speculative_decoding.ipynb", "rollback_blocks",
+     "import numpy as np\n\n"
+     "def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # the table itself, a numpy "
+     "bool\n"
+     "    keep = -(-new_len // block_size)\n"
+     "    kept = block_table if keep == len(block_table) else block_table[:keep]\n"
+     "    freed = [b for b in block_table[keep:][::-1] if ref_cnt[b] < 2]\n"
+     "    counts = np.array([ref_cnt[b] for b in kept])\n"
+     "    return kept, freed, bool(len(kept)) and np.bool_(new_len % block_size > 0 and "
+     "counts[-1] > 1)\n",
+     None),
+    ("16_speculative_decoding.ipynb", "speculation_gain",
+     "def speculation_gain(alpha, k, c):  # the sum itself: 0 ** 0 = 1, no case for alpha = 1\n"
+     "    tokens = sum(alpha**i for i in range(k + 1))\n"
+     "    return float(tokens), tokens / (1 + c * k)\n",
+     None),
+    ("16_speculative_decoding.ipynb", "speculation_gain",
+     "import numpy as np\n\n"
+     "def speculation_gain(alpha, k, c):  # numpy floats, the limit taken with isclose\n"
+     "    if np.isclose(alpha, 1.0, rtol=0.0, atol=0.0):\n"
+     "        tokens = np.float64(k + 1)\n"
+     "    else:\n"
+     "        tokens = (1 - np.float64(alpha) ** (k + 1)) / (1 - np.float64(alpha))\n"
+     "    return tokens, tokens / (c * k + 1)\n",
      None),
 ]  # fmt: skip
 

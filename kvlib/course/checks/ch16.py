@@ -1,0 +1,525 @@
+"""Chapter 16's graded questions: greedy verification of a draft, speculative sampling's accept or
+resample step with its random numbers given, a paged sequence's rollback (the blocks freed, shared
+blocks only dereferenced, a shared partial last block copied) and the tokens per step and speed-up
+of Leviathan et al. (ICML 2023). Oracles: `kvlib.speculative.verify`'s `greedy_accept` and
+`residual_distribution`, `BlockManager.truncate` and `free` (through a pool set to the given
+reference counts), and the expectation written out here (every answer is written without kvlib)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from kvlib.cache.block_manager import BlockManager
+from kvlib.cache.block_pool import BlockPool
+from kvlib.course.checks.mistakes import naming_mistakes
+from kvlib.course.grading import (
+    LearnerRaised,
+    Submission,
+    expect_list,
+    expect_tensor,
+    is_int,
+    question,
+)
+from kvlib.speculative.verify import greedy_accept, residual_distribution
+
+
+def _answer(function, args: tuple, what: str):
+    """The learner's answer for `args`; an exception it raises fails the question naming the case
+    (a function not written yet keeps the grader's own message)."""
+    try:
+        return function.call(*args, _options={"may_alias": True}).result
+    except LearnerRaised as error:
+        if error.type_name == "NotImplementedError":
+            raise
+        raise AssertionError(f"{what}: {error}") from None
+
+
+def _pair_of_ints(got, name: str) -> None:
+    assert isinstance(got, tuple) and len(got) == 2 and all(is_int(x) for x in got), (
+        f"{name} should return (accepted, next_token), two ints (int(t) of a 0-d tensor t), "
+        f"got {got!r}"
+    )
+
+
+# --- question 1: greedy verification ----------------------------------------------------------
+
+
+def _greedy(draft, chosen: list[int]) -> tuple[int, int]:
+    """greedy_accept from each row's chosen token (its argmax, or a mistake's)."""
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        accepted += 1
+    return accepted, chosen[accepted]
+
+
+def _greedy_mistakes(draft, logits) -> dict:
+    chosen = logits.argmax(dim=-1).tolist()  # (k + 1,): the first maximum of each row
+    k, (accepted, _) = len(draft), _greedy(draft, chosen)
+    last_max = (logits.shape[1] - 1 - logits.flip(-1).argmax(dim=-1)).tolist()
+    return {
+        "the bonus forgotten: when all k draft tokens are accepted, the next token is row k's "
+        "argmax (the bonus), not row k - 1's": lambda: (k, chosen[k - 1] if k else chosen[0]),
+        "the next token read one row late: the first mismatch at i takes row i's argmax (row i "
+        "predicts the token after draft token i - 1)": lambda: (accepted, chosen[accepted + 1]),
+        "the rows shifted by one: draft token i is checked against row i (row 0 predicts the "
+        "token after the last accepted one), not row i + 1": lambda: _greedy(
+            draft,
+            chosen[1:] + chosen[-1:],  # row i + 1 checks x_i, the bonus still row k
+        ),
+        "every matching draft token counted: acceptance stops at the first mismatch": lambda: (
+            sum(d == c for d, c in zip(draft, chosen)),
+            chosen[sum(d == c for d, c in zip(draft, chosen))],
+        ),
+        "the rejected draft token returned: at the first mismatch the target's argmax replaces "
+        "it": lambda: (accepted, draft[accepted]),
+        "ties broken towards the last maximum: the first (smallest index) wins, as torch.argmax "
+        "returns": lambda: _greedy(draft, last_max),
+    }
+
+
+def _random_greedy_case(rng) -> tuple:
+    """k in 0..5 draft tokens, V in 2..50, logits (k + 1, V) float32: normal, or integers in
+    [0, 3) (ties); the draft follows the argmax for a random number of tokens, then differs (in
+    a tie, by another maximum)."""
+    k, vocab = int(rng.integers(0, 6)), int(rng.choice([2, 3, 5, 11, 50]))
+    ties = bool(rng.random() < 0.4)
+    values = rng.integers(0, 3, size=(k + 1, vocab)) if ties else rng.normal(size=(k + 1, vocab))
+    logits = torch.tensor(values, dtype=torch.float32)
+    chosen = logits.argmax(dim=-1).tolist()
+    follow = int(rng.integers(0, k + 1))  # draft tokens equal to the argmax, then a mismatch
+    draft = chosen[:follow]
+    for i in range(follow, k):
+        if i == follow:  # in a tie, another maximum (the first is the target's); else any other
+            maxima = (logits[i] == logits[i].max()).nonzero()[:, 0].tolist()
+            others = (
+                maxima[1:]
+                if ties and len(maxima) > 1
+                else [t for t in range(vocab) if t != chosen[i]]
+            )
+            draft.append(int(rng.choice(others)))
+        else:
+            draft.append(int(rng.integers(0, vocab)))
+    return draft, logits, "a random case" + (" (integer logits: ties)" if ties else "")
+
+
+def _logits(rows: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+_GREEDY_CASES = [
+    ([2, 0, 4], _logits([[0, 1, 5, 0, 0], [3, 1, 0, 0, 2], [0, 0, 1, 2, 7], [1, 4, 0, 2, 0]]),
+     "all 3 accepted: the bonus token comes from row 3"),
+    ([3, 0, 4], _logits([[0, 1, 5, 0, 0], [3, 1, 0, 0, 2], [0, 0, 1, 2, 7], [1, 4, 0, 2, 0]]),
+     "the first draft token rejected"),
+    ([2, 1, 4], _logits([[0, 1, 5, 0, 0], [3, 1, 0, 0, 2], [0, 0, 1, 2, 7], [1, 4, 0, 2, 0]]),
+     "a mismatch at draft token 1"),
+    ([], _logits([[0.5, -1.0, 2.0, 0.0]]), "k = 0: no draft, the target's own next token"),
+    ([2, 3, 0], _logits([[0, 0, 3, 1], [0, 2, 1, 2], [5, 0, 0, 0], [0, 0, 0, 1]]),
+     "a tie in row 1 (tokens 1 and 3 score 2): the first maximum, token 1, is the target's"),
+]  # fmt: skip
+
+
+@question(function="greedy_accept")
+def test_greedy_accept(submission: Submission) -> None:
+    greedy = submission.function("greedy_accept")
+    rng = submission.rng()  # random cases are drawn afresh on every run
+    cases = [*submission.fixed(_GREEDY_CASES), *(_random_greedy_case(rng) for _ in range(6))]
+    for draft, logits, what in cases:
+        expected = greedy_accept(draft, logits)
+        got = _answer(greedy, (list(draft), logits.clone()), f"{what} (draft {draft})")
+        _pair_of_ints(got, "greedy_accept")
+        argmax = logits.argmax(dim=-1).tolist()
+        with naming_mistakes(got, _greedy_mistakes(draft, logits), expected=expected):
+            assert tuple(int(x) for x in got) == expected, (
+                f"{what}: draft {draft}, the rows' argmax {argmax}: expected (accepted, "
+                f"next_token) = {expected}, got {got}: keep draft token i while it equals row i's "
+                "argmax, then row `accepted`'s argmax (the bonus when all are accepted)"
+            )
+
+
+# --- question 2: speculative sampling's verification, its random numbers given ------------------
+
+
+def _rejection(draft, q, p, uniforms, *, rule="leviathan", resample="residual",
+               normalise=True, bonus_row=0) -> tuple[int, torch.Tensor]:  # fmt: skip
+    """The verification written out (kvlib's `speculative_accept` with its draws given: reject
+    where u · q > p, then `residual_distribution`). The common mistakes, switchable: `rule`
+    ("strict": a tie rejected; "inverted": u <= q/p; "target only": u <= p), `resample` ("p":
+    the target's row; "q - p": the other way round), `normalise=False`, `bonus_row=-1`; a
+    mistaken rule divides by the residual's sum as a learner's code does (0 / 0 where it
+    rejects a token of a row with p = q)."""
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        p_x, q_x = float(p[i, token]), float(q[i, token])
+        accept = {
+            "leviathan": not u * q_x > p_x,
+            "strict": u * q_x < p_x,
+            "inverted": u * p_x <= q_x,
+            "target only": u <= p_x,
+        }[rule]
+        if not accept:
+            if resample == "p":
+                return i, p[i].clone()
+            first, second = (q[i], p[i]) if resample == "q - p" else (p[i], q[i])
+            residual = (first - second).clamp(min=0)  # (V,)
+            if not normalise:
+                return i, residual
+            if rule != "leviathan":
+                return i, residual / residual.sum()
+            return i, residual_distribution(first, second)
+    return len(draft), p[len(draft) + bonus_row].clone()
+
+
+def _rejection_mistakes(draft, q, p, uniforms) -> dict:
+    args = (draft, q, p, uniforms)
+    return {
+        "the residual not normalised: max(0, p_i - q_i) divided by its sum": lambda: _rejection(
+            *args, normalise=False
+        ),
+        "p_i resampled at a rejection: the residual is the normalised max(0, p_i - q_i) (with "
+        "p_i, the tokens q over-drafts, q >= p, come out too often)": lambda: _rejection(
+            *args, resample="p"
+        ),
+        "the residual the wrong way round: max(0, p_i - q_i), not max(0, q_i - p_i)": lambda: (
+            _rejection(*args, resample="q - p")
+        ),
+        "the bonus from row k - 1: when all k are accepted, the next token comes from p_k, the "
+        "row after the last draft token": lambda: _rejection(*args, bonus_row=-1),
+        "the ratio inverted: accept when u <= p_i(x_i) / q_i(x_i), not q_i(x_i) / p_i(x_i)": (
+            lambda: _rejection(*args, rule="inverted")
+        ),
+        "q forgotten: accept when u <= p_i(x_i) / q_i(x_i), not u <= p_i(x_i)": lambda: _rejection(
+            *args, rule="target only"
+        ),
+        "a tie rejected: accept when u <= p_i(x_i) / q_i(x_i), equality included": lambda: (
+            _rejection(*args, rule="strict")
+        ),
+    }
+
+
+def _rows(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+_P = _rows([[0.25, 0.5, 0.125, 0.125], [0.25, 0.25, 0.125, 0.375], [0.5, 0.0, 0.5, 0.0]])
+_Q = _rows([[0.25, 0.25, 0.25, 0.25], [0.5, 0.25, 0.125, 0.125]])
+_ONE_HOT = _rows([[0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+_REJECTION_CASES = [  # (draft, q (k, V), p (k + 1, V), uniforms, what)
+    ([], torch.zeros(0, 4, dtype=torch.float64), _P[:1], [], "k = 0: the next token from p_0"),
+    ([1, 3], _Q, _P, [0.4, 0.3], "both accepted (p_i(x_i) >= q_i(x_i)): the bonus row p_2"),
+    ([0, 0], _Q, _P, [0.5, 0.75], "draft token 1 rejected: u = 0.75 > p_1(0) / q_1(0) = 0.5"),
+    ([2, 1], _Q, _P, [0.75, 0.5], "draft token 0 rejected: u = 0.75 > p_0(2) / q_0(2) = 0.5"),
+    ([2], _ONE_HOT[:1], _P[:2], [0.125], "a tie, u = p_0(2) / q_0(2) = 0.125 (a one-hot draft): "
+     "accepted"),
+    ([1], _Q[:1], _rows([[0.5, 0.0, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]]), [0.25],
+     "p_0(1) = 0: the draft token is rejected whatever u > 0"),
+    ([2, 1], _ONE_HOT, _P, [0.1, 0.5], "a one-hot draft (an n-gram drafter): accepted when "
+     "u <= p_i(x_i); the residual is p_1 without token 1, renormalised"),
+]  # fmt: skip
+
+
+def _distribution(rng, vocab: int) -> np.ndarray:
+    """A random distribution over `vocab` tokens, with zeros half of the time."""
+    row = rng.dirichlet(np.ones(vocab) * float(rng.choice([0.3, 1.0, 3.0])))
+    if rng.random() < 0.5:
+        row = row * (rng.random(vocab) < 0.6)
+        row[int(rng.integers(0, vocab))] += 0.1  # never all zero
+    return row / row.sum()
+
+
+def _random_rejection_case(rng) -> tuple:
+    """k in 0..5, V in 2..8; q's rows random, one-hot or equal to p's; the draft drawn from q;
+    uniforms in [0, 1), sometimes small (more acceptances)."""
+    k, vocab = int(rng.integers(0, 6)), int(rng.choice([2, 3, 5, 8]))
+    p = np.stack([_distribution(rng, vocab) for _ in range(k + 1)])
+    q_rows = []
+    for i in range(k):
+        kind = rng.choice(["random", "one-hot", "equal"], p=[0.6, 0.25, 0.15])
+        if kind == "one-hot":
+            q_rows.append(np.eye(vocab)[int(rng.integers(0, vocab))])
+        else:
+            q_rows.append(p[i] if kind == "equal" else _distribution(rng, vocab))
+    q = np.stack(q_rows) if q_rows else np.zeros((0, vocab))
+    draft = [int(rng.choice(vocab, p=row)) for row in q]
+    uniforms = (rng.random(k) * float(rng.choice([1.0, 0.1]))).tolist()
+    return draft, _rows(q), _rows(p), uniforms, "a random case"
+
+
+@question(function="rejection_sample")
+def test_rejection_sample(submission: Submission) -> None:
+    rejection_sample = submission.function("rejection_sample")
+    rng = submission.rng()
+    cases = [
+        *submission.fixed(_REJECTION_CASES),
+        *(_random_rejection_case(rng) for _ in range(6)),
+    ]
+    for draft, q, p, uniforms, what in cases:
+        expected = _rejection(draft, q, p, uniforms)
+        args = (list(draft), q.clone(), p.clone(), list(uniforms))
+        got = _answer(rejection_sample, args, f"{what} (draft {draft}, uniforms {uniforms})")
+        assert isinstance(got, tuple) and len(got) == 2 and is_int(got[0]), (
+            f"rejection_sample should return (accepted, distribution): an int and a (V,) "
+            f"tensor, got {got!r}"
+        )
+        shown = f"draft {draft}, uniforms {[round(u, 4) for u in uniforms]}"
+        if p.numel() <= 16:
+            shown += f", q {q.tolist()}, p {p.tolist()}"
+        mistakes = _rejection_mistakes(draft, q, p, uniforms)
+        with naming_mistakes(got, mistakes, expected=expected, rtol=1e-9, atol=1e-12):
+            assert int(got[0]) == expected[0], (
+                f"{what}: expected {expected[0]} accepted, got {got[0]} (accept draft token i "
+                f"while u_i <= p_i(x_i) / q_i(x_i); stop at the first rejection); {shown}"
+            )
+            expect_tensor(got[1], expected[1], "rejection_sample's distribution")
+            assert torch.allclose(got[1], expected[1], rtol=1e-9, atol=1e-12), (
+                f"{what}: {expected[0]} accepted; expected the distribution "
+                f"{[round(x, 4) for x in expected[1].tolist()]}, got "
+                f"{[round(x, 4) for x in got[1].tolist()]} (after a rejection at i, the "
+                f"normalised max(0, p_i - q_i); when all are accepted, p_k); {shown}"
+            )
+
+
+# --- question 3: a paged sequence's rollback ----------------------------------------------------
+
+
+def _rollback(block_table, new_len, block_size, ref_cnt) -> tuple[list[int], list[int], bool]:
+    """kvlib's rollback (BlockManager.truncate, or free for 0 tokens, as PagedCache.truncate
+    calls them) on a pool set to `ref_cnt`: (the blocks kept, the blocks freed in the order they
+    joined the free queue, whether the kept last block was copied)."""
+    spare = 2  # free blocks beyond every id given: one for a copy-on-write
+    pool = BlockPool(max([*block_table, *ref_cnt, 0]) + 1 + spare, block_size,
+                     enable_prefix_caching=False)  # fmt: skip
+    for block, count in ref_cnt.items():
+        del pool.free_queue[block]
+        pool.blocks[block].ref_cnt = count
+    manager = BlockManager(pool)
+    manager.block_tables[0] = list(block_table)
+    manager.token_ids[0] = [0] * (len(block_table) * block_size)
+    manager.block_hashes[0] = []
+    before = set(pool.free_queue)
+    if new_len > 0:
+        manager.truncate(0, new_len)
+        kept = manager.block_tables[0]
+    else:
+        manager.free(0)
+        kept = []
+    freed = [b for b in pool.free_queue if b not in before]
+    return list(block_table[: len(kept)]), freed, bool(manager.copies)
+
+
+def _rollback_formula(block_table, new_len, block_size, ref_cnt, *, keep_rule="ceil",
+                      free_shared=False, order="last first",
+                      copy_rule="partial and shared"):  # fmt: skip
+    """The rule written out, its common mistakes switchable."""
+    keep = {
+        "ceil": -(-new_len // block_size),
+        "floor": new_len // block_size,
+        "floor + 1": new_len // block_size + 1,
+    }[keep_rule]
+    keep = min(keep, len(block_table))
+    dropped = block_table[keep:]
+    freed = [b for b in dropped if free_shared or ref_cnt[b] == 1]
+    freed = freed[::-1] if order == "last first" else freed
+    partial, shared = new_len % block_size != 0, keep > 0 and ref_cnt[block_table[keep - 1]] > 1
+    copy = {
+        "partial and shared": keep > 0 and partial and shared,
+        "shared": shared,
+        "partial": keep > 0 and partial,
+        "never": False,
+    }[copy_rule]
+    return list(block_table[:keep]), freed, copy
+
+
+def _rollback_mistakes(block_table, new_len, block_size, ref_cnt) -> dict:
+    args = (block_table, new_len, block_size, ref_cnt)
+    return {
+        "shared blocks freed: a dropped block another sequence holds (ref_cnt > 1) is only "
+        "dereferenced": lambda: _rollback_formula(*args, free_shared=True),
+        "an empty block kept: new_len tokens need ceil(new_len / block_size) blocks": lambda: (
+            _rollback_formula(*args, keep_rule="floor + 1")
+        ),
+        "the partly filled last block dropped: keep ceil(new_len / block_size) blocks, not "
+        "new_len // block_size": lambda: _rollback_formula(*args, keep_rule="floor"),
+        "freed in table order: blocks return last block first (vLLM's order)": lambda: (
+            _rollback_formula(*args, order="table")
+        ),
+        "a full shared last block copied: only a partly filled one is written again": lambda: (
+            _rollback_formula(*args, copy_rule="shared")
+        ),
+        "a private partial block copied: copy-on-write is for a block another sequence holds": (
+            lambda: _rollback_formula(*args, copy_rule="partial")
+        ),
+        "no copy-on-write: a kept last block that is shared and partly filled must be copied "
+        "before the next token is written into it": lambda: _rollback_formula(
+            *args, copy_rule="never"
+        ),
+    }
+
+
+_ROLLBACK_CASES = [  # (block_table, new_len, block_size, ref_cnt, what); sequences of S tokens
+    ([7, 3, 9], 10, 4, {7: 1, 3: 1, 9: 1}, "11 tokens to 10: within the last block"),
+    ([7, 3, 9], 8, 4, {7: 1, 3: 1, 9: 1}, "12 tokens to 8: a block boundary"),
+    ([7, 3, 9, 5], 5, 4, {7: 1, 3: 1, 9: 1, 5: 1}, "15 tokens to 5: two blocks freed"),
+    ([2, 6, 11, 4], 3, 4, {2: 2, 6: 2, 11: 1, 4: 1},
+     "a fork's child (blocks 2 and 6 shared), 14 tokens to 3"),
+    ([5, 1], 0, 4, {5: 3, 1: 1, 8: 2}, "rolled back to 0 tokens (block 5 shared)"),
+    ([8, 2], 6, 4, {8: 2, 2: 2}, "7 tokens to 6, every block shared"),
+    ([8, 2, 3], 8, 4, {8: 2, 2: 2, 3: 1}, "9 tokens to 8: the kept last block is full"),
+    ([4, 0, 6], 16, 16, {4: 1, 0: 1, 6: 1}, "35 tokens to 16, blocks of 16"),
+]  # fmt: skip
+
+
+def _random_rollback_case(rng) -> tuple:
+    """Blocks of 1, 2, 4 or 16; 1 to 7 blocks; reference counts non-increasing along the table
+    (a shared prefix: forks, prefix-cache hits), other sequences' blocks beside them; the new
+    length 0, within the last block, at a block boundary or anywhere."""
+    block_size, num_blocks = int(rng.choice([1, 2, 4, 16])), int(rng.integers(1, 8))
+    ids = [int(b) for b in rng.permutation(40)]
+    table = ids[:num_blocks]
+    counts = sorted(rng.integers(1, 5, size=num_blocks).tolist(), reverse=True)
+    if rng.random() < 0.3:
+        counts = [1] * num_blocks  # nothing shared
+    ref_cnt = dict(zip(table, counts))
+    ref_cnt.update({b: int(rng.integers(1, 4)) for b in ids[30 : 30 + int(rng.integers(0, 3))]})
+    seq_len = int(rng.integers((num_blocks - 1) * block_size + 1, num_blocks * block_size + 1))
+    kind = rng.choice(["zero", "last block", "boundary", "any"])
+    if kind == "zero":
+        new_len = 0
+    elif kind == "last block":
+        new_len = int(rng.integers((num_blocks - 1) * block_size, seq_len + 1))
+    elif kind == "boundary":
+        new_len = int(rng.integers(1, num_blocks)) * block_size if num_blocks > 1 else 0
+    else:
+        new_len = int(rng.integers(0, seq_len + 1))
+    return table, new_len, block_size, ref_cnt, f"a random case ({seq_len} tokens to {new_len})"
+
+
+@question(function="rollback_blocks")
+def test_rollback_blocks(submission: Submission) -> None:
+    rollback_blocks = submission.function("rollback_blocks")
+    rng = submission.rng()
+    cases = [
+        *submission.fixed(_ROLLBACK_CASES),
+        *(_random_rollback_case(rng) for _ in range(6)),
+    ]
+    for table, new_len, block_size, ref_cnt, what in cases:
+        expected = _rollback(table, new_len, block_size, ref_cnt)
+        args = (list(table), new_len, block_size, dict(ref_cnt))
+        got = _answer(rollback_blocks, args, what)
+        assert isinstance(got, tuple) and len(got) == 3, (
+            f"rollback_blocks should return (block_table, freed, copy), got {got!r}"
+        )
+        kept, freed, copy = got
+        expect_list(kept, is_int, "rollback_blocks's block_table should be a list of ints")
+        expect_list(freed, is_int, "rollback_blocks's freed should be a list of ints")
+        assert isinstance(copy, (bool, np.bool_)), (
+            f"rollback_blocks's copy should be a bool, got {type(copy).__name__} {copy!r}"
+        )
+        case = (
+            f"{what}: block table {table}, ref_cnt {ref_cnt}, block size {block_size}, new "
+            f"length {new_len}"
+        )
+        mistakes = _rollback_mistakes(table, new_len, block_size, ref_cnt)
+        with naming_mistakes((list(kept), list(freed), bool(copy)), mistakes, expected=expected):
+            assert list(kept) == expected[0], (
+                f"{case}: expected the block table {expected[0]} (ceil(new_len / block_size) "
+                f"blocks), got {kept}"
+            )
+            assert list(freed) == expected[1], (
+                f"{case}: expected freed {expected[1]} (the dropped blocks no other sequence "
+                f"holds, last block first), got {freed}"
+            )
+            assert bool(copy) == expected[2], (
+                f"{case}: expected copy {expected[2]} (the kept last block is copied when it is "
+                f"partly filled and shared), got {copy}"
+            )
+
+
+# --- question 4: tokens per step and speed-up --------------------------------------------------
+
+
+def _gain(alpha, k, c, *, power=1, from_target=True, at_one=1, cost="c k + 1") -> tuple:
+    """Leviathan et al.'s expectation written out, its common mistakes switchable: `power=0`
+    (alpha^k), `from_target=False` (the accepted drafts only), `at_one=0` (k at alpha = 1),
+    `cost` ("c k": no target pass; "c (k + 1) + 1"; "1": none)."""
+    if alpha == 1:
+        tokens = float(k + at_one)
+    else:
+        tokens = (1 - alpha ** (k + power)) / (1 - alpha)
+    if not from_target:
+        tokens -= 1
+    step = {"c k + 1": c * k + 1, "c k": c * k, "c (k + 1) + 1": c * (k + 1) + 1, "1": 1.0}[cost]
+    return tokens, tokens / step
+
+
+def _gain_mistakes(alpha, k, c) -> dict:
+    return {
+        "alpha^k instead of alpha^(k + 1): 1 + alpha + ... + alpha^k has k + 1 terms": lambda: (
+            _gain(alpha, k, c, power=0)
+        ),
+        "k tokens at alpha = 1: all k accepted, plus the bonus, is k + 1": lambda: _gain(
+            alpha, k, c, at_one=0
+        ),
+        "the target's own token left out: a step emits the accepted drafts plus one token from the "
+        "target (the correction or the bonus)": lambda: _gain(alpha, k, c, from_target=False),
+        "the target's pass left out of a step's cost: c · k + 1, in target-step units": lambda: (
+            _gain(alpha, k, c, cost="c k")
+        ),
+        "k + 1 draft steps: the drafter runs k times (the bonus needs no draft), c · k + 1": (
+            lambda: _gain(alpha, k, c, cost="c (k + 1) + 1")
+        ),
+        "the speed-up as tokens per step: a step also costs c · k for the drafts": lambda: _gain(
+            alpha, k, c, cost="1"
+        ),
+    }
+
+
+_GAIN_CASES = [
+    (0.5, 3, 0.25, "alpha = 0.5, k = 3"),
+    (1.0, 4, 0.1, "alpha = 1: every draft accepted"),
+    (0.0, 3, 0.2, "alpha = 0: no draft accepted"),
+    (0.9, 0, 0.3, "k = 0: plain decoding"),
+    (0.7, 5, 0.0, "c = 0: a free drafter"),
+    (1.0, 0, 0.5, "alpha = 1 and k = 0"),
+    (0.8, 7, 0.05, "alpha = 0.8, k = 7, a drafter 20x cheaper"),
+]
+
+
+def _random_gain_case(rng) -> tuple:
+    alpha = float(rng.choice([0.0, 1.0, round(float(rng.random()), 3)], p=[0.15, 0.15, 0.7]))
+    c = float(rng.choice([0.0, 1.0, round(float(rng.random()), 3)], p=[0.15, 0.1, 0.75]))
+    return alpha, int(rng.integers(0, 13)), c, "a random case"
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+@question(function="speculation_gain")
+def test_speculation_gain(submission: Submission) -> None:
+    speculation_gain = submission.function("speculation_gain")
+    rng = submission.rng()
+    cases = [*submission.fixed(_GAIN_CASES), *(_random_gain_case(rng) for _ in range(5))]
+    for alpha, k, c, what in cases:
+        expected = _gain(alpha, k, c)
+        got = _answer(speculation_gain, (alpha, k, c), f"{what} (alpha={alpha}, k={k}, c={c})")
+        assert isinstance(got, tuple) and len(got) == 2 and all(_is_real(x) for x in got), (
+            f"speculation_gain should return (tokens_per_step, speedup), two floats, got {got!r}"
+        )
+        close = all(
+            math.isfinite(g) and math.isclose(g, e, rel_tol=1e-9)
+            for g, e in zip(map(float, got), expected)
+        )
+        got_floats = tuple(float(x) for x in got)
+        mistakes = _gain_mistakes(alpha, k, c)  # named within the check's own tolerance
+        with naming_mistakes(got_floats, mistakes, expected=expected, rtol=1e-9, atol=0.0):
+            assert close, (
+                f"{what} (alpha={alpha}, k={k}, c={c}): expected (tokens_per_step, speedup) = "
+                f"({expected[0]:.10g}, {expected[1]:.10g}), got ({got_floats[0]:.10g}, "
+                f"{got_floats[1]:.10g}): (1 - alpha^(k + 1)) / (1 - alpha) tokens (k + 1 at "
+                "alpha = 1), over a step's cost c · k + 1"
+            )
