@@ -2300,16 +2300,19 @@ def test_chapter_16s_written_out_rules_match_kvlibs_oracles():
     """Chapter 16's mistakes switch parts of a rule written out in the check: with nothing
     switched, it is kvlib's own answer (greedy_accept; BlockManager.truncate and free, through a
     pool set to the case's reference counts)."""
-    from kvlib.course.checks import ch16
+    from kvlib.course.checks import ch16, speculative_answers
     from kvlib.speculative.verify import greedy_accept
 
     rng = np.random.default_rng(0)
     for _ in range(300):
         draft, logits, _ = ch16._random_greedy_case(rng)
         chosen = logits.argmax(dim=-1).tolist()
-        assert ch16._greedy(draft, chosen) == greedy_accept(draft, logits), (draft, logits)
+        assert speculative_answers.greedy(draft, chosen) == greedy_accept(draft, logits), (
+            draft,
+            logits,
+        )
         case = ch16._random_rollback_case(rng)[:4]
-        assert ch16._rollback_formula(*case) == ch16._rollback(*case), case
+        assert speculative_answers.rollback_formula(*case) == ch16._rollback(*case), case
 
 
 def test_chapter_16s_rejection_oracle_replays_kvlibs_speculative_accept():
@@ -2318,7 +2321,7 @@ def test_chapter_16s_rejection_oracle_replays_kvlibs_speculative_accept():
     the oracle's distribution: the question grades kvlib's rule, with its draws written out."""
     import torch
 
-    from kvlib.course.checks import ch16
+    from kvlib.course.checks import ch16, speculative_answers
     from kvlib.speculative.verify import speculative_accept
 
     rng = np.random.default_rng(16)
@@ -2331,6 +2334,6 @@ def test_chapter_16s_rejection_oracle_replays_kvlibs_speculative_accept():
             if uniforms[-1] * q[i, x] > p[i, x]:
                 break
         uniforms += [0.0] * (len(draft) - len(uniforms))  # unused after a rejection
-        expected, distribution = ch16._rejection(draft, q, p, uniforms)
+        expected, distribution = speculative_answers.rejection(draft, q, p, uniforms)
         assert accepted == expected, (seed, draft, uniforms)
         assert token == int(torch.multinomial(distribution, 1, generator=replay)), seed

@@ -2077,7 +2077,7 @@ def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):  # a float
         "should return an int",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "greedy_accept",
         """
 def greedy_accept(draft, target_logits):  # the bonus forgotten: row k never read
@@ -2090,7 +2090,7 @@ def greedy_accept(draft, target_logits):  # the bonus forgotten: row k never rea
         "the bonus forgotten",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "greedy_accept",
         """
 def greedy_accept(draft, target_logits):  # the correction read from the next row
@@ -2103,7 +2103,7 @@ def greedy_accept(draft, target_logits):  # the correction read from the next ro
         "one row late",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "greedy_accept",
         """
 def greedy_accept(draft, target_logits):  # draft token i checked against row i + 1
@@ -2116,7 +2116,7 @@ def greedy_accept(draft, target_logits):  # draft token i checked against row i 
         "the rows shifted by one",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "greedy_accept",
         """
 def greedy_accept(draft, target_logits):  # every match counted, not the leading ones
@@ -2127,7 +2127,7 @@ def greedy_accept(draft, target_logits):  # every match counted, not the leading
         "every matching draft token counted",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "greedy_accept",
         """
 def greedy_accept(draft, target_logits):  # the rejected draft token kept
@@ -2140,7 +2140,7 @@ def greedy_accept(draft, target_logits):  # the rejected draft token kept
         "the rejected draft token returned",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "greedy_accept",
         """
 def greedy_accept(draft, target_logits):  # ties: the last maximum
@@ -2153,7 +2153,7 @@ def greedy_accept(draft, target_logits):  # ties: the last maximum
         "ties broken towards the last maximum",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "greedy_accept",
         """
 def greedy_accept(draft, target_logits):  # tensors, not ints
@@ -2166,7 +2166,7 @@ def greedy_accept(draft, target_logits):  # tensors, not ints
         "two ints",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rejection_sample",
         """
 def rejection_sample(draft, q, p, uniforms):  # the residual not normalised
@@ -2178,7 +2178,7 @@ def rejection_sample(draft, q, p, uniforms):  # the residual not normalised
         "the residual not normalised",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rejection_sample",
         """
 def rejection_sample(draft, q, p, uniforms):  # p_i itself at a rejection
@@ -2190,7 +2190,7 @@ def rejection_sample(draft, q, p, uniforms):  # p_i itself at a rejection
         "p_i resampled at a rejection",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rejection_sample",
         """
 def rejection_sample(draft, q, p, uniforms):  # max(0, q - p)
@@ -2203,7 +2203,7 @@ def rejection_sample(draft, q, p, uniforms):  # max(0, q - p)
         "the residual the wrong way round",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rejection_sample",
         """
 def rejection_sample(draft, q, p, uniforms):  # the bonus from the last draft row
@@ -2216,7 +2216,7 @@ def rejection_sample(draft, q, p, uniforms):  # the bonus from the last draft ro
         "the bonus from row k - 1",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rejection_sample",
         """
 def rejection_sample(draft, q, p, uniforms):  # accept when u <= q / p
@@ -2229,7 +2229,7 @@ def rejection_sample(draft, q, p, uniforms):  # accept when u <= q / p
         "the ratio inverted",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rejection_sample",
         """
 def rejection_sample(draft, q, p, uniforms):  # accept when u <= p(x)
@@ -2242,7 +2242,7 @@ def rejection_sample(draft, q, p, uniforms):  # accept when u <= p(x)
         "q forgotten",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rejection_sample",
         """
 def rejection_sample(draft, q, p, uniforms):  # a tie rejected
@@ -2255,7 +2255,7 @@ def rejection_sample(draft, q, p, uniforms):  # a tie rejected
         "a tie rejected",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rejection_sample",
         """
 def rejection_sample(draft, q, p, uniforms):  # float32
@@ -2268,7 +2268,7 @@ def rejection_sample(draft, q, p, uniforms):  # float32
         "expected dtype torch.float64",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rejection_sample",
         """
 def rejection_sample(draft, q, p, uniforms):  # subtracts q from p in place
@@ -2282,7 +2282,7 @@ def rejection_sample(draft, q, p, uniforms):  # subtracts q from p in place
         "changed its argument 3",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rollback_blocks",
         """
 def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # shared blocks freed too
@@ -2293,7 +2293,7 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # shared blocks
         "shared blocks freed",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rollback_blocks",
         """
 def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # new_len // size + 1 blocks
@@ -2305,7 +2305,7 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # new_len // si
         "an empty block kept",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rollback_blocks",
         """
 def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # new_len // size blocks
@@ -2317,7 +2317,7 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # new_len // si
         "the partly filled last block dropped",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rollback_blocks",
         """
 def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # freed in table order
@@ -2329,7 +2329,7 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # freed in tabl
         "freed in table order",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rollback_blocks",
         """
 def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # a shared last block copied
@@ -2341,7 +2341,7 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # a shared last
         "a full shared last block copied",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rollback_blocks",
         """
 def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # any partial block copied
@@ -2352,7 +2352,7 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # any partial b
         "a private partial block copied",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rollback_blocks",
         """
 def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # no copy-on-write
@@ -2363,7 +2363,7 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # no copy-on-wr
         "no copy-on-write",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rollback_blocks",
         """
 def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # ref_cnt decremented in place
@@ -2379,7 +2379,7 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # ref_cnt decre
         "changed its argument 4",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "speculation_gain",
         """
 def speculation_gain(alpha, k, c):  # alpha^k
@@ -2389,7 +2389,7 @@ def speculation_gain(alpha, k, c):  # alpha^k
         "alpha^k instead of alpha^(k + 1)",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "speculation_gain",
         """
 def speculation_gain(alpha, k, c):  # the accepted drafts only
@@ -2399,7 +2399,7 @@ def speculation_gain(alpha, k, c):  # the accepted drafts only
         "the target's own token left out",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "speculation_gain",
         """
 def speculation_gain(alpha, k, c):  # k tokens at alpha = 1
@@ -2409,7 +2409,7 @@ def speculation_gain(alpha, k, c):  # k tokens at alpha = 1
         "k tokens at alpha = 1",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "speculation_gain",
         """
 def speculation_gain(alpha, k, c):  # no case for alpha = 1
@@ -2419,7 +2419,7 @@ def speculation_gain(alpha, k, c):  # no case for alpha = 1
         "ZeroDivisionError",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "speculation_gain",
         """
 def speculation_gain(alpha, k, c):  # a step costs the drafts only
@@ -2429,7 +2429,7 @@ def speculation_gain(alpha, k, c):  # a step costs the drafts only
         "the target's pass left out",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "speculation_gain",
         """
 def speculation_gain(alpha, k, c):  # k + 1 draft steps
@@ -2439,7 +2439,7 @@ def speculation_gain(alpha, k, c):  # k + 1 draft steps
         "k + 1 draft steps",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "speculation_gain",
         """
 def speculation_gain(alpha, k, c):  # the drafts' cost forgotten
@@ -3038,7 +3038,7 @@ TWIN_ANSWERS = [
         "kvlib.engine.llm_engine.LLMEngine.__init__ is unavailable",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "greedy_accept",
         "from kvlib.speculative import greedy_accept as kvlib_greedy_accept\n\n"
         "def greedy_accept(draft, target_logits):  # kvlib's own\n"
@@ -3046,7 +3046,7 @@ TWIN_ANSWERS = [
         "unavailable",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rejection_sample",
         "from kvlib.speculative.verify import residual_distribution\n\n"
         "def rejection_sample(draft, q, p, uniforms):  # kvlib's residual\n"
@@ -3057,7 +3057,7 @@ TWIN_ANSWERS = [
         "unavailable",
     ),
     (
-        "16_speculative_decoding.ipynb",
+        "16_speculative.ipynb",
         "rollback_blocks",
         "from kvlib.cache.block_manager import BlockManager\n"
         "from kvlib.cache.block_pool import BlockPool\n\n"
@@ -3999,7 +3999,7 @@ VALID_VARIANTS = [
      "        length += min(block_size, seq_len - page * block_size)\n"
      "    return blocks, length\n",
      None),
-    ("16_speculative_decoding.ipynb", "greedy_accept",
+    ("16_speculative.ipynb", "greedy_accept",
      "def greedy_accept(draft, target_logits):  # vectorised: a cumulative product of matches\n"
      "    chosen = target_logits.argmax(dim=-1)\n"
      "    k = len(draft)\n"
@@ -4007,7 +4007,7 @@ VALID_VARIANTS = [
      "    accepted = int(matches.long().cumprod(dim=0).sum())\n"
      "    return accepted, int(chosen[accepted])\n",
      None),
-    ("16_speculative_decoding.ipynb", "greedy_accept",
+    ("16_speculative.ipynb", "greedy_accept",
      "import numpy as np\n\n"
      "def greedy_accept(draft, target_logits):  # numpy: argmax also takes the first maximum\n"
      "    chosen = np.argmax(target_logits.numpy(), axis=-1)\n"
@@ -4016,7 +4016,7 @@ VALID_VARIANTS = [
      "            return i, chosen[i]\n"
      "    return len(draft), chosen[len(draft)]\n",
      None),
-    ("16_speculative_decoding.ipynb", "rejection_sample",
+    ("16_speculative.ipynb", "rejection_sample",
      "def rejection_sample(draft, q, p, uniforms):  # vectorised, dividing\n"
      "    k = len(draft)\n"
      "    rows, tokens = torch.arange(k), torch.tensor(draft, dtype=torch.long)\n"
@@ -4027,7 +4027,7 @@ VALID_VARIANTS = [
      "    residual = torch.relu(p[accepted] - q[accepted])\n"
      "    return accepted, residual / residual.sum()\n",
      None),
-    ("16_speculative_decoding.ipynb", "rejection_sample",
+    ("16_speculative.ipynb", "rejection_sample",
      "def rejection_sample(draft, q, p, uniforms):  # min(1, p / q), torch.where\n"
      "    for i, token in enumerate(draft):\n"
      "        if not uniforms[i] <= min(1.0, float(p[i, token] / q[i, token])):\n"
@@ -4035,7 +4035,7 @@ VALID_VARIANTS = [
      "            return i, residual / residual.sum()\n"
      "    return len(draft), p[-1]\n",
      None),
-    ("16_speculative_decoding.ipynb", "rollback_blocks",
+    ("16_speculative.ipynb", "rollback_blocks",
      "import math\n\n"
      "def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # block by block, from the "
      "end\n"
@@ -4047,7 +4047,7 @@ VALID_VARIANTS = [
      "    partial = kept and math.ceil(new_len / block_size) * block_size != new_len\n"
      "    return kept, freed, bool(partial and ref_cnt[kept[-1]] > 1)\n",
      None),
-    ("16_speculative_decoding.ipynb", "rollback_blocks",
+    ("16_speculative.ipynb", "rollback_blocks",
      "import numpy as np\n\n"
      "def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # the table itself, a numpy "
      "bool\n"
@@ -4058,12 +4058,12 @@ VALID_VARIANTS = [
      "    return kept, freed, bool(len(kept)) and np.bool_(new_len % block_size > 0 and "
      "counts[-1] > 1)\n",
      None),
-    ("16_speculative_decoding.ipynb", "speculation_gain",
+    ("16_speculative.ipynb", "speculation_gain",
      "def speculation_gain(alpha, k, c):  # the sum itself: 0 ** 0 = 1, no case for alpha = 1\n"
      "    tokens = sum(alpha**i for i in range(k + 1))\n"
      "    return float(tokens), tokens / (1 + c * k)\n",
      None),
-    ("16_speculative_decoding.ipynb", "speculation_gain",
+    ("16_speculative.ipynb", "speculation_gain",
      "import numpy as np\n\n"
      "def speculation_gain(alpha, k, c):  # numpy floats, the limit taken with isclose\n"
      "    if np.isclose(alpha, 1.0, rtol=0.0, atol=0.0):\n"

@@ -46,6 +46,7 @@ def test_every_notebook_starts_with_the_rendered_install_lines():
             "13_server",
             "14_offload",
             "15_sparse_attention",
+            "16_speculative",
         )
     ]
 
