@@ -5,11 +5,11 @@ writes `results/verify_cost.csv` (chapter 16's Why).
 A decode step reads every weight and the whole cache to produce one token (chapter 11: it is
 memory-bound on a GPU). Feeding q tokens instead reads the same bytes and does q times the
 arithmetic, so while the arithmetic stays cheaper than the reading, the extra tokens come nearly
-free: that is what speculative decoding spends. Which fixed cost the extra tokens share differs
-by model: SmolLM2-135M's float32 weights are about 540 MB, so its step is dominated by reading
-them (about 7.5 GB/s here); the course model's are 3.4 MB, read in well under a millisecond, so
-its 3-5 ms step is mostly the framework's per-operation overhead, which q tokens share just as
-well, and its ratios say nothing about memory. Each model (the course model; SmolLM2-135M in
+free: that is what speculative decoding spends. Which fixed costs the extra tokens share differs
+by model: SmolLM2-135M reads about 540 MB of float32 weights per forward, and its cache; the
+course model's weights are 3.4 MB, read in well under a millisecond, so its step is mostly the
+framework's per-operation overhead, which q tokens share just as well, and its ratios say
+nothing about memory. Each model (the course model; SmolLM2-135M in
 float32) prefills a random context of C tokens into a `StaticCache`, then times forwards of q
 tokens after it, rolling the cache back (`truncate`) after each, so every run sees the same
 context. The runs are interleaved over q, `REPEATS` rounds after a warm-up round, and the figure

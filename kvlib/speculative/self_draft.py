@@ -86,7 +86,8 @@ class SparseSelfDrafter:
                 for _ in range(k):
                     logits = self.model(torch.tensor([[token]], device=device), cache=cache)
                     if self.temperature:
-                        probs.append(torch.softmax(logits[0, -1].double() / self.temperature, -1))
+                        row = logits[0, -1].double().cpu()  # drawn on the CPU, as the loop draws
+                        probs.append(torch.softmax(row / self.temperature, -1))
                         token = int(torch.multinomial(probs[-1], 1, generator=self.generator))
                     else:
                         token = int(logits[0, -1].argmax())
@@ -94,4 +95,4 @@ class SparseSelfDrafter:
         finally:
             cache.budget_pages = None
             cache.truncate(start)  # the draft steps' sparse K/V: not the target's
-        return Draft(draft, torch.stack(probs).cpu()) if self.temperature else draft
+        return Draft(draft, torch.stack(probs)) if self.temperature else draft
