@@ -129,10 +129,151 @@ def test_a_rollback_inside_a_shared_block_copies_it_and_leaves_the_sibling_intac
         assert not cache.key_cache[0][tables[seq][1], 1:].any()  # the dropped slot zeroed
 
 
+KIVI_SCHEMES = {  # (keys, values): per-token int8; KIVI's per-channel keys in groups of G tokens
+    "int8": (INT8, INT8),
+    "kivi G=2": (
+        QuantScheme("int4", False, "tokens", 2),
+        QuantScheme("int4", False, "channels", 4),
+    ),
+    "kivi G=4": (
+        QuantScheme("int2", False, "tokens", 4),
+        QuantScheme("int4", False, "channels", 4),
+    ),
+    "per-channel both": (
+        QuantScheme("int4", False, "tokens", 3),
+        QuantScheme("int8", True, "tokens", 2),
+    ),
+}
+
+
+def quantized_contents(cache: QuantizedCache) -> list:
+    """Every layer's history (shape, codes, scales, zero points) and residuals; None as None."""
+    out = []
+    for q in cache.keys + cache.values:
+        out += [None] if q is None else [q.shape, q.codes, q.scale, q.zero]
+    return out + cache.residual_keys + cache.residual_values
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        x is y if x is None or y is None else x == y if isinstance(x, tuple) else torch.equal(x, y)
+        for x, y in zip(a, b)
+    )
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(
+    schemes=st.sampled_from(sorted(KIVI_SCHEMES)),
+    residual=st.sampled_from([0, 1, 2, 3, 5, 8]),
+    prompt=st.integers(1, 12),
+    draft=st.integers(0, 6),
+    data=st.data(),
+)
+def test_a_quantized_cache_rolls_back_exactly_or_refuses_and_stays_as_it_was(
+    schemes, residual, prompt, draft, data
+):
+    """The same scenario over `QuantizedCache` (KIVI): the rollback is allowed exactly when every
+    position the never-saw cache holds in full precision is still in full precision (that cache's
+    history, H tokens: none of H..length - 1 quantized in the rolled-back one), and then leaves
+    that cache bitwise, next step included; otherwise it raises, naming the length, and leaves
+    the cache as it was."""
+    accepted = data.draw(st.integers(0, draft + 1))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    length, total = prompt + accepted, prompt + draft + 1
+    k, v = torch.randn(2, 2, HEADS, total + 1, DIM, generator=g).unbind(0)
+    rolled, fresh = (
+        QuantizedCache(LAYERS, *KIVI_SCHEMES[schemes], residual_length=residual) for _ in "ab"
+    )
+    for start, end in ((0, prompt), (prompt, total)):
+        write(rolled, "quantized", k[:, :, start:end], v[:, :, start:end])
+    for start, end in ((0, prompt), (prompt, length)):
+        if end > start:
+            write(fresh, "quantized", k[:, :, start:end], v[:, :, start:end])
+    exact = all(
+        (0 if mine is None else mine.num_tokens) <= held or held == length
+        for mine, never in zip(rolled.keys + rolled.values, fresh.keys + fresh.values)
+        for held in [0 if never is None else never.num_tokens]
+    )
+    before = quantized_contents(rolled)
+    if not exact:
+        with pytest.raises(
+            NotImplementedError, match=f"cannot roll back to length {length}: a flush"
+        ):
+            rolled.truncate(length)
+        assert rolled.length == total and same(quantized_contents(rolled), before)
+        return
+    rolled.truncate(length)
+    assert rolled.length == fresh.length == length
+    for cache in (rolled, fresh):
+        write(cache, "quantized", k[:, :, -1:], v[:, :, -1:])
+    assert same(quantized_contents(rolled), quantized_contents(fresh))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(
+    schemes=st.sampled_from(sorted(KIVI_SCHEMES)),
+    residual=st.sampled_from([0, 1, 3, 5]),
+    writes=st.lists(st.integers(1, 7), min_size=1, max_size=6),
+)
+def test_how_many_tokens_are_quantized_depends_on_the_length_alone(schemes, residual, writes):
+    """However the writes are split, after L tokens keys and values each hold Q(L) = max(0,
+    (L - R) // unit * unit) quantized (unit: 1 per token, G per channel): the fact the rollback
+    rule rests on."""
+    cache = QuantizedCache(LAYERS, *KIVI_SCHEMES[schemes], residual_length=residual)
+    for n in writes:
+        write(cache, "quantized", torch.randn(1, HEADS, n, DIM), torch.randn(1, HEADS, n, DIM))
+        for store, scheme in (
+            (cache.keys, KIVI_SCHEMES[schemes][0]),
+            (cache.values, KIVI_SCHEMES[schemes][1]),
+        ):
+            unit = scheme.group_size if scheme.reduce == "tokens" else 1
+            quantized = max(0, (cache.length - residual) // unit * unit)
+            assert all((0 if q is None else q.num_tokens) == quantized for q in store)
+
+
+def test_kivi_rolls_back_inside_its_residual_and_refuses_across_a_flush():
+    """Per-channel keys and values (groups of G = 4) with R = 2: 5 tokens, then 4 more in one
+    write (length 9 passes the flush point R + G = 6: positions 0..3 quantized). Back to 6 or
+    more: exact; back to 5: positions 0..3 quantized that a cache of 5 tokens holds in full
+    precision: refused. `KeyFlushUnitCache`'s per-token keys flushed 4 at a time follow the same
+    rule; at R = 0 per-token rollbacks are always exact (the history is cut); `requantize_history`
+    refuses."""
+    keys = KIVI_SCHEMES["kivi G=4"][0]
+    cache = QuantizedCache(LAYERS, keys, keys, residual_length=2)
+    k = torch.randn(1, HEADS, 9, DIM)
+    write(cache, "quantized", k[:, :, :5], k[:, :, :5])
+    write(cache, "quantized", k[:, :, 5:], k[:, :, 5:])
+    with pytest.raises(
+        NotImplementedError,
+        match=r"QuantizedCache cannot roll back to length 5: a flush since then quantized the keys "
+        r"of positions 0\.\.3, which a cache that never saw positions 5\.\.8 holds in full",
+    ):
+        cache.truncate(5)
+    cache.truncate(6)
+    assert cache.keys[0].num_tokens == 4 and cache.residual_keys[0].shape[2] == 2
+    assert cache.values[0].num_tokens == 4 and cache.residual_values[0].shape[2] == 2
+    from kvlib.experiments.quant_flush_unit import KeyFlushUnitCache
+
+    held_back = KeyFlushUnitCache(LAYERS, INT8, keys, key_flush_unit=4, residual_length=2)
+    for cut in ((0, 5), (5, 9)):  # per-token keys flushed 4 at a time: the same rule
+        write(held_back, "quantized", k[:, :, slice(*cut)], k[:, :, slice(*cut)])
+    with pytest.raises(
+        NotImplementedError, match=r"KeyFlushUnitCache .* keys of positions 0\.\.3,"
+    ):
+        held_back.truncate(5)
+    held_back.truncate(6)
+    per_token = QuantizedCache(LAYERS, INT8, residual_length=0)
+    write(per_token, "quantized", k, k)
+    per_token.truncate(3)
+    assert per_token.keys[1].num_tokens == 3 and per_token.residual_keys[1].shape[2] == 0
+    requantizing = QuantizedCache(LAYERS, INT8, residual_length=4, requantize_history=True)
+    with pytest.raises(
+        NotImplementedError, match="QuantizedCache does not roll back: with requantize_history=True"
+    ):
+        requantizing.truncate(0)
+
+
 def test_caches_that_cannot_roll_back_say_why():
-    quantized = QuantizedCache(LAYERS, INT8, residual_length=4)
-    with pytest.raises(NotImplementedError, match="group"):
-        quantized.truncate(0)
     evicting = EvictingCache(LAYERS, StreamingLLM(num_sinks=1), budget=8)
     with pytest.raises(NotImplementedError, match="evicts after every forward"):
         evicting.truncate(0)

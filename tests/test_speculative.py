@@ -217,9 +217,42 @@ def test_the_loop_refuses_what_it_cannot_do(course_model):
         speculative_generate(
             model, prompt, DynamicCache(4), max_new_tokens=4, drafter=lambda t, k: [10**6]
         )
-    kivi = QuantizedCache(4, INT8, residual_length=4)
+    requantizing = QuantizedCache(4, INT8, residual_length=4, requantize_history=True)
     with pytest.raises(NotImplementedError, match="QuantizedCache does not roll back"):
-        speculative_generate(model, prompt, kivi, max_new_tokens=8)
+        speculative_generate(model, prompt, requantizing, max_new_tokens=8)
+
+
+KIVI = (QuantScheme("int4", False, "tokens", 32), QuantScheme("int4", False, "channels", 32))
+
+
+def test_kivi_speculates_while_no_flush_falls_inside_a_rollback(course_model):
+    """KIVI's int4 (keys per channel in groups of G = 32 tokens, values per token), k = 4, over
+    the 32-token prompt. R = 0: the prefill quantizes keys 0..31 (one group) and the run's
+    longest length, 63, stays below the next flush point, 64; values are quantized as they
+    arrive, so a cache that never saw the rejected tokens holds no value residual either: every
+    rollback is exact and the tokens equal plain greedy decoding's over the same cache. R = 4,
+    a longer residual: the first flush point is 36, a verification writes past it, rejects a
+    token before it, and the loop stops there with the refusal, the cache as the write left it."""
+    model = course_model
+    prompt = repetitive_prompt(model)
+
+    def kivi(residual):
+        return QuantizedCache(model.config.num_hidden_layers, *KIVI, residual_length=residual)
+
+    cache = kivi(0)
+    tokens, stats = speculative_generate(model, prompt, cache, max_new_tokens=32, k=4)
+    plain, _ = speculative_generate(model, prompt, kivi(0), max_new_tokens=32, drafter=no_draft)
+    assert torch.equal(tokens, plain)
+    assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    assert cache.keys[0].num_tokens == 32 and cache.values[0].num_tokens == cache.length == 63
+    refused = kivi(4)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"QuantizedCache cannot roll back to length 35: a flush since then quantized the "
+        r"keys of positions 0\.\.31, which a cache that never saw positions 35\.\.38 holds",
+    ):
+        speculative_generate(model, prompt, refused, max_new_tokens=32, k=4)
+    assert refused.length == 39 and refused.keys[0].num_tokens == 32  # as the write left it
 
 
 @pytest.mark.parametrize("budget_pages", [2, 4])

@@ -27,10 +27,10 @@ cache rotates them when it reads them).
 defines `truncate(length)`, after which it holds exactly what it held when its `length` was
 `length`, as if the positions after it had never been written (the K/V of rejected draft
 tokens). Dense, static, latent, paged and page-bounds caches define it; a cache that cannot undo a
-write (a quantized cache that has quantized the group, an evicting cache that evicted) raises
-`NotImplementedError` saying why. Tree speculation also needs `move_tokens(src, dst)`: the K/V of
-positions `src` copied to positions `dst` in every layer and sequence (the accepted branch moved
-into place before the truncate; chapter 9's repack within a sequence).
+write (a quantized cache whose flush quantized a token the rollback keeps, an evicting cache that
+evicted) raises `NotImplementedError` saying why. Tree speculation also needs `move_tokens(src,
+dst)`: the K/V of positions `src` copied to positions `dst` in every layer and sequence (the
+accepted branch moved into place before the truncate; chapter 9's repack within a sequence).
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ dequantized next to attention.
   `requantize_history=True` instead dequantizes the whole history and quantizes it again with the
   residual each time the residual fills (what transformers' `QuantizedCache` does): O(S) work per
   flush and rounding error that accumulates; chapter 10's pitfall.
+  Rollback (`truncate`, chapter 16): after L tokens, keys (and values) hold Q(L) = max(0, (L - R)
+  // unit · unit) of them quantized, however the writes were split, so a rollback to `length` is
+  exact when no flush happened since (Q(L) = Q(length): the rolled-back tokens are all in the
+  residual) or when a cache that never saw them holds no residual (Q(length) = length: R = 0 and
+  `length` a whole number of units, or 0); any other rollback raises `NotImplementedError` naming
+  the positions a flush quantized. `requantize_history` never rolls back; no `move_tokens`.
 - `QuantizedPagedCache`: chapter 7's paged cache with per-token codes and scales in its blocks
   (`(num_blocks, block_size, H_kv, D · bits / 8)` codes, `(num_blocks, block_size, H_kv, D / g)`
   scales), quantized as they are written through the slot mapping; chapter 11's decode kernel
@@ -77,6 +83,16 @@ def quantized_attention(q, kv: QuantizedKV, mask, *, weights_out=None, scale=Non
     )
 
 
+def _head(q: QuantizedTensor | None, n: int) -> QuantizedTensor | None:
+    """The first `n` tokens (whole groups) of a quantized `(B, H_kv, S, D)` history; None if 0."""
+    if not n or n == q.shape[2]:
+        return q if n else None
+    rows = n * q.scale.shape[2] // q.shape[2]  # scale rows: one per token, or per group
+    zero = None if q.zero is None else q.zero[:, :, :rows]
+    shape = (*q.shape[:2], n, q.shape[3])
+    return QuantizedTensor(q.codes[:, :, :n], q.scale[:, :, :rows], zero, q.scheme, shape)
+
+
 def _check_scheme(name: str, scheme) -> QuantScheme:
     if not isinstance(scheme, QuantScheme):
         raise TypeError(f"{name}: expected a kvlib.quant.QuantScheme, got {type(scheme).__name__}")
@@ -95,7 +111,10 @@ class QuantizedCache(_DenseCache):
         residual_length: R >= 0, the newest tokens kept in full precision.
         requantize_history: transformers' way (the pitfall): when the residual exceeds R, quantize
             history and residual again as one tensor (per-channel: the whole history is one
-            group).
+            group). Such a cache does not roll back (`rollback_refusal`).
+
+    `truncate(length)` is exact or refused, never approximate (see `_keep`); `move_tokens` (tree
+    speculation) is not implemented and refuses.
 
     Raises:
         TypeError, ValueError: schemes that are not `QuantScheme`s, per-tensor schemes (a scale
@@ -106,11 +125,6 @@ class QuantizedCache(_DenseCache):
     """
 
     attention_backend = staticmethod(quantized_attention)
-    rollback_refusal = (
-        "a write may have quantized tokens from the residual into a group whose scales the "
-        "rolled-back tokens helped set (KIVI's flush), and a flush the extra tokens forced early "
-        "leaves fewer tokens in full precision than a cache that never saw them holds"
-    )
 
     def __init__(
         self,
@@ -130,6 +144,12 @@ class QuantizedCache(_DenseCache):
             "residual_length", residual_length, allow_zero=True
         )
         self.requantize_history = bool(requantize_history)
+        if self.requantize_history:
+            self.rollback_refusal = (
+                "with requantize_history=True each flush quantizes the whole history again with "
+                "the residual, so rolled-back tokens may have set every scale, and when it flushes "
+                "depends on how the tokens were written, not only on how many"
+            )
         for name, scheme in (("key_scheme", self.key_scheme), ("value_scheme", self.value_scheme)):
             if scheme.reduce == "all":
                 raise ValueError(
@@ -218,6 +238,43 @@ class QuantizedCache(_DenseCache):
             self.requantized_tokens += whole.shape[2]
         self.residual_keys[layer_idx] = res_k[:, :, :0]
         self.residual_values[layer_idx] = res_v[:, :, :0]
+
+    def _flush_units(self) -> tuple[int, int]:
+        """Tokens per flush of keys and of values: 1 per token ("channels"), G per channel."""
+        schemes = (self.key_scheme, self.value_scheme)
+        return tuple(s.group_size if s.reduce == "tokens" else 1 for s in schemes)
+
+    def _keep(self, length: int) -> None:
+        """`truncate`'s cut, exact or refused before anything changes: Q(n) of n tokens are
+        quantized (module docstring), so the cache cuts its history to Q(length) tokens and its
+        residual to the rest when the positions Q(length)..length - 1 are still in full precision,
+        as a cache that never saw the later tokens holds them.
+
+        Raises:
+            NotImplementedError: a flush since `length` quantized some of them, naming which.
+        """
+        R, total, cuts = self.residual_length, self.length, []
+        for name, unit in zip(("keys", "values"), self._flush_units()):
+            kept, flushed = (max(0, (n - R) // unit * unit) for n in (length, total))
+            if kept < min(flushed, length):
+                raise NotImplementedError(
+                    f"{type(self).__name__} cannot roll back to length {length}: a flush since "
+                    f"then quantized the {name} of positions {kept}..{min(flushed, length) - 1}, "
+                    f"which a cache that never saw positions {length}..{total - 1} holds in full "
+                    f"precision (the residual keeps R = {R} tokens and flushes {name} {unit} at a "
+                    f"time, when the length reaches R + a multiple of {unit}). A rollback from "
+                    "length L is exact only if no such flush point lies in (length, L], or if R = "
+                    f"0 and length is a multiple of {unit}: speculation needs each verification "
+                    "that crosses a flush point to accept all its tokens before it (always so with "
+                    "R = 0 and per-token schemes); a longer residual only moves the points"
+                )
+            cuts.append(kept)
+        parts = ((self.keys, self.residual_keys), (self.values, self.residual_values))
+        for (history, residual), cut in zip(parts, cuts):
+            for i, res in enumerate(residual):
+                if res is not None:
+                    residual[i] = res[:, :, : length - cut] if length else None
+                    history[i] = _head(history[i], cut)
 
     def _map(self, fn) -> None:
         """Apply `fn` (a batch-axis gather) to every per-sequence tensor: codes, scales, zero

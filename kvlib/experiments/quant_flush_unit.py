@@ -56,6 +56,9 @@ class KeyFlushUnitCache(QuantizedCache):
         self._flushing_keys = True  # `QuantizedCache.update` flushes the keys, then the values
         return super().update(layer_idx, k, v)
 
+    def _flush_units(self):
+        return self.key_flush_unit, super()._flush_units()[1]  # what `truncate` checks
+
     def _flush(self, history, residual, scheme):
         flushing_keys, self._flushing_keys = self._flushing_keys, False
         if not flushing_keys:

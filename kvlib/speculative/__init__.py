@@ -18,9 +18,10 @@ al., 2023, "Accelerating Large Language Model Decoding with Speculative Sampling
   rest; greedy output token-identical to `kvlib.generation.generate`'s.
 
 Rollback itself is each cache's `truncate(length)` (`kvlib.cache.base`): dense, static, latent,
-paged, page-bounds and per-token quantized paged caches roll back; caches that cannot undo a write
-(KIVI's residual after a flush, evicting and compacting caches) raise `NotImplementedError` saying
-why.
+paged, page-bounds and per-token quantized paged caches roll back; KIVI's (`QuantizedCache`) rolls
+back exactly unless a flush since `length` quantized a token it keeps (always exact at R = 0 with
+per-token schemes), and refuses that rollback; caches that cannot undo a write (evicting and
+compacting caches) raise `NotImplementedError` saying why.
 """
 
 from kvlib.speculative.decode import Draft, SpeculationStats, speculative_generate
