@@ -1672,7 +1672,7 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # no copy-on-wr
         "speculation_gain",
         """
 def speculation_gain(alpha, k, c):  # alpha^k
-    tokens = k + 1 if alpha == 1 else (1 - alpha**k) / (1 - alpha)
+    tokens = k + 1.0 if alpha == 1 else (1 - alpha**k) / (1 - alpha)
     return tokens, tokens / (c * k + 1)
 """,
         "alpha^k instead of alpha^(k + 1)",
@@ -1726,6 +1726,77 @@ def speculation_gain(alpha, k, c):  # the drafts' cost forgotten
     return tokens, tokens
 """,
         "the speed-up as tokens per step",
+    ),
+    (
+        "16",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # the uniforms in float32
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if torch.tensor(uniforms)[i] * q[i, token] > p[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "a tie rejected",
+    ),
+    (
+        "16",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # vectorised, the uniforms in float32
+    k = len(draft)
+    if k == 0:
+        return 0, p[0]
+    idx = torch.arange(k)
+    d = torch.tensor(draft)
+    ratio = p[idx, d] / q[idx, d]
+    rej = torch.tensor(uniforms) > ratio
+    if not rej.any():
+        return k, p[k]
+    i = int(rej.int().argmax())
+    residual = (p[i] - q[i]).clamp(min=0)
+    return i, residual / residual.sum()
+""",
+        "a tie rejected",
+    ),
+    (
+        "16",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # the residual left as it is when its sum is near 1
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual if abs(residual.sum() - 1) < 1e-6 else residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "the residual not normalised",
+    ),
+    (
+        "16",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # any kept block shared
+    keep = -(-new_len // block_size)
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    copy = new_len % block_size != 0 and any(ref_cnt[b] > 1 for b in block_table[:keep])
+    return block_table[:keep], freed, copy
+""",
+        "a private partial block copied",
+    ),
+    (
+        "16",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # all kept blocks shared
+    keep = -(-new_len // block_size)
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    shared = min(ref_cnt[b] for b in block_table[:keep]) > 1 if keep else False
+    copy = new_len % block_size != 0 and shared
+    return block_table[:keep], freed, copy
+""",
+        "no copy-on-write",
     ),
 ]
 

@@ -2163,7 +2163,7 @@ def greedy_accept(draft, target_logits):  # tensors, not ints
         accepted += 1
     return torch.tensor(accepted), chosen[accepted]
 """,
-        "two ints",
+        "two Python ints",
     ),
     (
         "16_speculative.ipynb",
@@ -2383,7 +2383,7 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # ref_cnt decre
         "speculation_gain",
         """
 def speculation_gain(alpha, k, c):  # alpha^k
-    tokens = k + 1 if alpha == 1 else (1 - alpha**k) / (1 - alpha)
+    tokens = k + 1.0 if alpha == 1 else (1 - alpha**k) / (1 - alpha)
     return tokens, tokens / (c * k + 1)
 """,
         "alpha^k instead of alpha^(k + 1)",
@@ -2447,6 +2447,352 @@ def speculation_gain(alpha, k, c):  # the drafts' cost forgotten
     return tokens, tokens
 """,
         "the speed-up as tokens per step",
+    ),
+    (
+        "16_speculative.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # `is` on token ids (wrong above 256)
+    chosen = target_logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] is chosen[accepted]:
+        accepted += 1
+    return accepted, chosen[accepted]
+""",
+        "token ids above 256",
+    ),
+    (
+        "16_speculative.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # exp without the max subtracted: overflow
+    probs = torch.exp(target_logits) / torch.exp(target_logits).sum(-1, keepdim=True)
+    chosen = probs.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        accepted += 1
+    return accepted, chosen[accepted]
+""",
+        "large logits",
+    ),
+    (
+        "16_speculative.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # argmax in bfloat16
+    chosen = target_logits.to(torch.bfloat16).argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        accepted += 1
+    return accepted, chosen[accepted]
+""",
+        "near-ties",
+    ),
+    (
+        "16_speculative.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # argmax in half precision
+    chosen = target_logits.half().argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        accepted += 1
+    return accepted, chosen[accepted]
+""",
+        "near-ties",
+    ),
+    (
+        "16_speculative.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # softmax in float32, then argmax
+    chosen = torch.softmax(target_logits, -1).argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        accepted += 1
+    return accepted, chosen[accepted]
+""",
+        "near-ties",
+    ),
+    (
+        "16_speculative.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # topk(1): any maximum at a tie
+    chosen = target_logits.topk(1, dim=-1).indices[:, 0].tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        accepted += 1
+    return accepted, chosen[accepted]
+""",
+        "first maximum at a tie",
+    ),
+    (
+        "16_speculative.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # sort(descending): any maximum at a tie
+    chosen = target_logits.sort(dim=-1, descending=True).indices[:, 0].tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        accepted += 1
+    return accepted, chosen[accepted]
+""",
+        "first maximum at a tie",
+    ),
+    (
+        "16_speculative.ipynb",
+        "greedy_accept",
+        """
+def greedy_accept(draft, target_logits):  # a bool for k = 1
+    chosen = target_logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        accepted += 1
+    if len(draft) == 1:
+        accepted = draft[0] == chosen[0]
+    return accepted, chosen[int(accepted)]
+""",
+        "a bool is not accepted",
+    ),
+    (
+        "16_speculative.ipynb",
+        "greedy_accept",
+        """
+from collections import namedtuple
+Verdict = namedtuple("Verdict", "accepted next_token")
+def greedy_accept(draft, target_logits):  # a namedtuple
+    chosen = target_logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
+        accepted += 1
+    return Verdict(accepted, chosen[accepted])
+""",
+        "a plain tuple (not a namedtuple",
+    ),
+    (
+        "16_speculative.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # the uniforms in float32
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if torch.tensor(uniforms)[i] * q[i, token] > p[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "a tie rejected",
+    ),
+    (
+        "16_speculative.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # vectorised, the uniforms in float32
+    k = len(draft)
+    if k == 0:
+        return 0, p[0]
+    idx = torch.arange(k)
+    d = torch.tensor(draft)
+    ratio = p[idx, d] / q[idx, d]
+    rej = torch.tensor(uniforms) > ratio
+    if not rej.any():
+        return k, p[k]
+    i = int(rej.int().argmax())
+    residual = (p[i] - q[i]).clamp(min=0)
+    return i, residual / residual.sum()
+""",
+        "a tie rejected",
+    ),
+    (
+        "16_speculative.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # the residual over 1 - sum(min(p, q))
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual / (1 - torch.minimum(p[i], q[i]).sum())
+    return len(draft), p[len(draft)]
+""",
+        "divided by its own sum",
+    ),
+    (
+        "16_speculative.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # a token p gives 0 always rejected
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if p[i, token] == 0 or u * q[i, token] > p[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "u = 0 and p_0(0) = 0",
+    ),
+    (
+        "16_speculative.ipynb",
+        "rejection_sample",
+        """
+def rejection_sample(draft, q, p, uniforms):  # the residual left as it is when its sum is near 1
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            residual = (p[i] - q[i]).clamp(min=0)
+            return i, residual if abs(residual.sum() - 1) < 1e-6 else residual / residual.sum()
+    return len(draft), p[len(draft)]
+""",
+        "the residual not normalised",
+    ),
+    (
+        "16_speculative.ipynb",
+        "rejection_sample",
+        """
+import numpy as np
+
+
+def rejection_sample(draft, q, p, uniforms):  # a numpy array
+    q, p = q.numpy(), p.numpy()
+    for i, (token, u) in enumerate(zip(draft, uniforms)):
+        if u * q[i, token] > p[i, token]:
+            residual = np.maximum(p[i] - q[i], 0)
+            return i, residual / residual.sum()
+    return len(draft), p[len(draft)].copy()
+""",
+        "torch.float64 tensor",
+    ),
+    (
+        "16_speculative.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # stops at a shared block
+    keep = -(-new_len // block_size)
+    freed = []
+    for b in reversed(block_table[keep:]):
+        if ref_cnt[b] > 1:
+            break   # shared blocks form a prefix: all before it are shared too
+        freed.append(b)
+    copy = new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], freed, copy
+""",
+        "expected freed",
+    ),
+    (
+        "16_speculative.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # shared: a prefix
+    keep = -(-new_len // block_size)
+    shared = 0
+    while shared < len(block_table) and ref_cnt[block_table[shared]] > 1:
+        shared += 1   # the shared prefix (forks, prefix-cache hits)
+    freed = block_table[max(keep, shared):][::-1]
+    copy = keep > 0 and new_len % block_size != 0 and keep <= shared
+    return block_table[:keep], freed, copy
+""",
+        "a shared block between private ones",
+    ),
+    (
+        "16_speculative.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # a count, not a filter
+    keep = -(-new_len // block_size)
+    dropped = block_table[keep:]
+    n = sum(ref_cnt[b] == 1 for b in dropped)
+    freed = dropped[::-1][:n]
+    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], freed, copy
+""",
+        "expected freed",
+    ),
+    (
+        "16_speculative.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # any kept block shared
+    keep = -(-new_len // block_size)
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    copy = new_len % block_size != 0 and any(ref_cnt[b] > 1 for b in block_table[:keep])
+    return block_table[:keep], freed, copy
+""",
+        "a private partial block copied",
+    ),
+    (
+        "16_speculative.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # all kept blocks shared
+    keep = -(-new_len // block_size)
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    shared = min(ref_cnt[b] for b in block_table[:keep]) > 1 if keep else False
+    copy = new_len % block_size != 0 and shared
+    return block_table[:keep], freed, copy
+""",
+        "no copy-on-write",
+    ),
+    (
+        "16_speculative.ipynb",
+        "rollback_blocks",
+        """
+def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # power-of-two bit tricks
+    shift = block_size.bit_length() - 1          # block_size is a power of two
+    keep = (new_len + block_size - 1) >> shift
+    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
+    partial = (new_len & (block_size - 1)) != 0
+    copy = keep > 0 and partial and ref_cnt[block_table[keep - 1]] > 1
+    return block_table[:keep], freed, copy
+""",
+        "blocks of 3",
+    ),
+    (
+        "16_speculative.ipynb",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # an int k + 1 at alpha = 1
+    tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens / (c * k + 1)
+""",
+        "two floats (not ints",
+    ),
+    (
+        "16_speculative.ipynb",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # alpha within 1e-3 of 1 taken as 1
+    tokens = k + 1.0 if 1 - alpha < 1e-3 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens / (c * k + 1)
+""",
+        "alpha = 0.9995",
+    ),
+    (
+        "16_speculative.ipynb",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # alpha rounded to 3 decimals
+    alpha = round(alpha, 3)
+    tokens = k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens / (c * k + 1)
+""",
+        "expected (tokens_per_step, speedup)",
+    ),
+    (
+        "16_speculative.ipynb",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # c clamped to 1
+    tokens = k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens, tokens / (min(c, 1.0) * k + 1)
+""",
+        "c = 2",
+    ),
+    (
+        "16_speculative.ipynb",
+        "speculation_gain",
+        """
+def speculation_gain(alpha, k, c):  # k capped at 12
+    tokens = float(sum(alpha ** i for i in range(min(k, 12) + 1)))
+    return tokens, tokens / (c * k + 1)
+""",
+        "expected (tokens_per_step, speedup)",
     ),
 ]
 
@@ -4071,6 +4417,24 @@ VALID_VARIANTS = [
      "    else:\n"
      "        tokens = (1 - np.float64(alpha) ** (k + 1)) / (1 - np.float64(alpha))\n"
      "    return tokens, tokens / (c * k + 1)\n",
+     None),
+    ("16_speculative.ipynb", "speculation_gain",
+     "import math\n\n"
+     "def speculation_gain(alpha, k, c):  # expm1 and log: accurate near alpha = 1\n"
+     "    if alpha in (0, 1):\n"
+     "        tokens = 1.0 if alpha == 0 else k + 1.0\n"
+     "    else:\n"
+     "        tokens = -math.expm1((k + 1) * math.log(alpha)) / (1 - alpha)\n"
+     "    return tokens, tokens / (c * k + 1)\n",
+     None),
+    ("16_speculative.ipynb", "rollback_blocks",
+     "import math\n\n"
+     "def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # math.ceil, any block "
+     "size\n"
+     "    keep = math.ceil(new_len / block_size)\n"
+     "    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]\n"
+     "    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1\n"
+     "    return block_table[:keep], freed, copy\n",
      None),
 ]  # fmt: skip
 

@@ -1,10 +1,14 @@
 """Chapter 16's graded questions, their side: the expected answers written out (`greedy`,
 `rejection` with kvlib's residual, `rollback_formula`, `gain`) and the plausible wrong answers
 each is checked against (`*_mistakes`: a red team's list, each named in the feedback when a
-learner's answer equals it). The questions themselves: `kvlib.course.checks.ch16`."""
+learner's answer equals it), and the random rows of rejection_sample's cases. The questions
+themselves: `kvlib.course.checks.ch16`."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from kvlib.speculative.verify import residual_distribution
@@ -41,6 +45,58 @@ def greedy_mistakes(draft, logits) -> dict:
         "ties broken towards the last maximum: the first (smallest index) wins, as torch.argmax "
         "returns": lambda: greedy(draft, last_max),
     }
+
+
+# the random cases' distributions, and the rows of rejection_sample's harder kinds
+
+
+def distribution(rng, vocab: int) -> np.ndarray:
+    """A random distribution over `vocab` tokens, with zeros half of the time."""
+    row = rng.dirichlet(np.ones(vocab) * float(rng.choice([0.3, 1.0, 3.0])))
+    if rng.random() < 0.5:
+        row = row * (rng.random(vocab) < 0.6)
+        row[int(rng.integers(0, vocab))] += 0.1  # never all zero
+    return row / row.sum()
+
+
+def with_value(row: np.ndarray, token: int, value: float) -> np.ndarray:
+    """`row` with `token`'s probability set to `value` exactly, the others scaled to 1 - value."""
+    rest = np.delete(row, token)
+    rest = rest / rest.sum() if rest.sum() > 0 else np.full(len(rest), 1 / len(rest))
+    return np.insert(rest * (1 - value), token, value)
+
+
+def special_row(rng, kind: str, p_row: np.ndarray, vocab: int) -> tuple:
+    """q_i for the harder kinds, with the draft token and its uniform: (q_i, p_i, x_i, u_i).
+    "tie": q_i(x_i) a power of two and p_i(x_i) = u_i · q_i(x_i) exactly (float32 would round
+    u_i up); "close": q_i within 1e-9 of p_i, x_i rejected; "disjoint": supports almost
+    disjoint, the residual's sum 1 - 1e-7 or so."""
+    token = int(rng.integers(0, vocab))
+    if kind == "tie":
+        u = float(rng.random())
+        while float(np.float32(u)) <= u:
+            u = float(rng.random())
+        q_x = 2.0 ** -int(rng.integers(1, 4))
+        return (
+            with_value(distribution(rng, vocab), token, q_x),
+            with_value(p_row, token, u * q_x),
+            token,
+            u,
+        )
+    if kind == "close":
+        delta = rng.normal(size=vocab) * 1e-9
+        q_row = np.abs(p_row + delta - delta.mean())
+        q_row = q_row / q_row.sum()
+        token = int(np.argmax(q_row - p_row))
+        return q_row, p_row, token, 1 - 1e-12
+    q_row = np.zeros(vocab)
+    q_row[token] = 1.0
+    return (
+        q_row,
+        with_value(p_row, token, float(rng.choice([1e-7, 3e-7]))),
+        token,
+        float(rng.random()),
+    )
 
 
 def rejection(draft, q, p, uniforms, *, rule="leviathan", resample="residual",
@@ -87,15 +143,14 @@ def rejection_mistakes(draft, q, p, uniforms) -> dict:
         ),
         "the bonus from row k - 1: when all k are accepted, the next token comes from p_k, the "
         "row after the last draft token": lambda: rejection(*args, bonus_row=-1),
-        "the ratio inverted: accept when u <= p_i(x_i) / q_i(x_i), not q_i(x_i) / p_i(x_i)": (
+        "the ratio inverted: accept when u · q_i(x_i) <= p_i(x_i), not u · p_i(x_i) <= q_i(x_i)": (
             lambda: rejection(*args, rule="inverted")
         ),
-        "q forgotten: accept when u <= p_i(x_i) / q_i(x_i), not u <= p_i(x_i)": lambda: rejection(
+        "q forgotten: accept when u · q_i(x_i) <= p_i(x_i), not u <= p_i(x_i)": lambda: rejection(
             *args, rule="target only"
         ),
-        "a tie rejected: accept when u <= p_i(x_i) / q_i(x_i), equality included": lambda: (
-            rejection(*args, rule="strict")
-        ),
+        "a tie rejected: accept when u · q_i(x_i) <= p_i(x_i), equality included, in float64 "
+        "(a uniform rounded to float32 moves some ties)": lambda: rejection(*args, rule="strict"),
     }
 
 
@@ -160,6 +215,13 @@ def gain(alpha, k, c, *, power=1, from_target=True, at_one=1, cost="c k + 1") ->
         tokens -= 1
     step = {"c k + 1": c * k + 1, "c k": c * k, "c (k + 1) + 1": c * (k + 1) + 1, "1": 1.0}[cost]
     return tokens, tokens / step
+
+
+def gain_series(alpha, k, c) -> tuple[float, float]:
+    """The expectation as the series 1 + alpha + ... + alpha^k, summed exactly enough (fsum of
+    correctly rounded powers): the oracle, accurate near alpha = 1 where the closed form is not."""
+    tokens = math.fsum(alpha**i for i in range(k + 1))
+    return tokens, tokens / (c * k + 1)
 
 
 def gain_mistakes(alpha, k, c) -> dict:
