@@ -14,6 +14,7 @@ import pytest
 from kvlib.course.grader import grade_bindings
 from kvlib.course.grading import chapter_of, chapter_questions, grade_notebook
 from kvlib.course.sandbox import _cell_code
+from tests.test_check_diagnostics import MISTAKES
 
 ROOT = Path(__file__).resolve().parents[1]
 # The grader's child hides kvlib in a mount namespace here (Linux, root, not turned off): an answer
@@ -2080,82 +2081,6 @@ def decode_read_bytes(L, dense, H_kv, D, b, S, block_size, budget):  # a float
         "16_speculative.ipynb",
         "greedy_accept",
         """
-def greedy_accept(draft, target_logits):  # the bonus forgotten: row k never read
-    chosen = target_logits.argmax(dim=-1).tolist()
-    for i, token in enumerate(draft):
-        if token != chosen[i]:
-            return i, chosen[i]
-    return len(draft), chosen[len(draft) - 1]
-""",
-        "the bonus forgotten",
-    ),
-    (
-        "16_speculative.ipynb",
-        "greedy_accept",
-        """
-def greedy_accept(draft, target_logits):  # the correction read from the next row
-    chosen = target_logits.argmax(dim=-1).tolist()
-    for i, token in enumerate(draft):
-        if token != chosen[i]:
-            return i, chosen[i + 1]
-    return len(draft), chosen[len(draft)]
-""",
-        "one row late",
-    ),
-    (
-        "16_speculative.ipynb",
-        "greedy_accept",
-        """
-def greedy_accept(draft, target_logits):  # draft token i checked against row i + 1
-    chosen = target_logits.argmax(dim=-1).tolist()
-    for i, token in enumerate(draft):
-        if token != chosen[i + 1]:
-            return i, chosen[i + 1]
-    return len(draft), chosen[len(draft)]
-""",
-        "the rows shifted by one",
-    ),
-    (
-        "16_speculative.ipynb",
-        "greedy_accept",
-        """
-def greedy_accept(draft, target_logits):  # every match counted, not the leading ones
-    chosen = target_logits.argmax(dim=-1).tolist()
-    accepted = sum(d == c for d, c in zip(draft, chosen))
-    return accepted, chosen[accepted]
-""",
-        "every matching draft token counted",
-    ),
-    (
-        "16_speculative.ipynb",
-        "greedy_accept",
-        """
-def greedy_accept(draft, target_logits):  # the rejected draft token kept
-    chosen = target_logits.argmax(dim=-1).tolist()
-    for i, token in enumerate(draft):
-        if token != chosen[i]:
-            return i, token
-    return len(draft), chosen[len(draft)]
-""",
-        "the rejected draft token returned",
-    ),
-    (
-        "16_speculative.ipynb",
-        "greedy_accept",
-        """
-def greedy_accept(draft, target_logits):  # ties: the last maximum
-    chosen = [int((row == row.max()).nonzero()[-1]) for row in target_logits]
-    accepted = 0
-    while accepted < len(draft) and draft[accepted] == chosen[accepted]:
-        accepted += 1
-    return accepted, chosen[accepted]
-""",
-        "ties broken towards the last maximum",
-    ),
-    (
-        "16_speculative.ipynb",
-        "greedy_accept",
-        """
 def greedy_accept(draft, target_logits):  # tensors, not ints
     chosen = target_logits.argmax(dim=-1)
     accepted = 0
@@ -2164,95 +2089,6 @@ def greedy_accept(draft, target_logits):  # tensors, not ints
     return torch.tensor(accepted), chosen[accepted]
 """,
         "two Python ints",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rejection_sample",
-        """
-def rejection_sample(draft, q, p, uniforms):  # the residual not normalised
-    for i, (token, u) in enumerate(zip(draft, uniforms)):
-        if u * q[i, token] > p[i, token]:
-            return i, (p[i] - q[i]).clamp(min=0)
-    return len(draft), p[len(draft)]
-""",
-        "the residual not normalised",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rejection_sample",
-        """
-def rejection_sample(draft, q, p, uniforms):  # p_i itself at a rejection
-    for i, (token, u) in enumerate(zip(draft, uniforms)):
-        if u * q[i, token] > p[i, token]:
-            return i, p[i]
-    return len(draft), p[len(draft)]
-""",
-        "p_i resampled at a rejection",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rejection_sample",
-        """
-def rejection_sample(draft, q, p, uniforms):  # max(0, q - p)
-    for i, (token, u) in enumerate(zip(draft, uniforms)):
-        if u * q[i, token] > p[i, token]:
-            residual = (q[i] - p[i]).clamp(min=0)
-            return i, residual / residual.sum()
-    return len(draft), p[len(draft)]
-""",
-        "the residual the wrong way round",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rejection_sample",
-        """
-def rejection_sample(draft, q, p, uniforms):  # the bonus from the last draft row
-    for i, (token, u) in enumerate(zip(draft, uniforms)):
-        if u * q[i, token] > p[i, token]:
-            residual = (p[i] - q[i]).clamp(min=0)
-            return i, residual / residual.sum()
-    return len(draft), p[max(len(draft) - 1, 0)]
-""",
-        "the bonus from row k - 1",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rejection_sample",
-        """
-def rejection_sample(draft, q, p, uniforms):  # accept when u <= q / p
-    for i, (token, u) in enumerate(zip(draft, uniforms)):
-        if u * p[i, token] > q[i, token]:
-            residual = (p[i] - q[i]).clamp(min=0)
-            return i, residual / residual.sum()
-    return len(draft), p[len(draft)]
-""",
-        "the ratio inverted",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rejection_sample",
-        """
-def rejection_sample(draft, q, p, uniforms):  # accept when u <= p(x)
-    for i, (token, u) in enumerate(zip(draft, uniforms)):
-        if u > p[i, token]:
-            residual = (p[i] - q[i]).clamp(min=0)
-            return i, residual / residual.sum()
-    return len(draft), p[len(draft)]
-""",
-        "q forgotten",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rejection_sample",
-        """
-def rejection_sample(draft, q, p, uniforms):  # a tie rejected
-    for i, (token, u) in enumerate(zip(draft, uniforms)):
-        if u >= p[i, token] / q[i, token]:
-            residual = (p[i] - q[i]).clamp(min=0)
-            return i, residual / residual.sum()
-    return len(draft), p[len(draft)]
-""",
-        "a tie rejected",
     ),
     (
         "16_speculative.ipynb",
@@ -2285,87 +2121,6 @@ def rejection_sample(draft, q, p, uniforms):  # subtracts q from p in place
         "16_speculative.ipynb",
         "rollback_blocks",
         """
-def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # shared blocks freed too
-    keep = -(-new_len // block_size)
-    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
-    return block_table[:keep], block_table[keep:][::-1], copy
-""",
-        "shared blocks freed",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rollback_blocks",
-        """
-def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # new_len // size + 1 blocks
-    keep = min(new_len // block_size + 1, len(block_table))
-    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
-    copy = new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
-    return block_table[:keep], freed, copy
-""",
-        "an empty block kept",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rollback_blocks",
-        """
-def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # new_len // size blocks
-    keep = new_len // block_size
-    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
-    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
-    return block_table[:keep], freed, copy
-""",
-        "the partly filled last block dropped",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rollback_blocks",
-        """
-def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # freed in table order
-    keep = -(-new_len // block_size)
-    freed = [b for b in block_table[keep:] if ref_cnt[b] == 1]
-    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1
-    return block_table[:keep], freed, copy
-""",
-        "freed in table order",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rollback_blocks",
-        """
-def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # a shared last block copied
-    keep = -(-new_len // block_size)
-    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
-    copy = keep > 0 and ref_cnt[block_table[keep - 1]] > 1
-    return block_table[:keep], freed, copy
-""",
-        "a full shared last block copied",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rollback_blocks",
-        """
-def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # any partial block copied
-    keep = -(-new_len // block_size)
-    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
-    return block_table[:keep], freed, new_len % block_size != 0
-""",
-        "a private partial block copied",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rollback_blocks",
-        """
-def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # no copy-on-write
-    keep = -(-new_len // block_size)
-    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
-    return block_table[:keep], freed, False
-""",
-        "no copy-on-write",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rollback_blocks",
-        """
 def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # ref_cnt decremented in place
     keep = -(-new_len // block_size)
     freed = []
@@ -2382,71 +2137,11 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # ref_cnt decre
         "16_speculative.ipynb",
         "speculation_gain",
         """
-def speculation_gain(alpha, k, c):  # alpha^k
-    tokens = k + 1.0 if alpha == 1 else (1 - alpha**k) / (1 - alpha)
-    return tokens, tokens / (c * k + 1)
-""",
-        "alpha^k instead of alpha^(k + 1)",
-    ),
-    (
-        "16_speculative.ipynb",
-        "speculation_gain",
-        """
-def speculation_gain(alpha, k, c):  # the accepted drafts only
-    tokens = float(sum(alpha**i for i in range(1, k + 1)))
-    return tokens, tokens / (c * k + 1)
-""",
-        "the target's own token left out",
-    ),
-    (
-        "16_speculative.ipynb",
-        "speculation_gain",
-        """
-def speculation_gain(alpha, k, c):  # k tokens at alpha = 1
-    tokens = float(k) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens, tokens / (c * k + 1)
-""",
-        "k tokens at alpha = 1",
-    ),
-    (
-        "16_speculative.ipynb",
-        "speculation_gain",
-        """
 def speculation_gain(alpha, k, c):  # no case for alpha = 1
     tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
     return tokens, tokens / (c * k + 1)
 """,
         "ZeroDivisionError",
-    ),
-    (
-        "16_speculative.ipynb",
-        "speculation_gain",
-        """
-def speculation_gain(alpha, k, c):  # a step costs the drafts only
-    tokens = k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens, tokens / (c * k) if c * k else tokens
-""",
-        "the target's pass left out",
-    ),
-    (
-        "16_speculative.ipynb",
-        "speculation_gain",
-        """
-def speculation_gain(alpha, k, c):  # k + 1 draft steps
-    tokens = k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens, tokens / (c * (k + 1) + 1)
-""",
-        "k + 1 draft steps",
-    ),
-    (
-        "16_speculative.ipynb",
-        "speculation_gain",
-        """
-def speculation_gain(alpha, k, c):  # the drafts' cost forgotten
-    tokens = k + 1.0 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens, tokens
-""",
-        "the speed-up as tokens per step",
     ),
     (
         "16_speculative.ipynb",
@@ -2574,39 +2269,6 @@ def greedy_accept(draft, target_logits):  # a namedtuple
         "16_speculative.ipynb",
         "rejection_sample",
         """
-def rejection_sample(draft, q, p, uniforms):  # the uniforms in float32
-    for i, (token, u) in enumerate(zip(draft, uniforms)):
-        if torch.tensor(uniforms)[i] * q[i, token] > p[i, token]:
-            residual = (p[i] - q[i]).clamp(min=0)
-            return i, residual / residual.sum()
-    return len(draft), p[len(draft)]
-""",
-        "a tie rejected",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rejection_sample",
-        """
-def rejection_sample(draft, q, p, uniforms):  # vectorised, the uniforms in float32
-    k = len(draft)
-    if k == 0:
-        return 0, p[0]
-    idx = torch.arange(k)
-    d = torch.tensor(draft)
-    ratio = p[idx, d] / q[idx, d]
-    rej = torch.tensor(uniforms) > ratio
-    if not rej.any():
-        return k, p[k]
-    i = int(rej.int().argmax())
-    residual = (p[i] - q[i]).clamp(min=0)
-    return i, residual / residual.sum()
-""",
-        "a tie rejected",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rejection_sample",
-        """
 def rejection_sample(draft, q, p, uniforms):  # the residual over 1 - sum(min(p, q))
     for i, (token, u) in enumerate(zip(draft, uniforms)):
         if u * q[i, token] > p[i, token]:
@@ -2628,19 +2290,6 @@ def rejection_sample(draft, q, p, uniforms):  # a token p gives 0 always rejecte
     return len(draft), p[len(draft)]
 """,
         "u = 0 and p_0(0) = 0",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rejection_sample",
-        """
-def rejection_sample(draft, q, p, uniforms):  # the residual left as it is when its sum is near 1
-    for i, (token, u) in enumerate(zip(draft, uniforms)):
-        if u * q[i, token] > p[i, token]:
-            residual = (p[i] - q[i]).clamp(min=0)
-            return i, residual if abs(residual.sum() - 1) < 1e-6 else residual / residual.sum()
-    return len(draft), p[len(draft)]
-""",
-        "the residual not normalised",
     ),
     (
         "16_speculative.ipynb",
@@ -2708,31 +2357,6 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # a count, not 
         "16_speculative.ipynb",
         "rollback_blocks",
         """
-def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # any kept block shared
-    keep = -(-new_len // block_size)
-    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
-    copy = new_len % block_size != 0 and any(ref_cnt[b] > 1 for b in block_table[:keep])
-    return block_table[:keep], freed, copy
-""",
-        "a private partial block copied",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rollback_blocks",
-        """
-def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # all kept blocks shared
-    keep = -(-new_len // block_size)
-    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]
-    shared = min(ref_cnt[b] for b in block_table[:keep]) > 1 if keep else False
-    copy = new_len % block_size != 0 and shared
-    return block_table[:keep], freed, copy
-""",
-        "no copy-on-write",
-    ),
-    (
-        "16_speculative.ipynb",
-        "rollback_blocks",
-        """
 def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # power-of-two bit tricks
     shift = block_size.bit_length() - 1          # block_size is a power of two
     keep = (new_len + block_size - 1) >> shift
@@ -2794,6 +2418,14 @@ def speculation_gain(alpha, k, c):  # k capped at 12
 """,
         "expected (tokens_per_step, speedup)",
     ),
+]
+
+# Chapter 16's named mistakes (tests/test_check_diagnostics.py's MISTAKES) are wrong answers here
+# too, graded through the notebook: each scores 0 and its feedback names it.
+WRONG_ANSWERS += [
+    ("16_speculative.ipynb", question, source, hint)
+    for chapter, question, source, hint in MISTAKES
+    if chapter == "16"
 ]
 
 
