@@ -32,8 +32,8 @@ PORTABLE_ENV := ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 OPENBLAS_NUM_THREA
                 NPY_DISABLE_CPU_FEATURES="AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL"
 
 .PHONY: install dev notebooks test test-gpu gpu-check gpu-branches lint unit spot-checks nbval \
-        nbval-portable grading book browser book-check chapter-times outputs install-cells \
-        recorded clean
+        nbval-portable grading solution-draws book browser book-check chapter-times outputs \
+        install-cells recorded clean
 
 install: $(STAMP)
 
@@ -100,8 +100,13 @@ spot-checks: $(DEV_STAMP)
 # Two notebooks at a time, one thread each: a third faster than one at a time with two threads on
 # 2 cores (270 s against 370 s), and a thread count other than the stored outputs' (`make outputs`
 # runs with torch's default) so that outputs depending on it fail here.
+# The chapters handed out longest first (book/chapter_times.csv; a chapter not measured yet
+# first of all), so that the last one to start is a short one and both workers finish together.
+NBVAL_ORDER = $(shell $(PYTHON) -c 'import csv, glob; \
+	t = {r["notebook"]: float(r["seconds"]) for r in csv.DictReader(open("book/chapter_times.csv"))}; \
+	print(*sorted(glob.glob("notebooks/*.ipynb"), key=lambda p: -t.get(p, 1e9)))')
 nbval: $(DEV_STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(NBVAL_FLAGS) -n 2 --dist loadfile notebooks
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(NBVAL_FLAGS) -n 2 --dist loadfile $(NBVAL_ORDER)
 
 # Each chapter's run time, measured as `make nbval` runs it (two notebooks at a time, one thread
 # each), into book/chapter_times.csv; then every chapter's header is regenerated from it
@@ -120,8 +125,16 @@ chapter-times: $(DEV_STAMP)
 nbval-portable: $(DEV_STAMP)
 	env -u PYTHONPATH $(PORTABLE_ENV) $(BIN)/python .ci/standalone.py
 
+# A worker per core, one thread each, worksteal: a child that measures a question's time or
+# memory runs beside one other worker, never beside an oversubscribed thread pool.
 grading: $(DEV_STAMP)
-	$(BIN)/python -m pytest -n auto tests/test_grading.py tests/test_grading_draws.py  # a worker per core
+	$(PARALLEL_PYTEST) tests/test_grading.py
+
+# Every solution against 500 random cases of each of its questions (tests/test_grading_draws.py:
+# a random case must never fail the official solution). About 100 s on 2 cores, so CI (.ci/run)
+# runs it after `make test` rather than inside its 15 minutes, as it runs the spot checks.
+solution-draws: $(DEV_STAMP)
+	$(PARALLEL_PYTEST) tests/test_grading_draws.py
 
 # On a machine with a CUDA GPU: the GPU tests (tests/test_gpu.py: generate, the engine and the
 # quantized kernel against the CPU; tests/test_kernels.py: the compiled kernel in bf16 at large

@@ -1921,10 +1921,10 @@ def test_a_mistaken_answer_is_named_on_random_cases(chapter, question, source, h
                          ids=lambda q: f"{q[0]}-{q[1]}")  # fmt: skip
 def test_the_official_solution_still_passes(question):
     """3 runs with the fixed cases: the solution passes, so no mistake is ever named for it. Its
-    random cases alone are tests/test_grading_draws.py's (`make grading`): the same call
-    (`run_question(..., draws_only=True)` on the solution's namespace, in the test's process) for
-    seeds 0-499 of every question, these questions' included, so they are not drawn again here
-    (they were seeds 0-199, about 40 s of CPU)."""
+    random cases alone are tests/test_grading_draws.py's (`make solution-draws`, run by CI): the
+    same call (`run_question(..., draws_only=True)` on the solution's namespace, in the test's
+    process) for seeds 0-499 of every question, these questions' included, so they are not drawn
+    again here (they were seeds 0-199, about 40 s of CPU)."""
     chapter, question_id = question
     _skip_without_triton(chapter)
     for seed in range(3):

@@ -29,15 +29,27 @@ TEXTS = [
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
-@pytest.fixture(scope="module")
-def oracle():
+def _oracle_gguf():
+    """transformers, and the folder and file name of SmolLM2's GGUF for its loaders."""
     transformers = pytest.importorskip("transformers")
-    directory, name = os.path.split(smollm2_gguf_path())
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+    return transformers, *os.path.split(smollm2_gguf_path())
+
+
+@pytest.fixture(scope="module")
+def oracle_tokenizer():
+    """transformers' tokenizer read from the GGUF (a second or two)."""
+    transformers, directory, name = _oracle_gguf()
+    return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+@pytest.fixture(scope="module")
+def oracle_model():
+    """transformers' model dequantized from the GGUF (tens of seconds: only the test that
+    compares logits asks for it, so the tokenizer tests do not wait for it)."""
+    transformers, directory, name = _oracle_gguf()
+    return transformers.AutoModelForCausalLM.from_pretrained(
         directory, gguf_file=name, dtype=torch.float32
     ).eval()
-    return model, tokenizer
 
 
 def oracle_chat_ids(tokenizer):
@@ -56,29 +68,29 @@ def test_config_from_the_gguf_metadata(smollm2):
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_token_ids_match_transformers(smollm2, oracle, text):
+def test_token_ids_match_transformers(smollm2, oracle_tokenizer, text):
     _, tokenizer = smollm2
-    expected = oracle[1].encode(text, add_special_tokens=False)
+    expected = oracle_tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.encode(text) == expected
-    assert tokenizer.decode(expected) == oracle[1].decode(expected)
+    assert tokenizer.decode(expected) == oracle_tokenizer.decode(expected)
 
 
-def test_chat_template_matches_transformers(smollm2, oracle):
+def test_chat_template_matches_transformers(smollm2, oracle_tokenizer):
     _, tokenizer = smollm2
-    assert tokenizer.apply_chat_template(CHAT) == oracle_chat_ids(oracle[1])
+    assert tokenizer.apply_chat_template(CHAT) == oracle_chat_ids(oracle_tokenizer)
 
 
-def test_logits_and_greedy_tokens_match_transformers(smollm2, oracle):
+def test_logits_and_greedy_tokens_match_transformers(smollm2, oracle_model):
     model, tokenizer = smollm2
     prompt = torch.tensor([tokenizer.apply_chat_template(CHAT)])
     text = torch.tensor([tokenizer.encode(" ".join(TEXTS) * 4)])
     with torch.no_grad():
         for ids in (prompt, text):
-            ours, theirs = model(ids), oracle[0](ids).logits
+            ours, theirs = model(ids), oracle_model(ids).logits
             # fp32 both ways, different operation order: measured max |diff| 6.6e-5 on logits of
             # magnitude up to 38
             assert_close(ours, theirs, name="logits vs transformers", rtol=0, atol=5e-4)
-        expected = oracle[0].generate(prompt, max_new_tokens=24, do_sample=False)
+        expected = oracle_model.generate(prompt, max_new_tokens=24, do_sample=False)
     ours = generate(model, prompt, 24)[0, prompt.shape[1] :].tolist()
     theirs = expected[0, prompt.shape[1] :].tolist()
     # kvlib's generate never stops early; compare the answer, up to and including its first EOS

@@ -85,10 +85,22 @@ def main(argv: list[str] | None = None) -> int:
                 "default": COURSE_MODEL_DIR,
                 "help": f"output directory (default {COURSE_MODEL_DIR})",
             },
+            "--threads": {
+                "type": int,
+                "default": 2,
+                "help": "torch threads (default 2, as the committed model was trained; the "
+                "result depends on it)",
+            },
         },
     )
     args = parser.parse_args(argv)
-    train(curriculum=scaled_curriculum(args.scale), lr=args.lr, seed=args.seed, out_dir=args.out)
+    train(
+        curriculum=scaled_curriculum(args.scale),
+        lr=args.lr,
+        seed=args.seed,
+        out_dir=args.out,
+        threads=args.threads,
+    )
     print(f"saved to {args.out}")
     return 0
 
