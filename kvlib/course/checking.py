@@ -1,16 +1,12 @@
 """The exercise notebook's side of grading: `check("question_id", function)` and `show(function,
 ...)`.
 
-check() starts a grader subprocess (one per notebook kernel, with `python -I`: no PYTHONPATH, no
-user site-packages) that holds the test, the expected values and the verdict and runs the
-question with the grader's own `run_question`; this process serves its requests
-(`kvlib.course.sandbox`), so the learner's function runs here, with the same kvlib functions
-unavailable. A ✅ here is a pass in the grader, with the grader's limits: past `timeout_s` an alarm
-raises `CheckTimeout` (a BaseException) in the main thread, again every half second while the
-function catches it (without an alarm, on Windows or outside the main thread, the grader still
-times it out); in Jupyter, a function whose defining cell ran longer than the grader gives a cell
-fails, as the grader skips that cell. Each check() draws its own random cases (`seed=N` replays
-them).
+check() starts a grader subprocess (one per notebook kernel, `python -I`: no PYTHONPATH, no user
+site-packages) that runs the question with the grader's own `run_question`; this process serves
+its requests (`kvlib.course.sandbox`), so the learner's function runs here, under the grader's
+rules and limits: past `timeout_s` an alarm raises `CheckTimeout` (`_deadline`); in Jupyter, a
+function whose defining cell ran longer than the grader gives a cell fails, as the grader skips
+that cell. Each check() draws its own random cases.
 """
 
 from __future__ import annotations
@@ -326,14 +322,10 @@ def _short(value) -> str:
     return repr(value)
 
 
-def _guard_from_now_on() -> None:
-    """Guard kvlib and install the audit hook as soon as a notebook imports check(): a process
-    it forks later (a pool made while it runs) then obeys the same rules while a check() runs."""
-    if os.environ.get(ENV_GRADING) != "1" and not os.environ.get("KVLIB_CHECK_PEER"):
-        from kvlib.course.guards import install_guards
-
-        install_guards((), "")
-
-
 _watch_cells()
-_guard_from_now_on()
+# kvlib guarded from the notebook's import of check() on: a process it forks later (a pool made
+# while it runs) then obeys the same rules while a check() runs
+if os.environ.get(ENV_GRADING) != "1" and not os.environ.get("KVLIB_CHECK_PEER"):
+    from kvlib.course.guards import install_guards
+
+    install_guards((), "")

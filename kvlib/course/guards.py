@@ -1,20 +1,15 @@
-"""Default-deny while a graded call runs (`call_learner`, or a thread it started): kvlib is
-unavailable to the learner's code, except the helpers its question allows, and no process may be
-created.
+"""Default-deny while a graded call runs (`call_learner`, or a thread it started), in the
+learner's own process (a best effort; what the OS enforces is in book/grader_guarantees.md).
 
 **kvlib.** Every function of every imported kvlib module (and of each imported later: an import
 hook) is recompiled from its source with a first statement that calls the guard: called by
 anything but kvlib library code, a function of kvlib's library or of the check modules raises
-GradingError unless the question allows it (`@question(allowed=...)`). A copy of kvlib's code is
-not matched: an instructor judges copying.
+GradingError unless the question allows it (`@question(allowed=...)`).
 
-**Processes.** An audit hook refuses to create processes, to signal another process, and
-`ctypes` (but loading a library in site-packages, as torch does on import): in the grader's child
-always (`forbid_processes`), elsewhere while a graded call runs, in its process and in any
-process forked from it earlier (a pool made while a notebook ran). Threads are allowed.
-
-All of this runs in the learner's own process, which can rewrite it: a best effort. Where the OS
-enforces more (a mount namespace, seccomp) is in book/grader_guarantees.md.
+**Processes.** An audit hook refuses processes, signals to another process and `ctypes` (but
+loading a library in site-packages, as torch does): in the grader's child always
+(`forbid_processes`), elsewhere while a graded call runs, here and in a process forked from here
+earlier (a pool made while a notebook ran). Threads are allowed.
 """
 
 from __future__ import annotations
@@ -152,17 +147,11 @@ class _Prologues(ast.NodeVisitor):
     visit_AsyncFunctionDef = visit_FunctionDef
 
 
-def _bind(code: types.CodeType) -> types.CodeType:
-    """`code` with the placeholder constant replaced by the guard, nested code included."""
-    consts = tuple(
-        _guard
-        if isinstance(c, str) and c == _PLACEHOLDER
-        else _bind(c)
-        if isinstance(c, types.CodeType)
-        else c
-        for c in code.co_consts
-    )
-    return code.replace(co_consts=consts)
+def _bind(const):
+    """A code object's constant with the placeholder replaced by the guard, nested code included."""
+    if isinstance(const, types.CodeType):
+        return const.replace(co_consts=tuple(map(_bind, const.co_consts)))
+    return _guard if isinstance(const, str) and const == _PLACEHOLDER else const
 
 
 def _walk(code: types.CodeType):
@@ -219,7 +208,8 @@ def install_guards(allowed: tuple[str, ...], question_id: str) -> None:
     import gc
 
     _state.update(question=question_id, allowed=tuple(allowed), installed=True)
-    _install_import_hook()
+    if not any(isinstance(f, _GuardingFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _GuardingFinder())
     _install_audit_hook()
     for obj in gc.get_objects():
         if type(obj) is types.FunctionType:
@@ -259,11 +249,6 @@ class _GuardingFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _install_import_hook() -> None:
-    if not any(isinstance(f, _GuardingFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _GuardingFinder())
-
-
 # --- the audit hook: a guarded function's code, processes ----------------------------------------
 
 _REFUSED = frozenset(
@@ -301,11 +286,8 @@ def _refused(event: str, args: tuple) -> bool:
         return not (event == "os.kill" and args and args[0] == os.getpid())
     if event == "ctypes.dlopen":
         path = args[0] if args else None
-        return not (
-            isinstance(path, str)
-            and os.path.isabs(path)
-            and os.path.realpath(path).startswith(_site_packages())
-        )
+        absolute = isinstance(path, str) and os.path.isabs(path)
+        return not (absolute and os.path.realpath(path).startswith(_site_packages()))
     return True
 
 

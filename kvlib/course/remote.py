@@ -115,14 +115,11 @@ class Remote:
                         "process held when the call started"
                     )
                 measured = {"peak_bytes": max(0, peak - sent), "measured_by": "grader"}
-        try:
+        info = {}
+        with contextlib.suppress(ValueError, TypeError, RecursionError):
             info = decode(reply[3]) if len(reply) > 3 else {}
-        except (ValueError, TypeError, RecursionError):
-            info = {}
-        if not isinstance(info, dict):
-            info = {}
-        for key in ("peak_bytes", "measured_by"):  # the grader's alone
-            info.pop(key, None)
+        mine = ("peak_bytes", "measured_by")  # the grader's alone
+        info = {k: v for k, v in info.items() if k not in mine} if type(info) is dict else {}
         info.update(measured)
         if "peak_bytes" not in info and options.get("measure_memory") == "self":
             torch_peak, python_peak = info.get("torch_peak_bytes"), info.get("python_peak_bytes")
@@ -220,11 +217,8 @@ def _aliases(result, args_after: list, info: dict) -> list[int]:
         if depth > 4 or isinstance(value, (int, float, complex, str, bytes, bool, type(None))):
             return
         inside.add(id(value))
-        if type(value) in (list, tuple):
-            for item in value[:1000]:
-                walk(item, depth + 1)
-        elif type(value) is dict:
-            for item in list(value.values())[:1000]:
+        if type(value) in (list, tuple, dict):
+            for item in (list(value.values()) if type(value) is dict else value)[:1000]:
                 walk(item, depth + 1)
 
     walk(result)
@@ -234,8 +228,7 @@ def _aliases(result, args_after: list, info: dict) -> list[int]:
     for index, arg in enumerate(args_after):
         arg_spans = args_spans[index] if index < len(args_spans) else []
         overlap = any(a0 < b1 and b0 < a1 for a0, a1 in result_spans for b0, b1 in arg_spans)
-        same = id(arg) in inside and not isinstance(arg, (int, float, str, bool, type(None)))
-        if overlap or same:
+        if overlap or id(arg) in inside:  # the same object (never a number: walk skips them)
             hits.append(index)
     return hits
 
@@ -278,16 +271,12 @@ def expect_tensor(got, expected, name: str) -> None:
 def peak_allocation(info: dict) -> tuple[int, str]:
     """The peak bytes a learner's call held (`_options={"measure_memory": True}`), and a phrase
     for a hint saying what measured it, in MiB."""
-    peak = info["peak_bytes"]
+    peak, mib = info["peak_bytes"], 2**20
     if info.get("measured_by") == "grader":
-        return (
-            peak,
-            f"{peak / 2**20:.1f} MiB (your process's peak memory, measured from outside it)",
-        )
+        return peak, f"{peak / mib:.1f} MiB (your process's peak memory, measured from outside it)"
     return peak, (
-        f"{peak / 2**20:.1f} MiB (PyTorch's CPU allocator "
-        f"{info['torch_peak_bytes'] / 2**20:.1f} MiB + numpy/Python "
-        f"{info['python_peak_bytes'] / 2**20:.1f} MiB, traced in your process)"
+        f"{peak / mib:.1f} MiB (PyTorch's CPU allocator {info['torch_peak_bytes'] / mib:.1f} MiB + "
+        f"numpy/Python {info['python_peak_bytes'] / mib:.1f} MiB, traced in your process)"
     )
 
 

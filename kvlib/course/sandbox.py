@@ -1,23 +1,18 @@
 """The learner's side of grading: the process that holds the learner's code answers the grader's
-requests (`handle_request`, `serve`) with values sent by value (`kvlib.course.wire`); the tests,
-the expected values and the verdict stay in the grader's process. Two processes serve:
+requests (`handle_request`, `serve`) with values sent by value (`kvlib.course.wire`). Two
+processes serve: the grader's child (`python -m kvlib.course.sandbox RFD WFD`, `child_main`),
+which confines itself, then executes the notebook's code cells one by one, reporting each; and
+the notebook itself, while `check()` waits for the grader subprocess it started.
 
-- the grader's child (`python -m kvlib.course.sandbox RFD WFD`, `child_main`), which confines
-  itself (`kvlib.course.confine`, `kvlib.course.isolation`, `kvlib.course.guards`), then executes
-  the notebook's code cells one by one, reporting each as it finishes (a cell that ends the
-  process or hangs costs only itself: the grader restarts the child without it);
-- the notebook itself, while `check()` waits for the grader subprocess it started.
-
-A call runs as a graded call (`kvlib.course.guards`), with the torch operators it ran recorded
-where the test asks; it may ask the grader for rows of an array the grader keeps (`ParentRows`).
-The grader measures its memory from outside, over a window it opens before it sends the call and
-closes when the reply comes; only where it cannot does this process measure itself
-(`measure_memory == "self"`).
+A call runs as a graded call (`kvlib.course.guards`), its torch operators recorded where the test
+asks; only where the grader cannot measure its memory from outside does this process measure
+itself (`measure_memory == "self"`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import linecache
 import os
 import sys
@@ -40,16 +35,9 @@ class CheckTimeout(BaseException):
 def _torch_peak_bytes(events) -> int:
     """Peak of PyTorch's CPU allocations over a profiled call: every event's own allocations and
     frees, in time order."""
-    changes = sorted(
-        (e.time_range.start, e.self_cpu_memory_usage)
-        for e in events
-        if getattr(e, "self_cpu_memory_usage", 0)
-    )
-    peak = current = 0
-    for _, delta in changes:
-        current += delta
-        peak = max(peak, current)
-    return peak
+    usage = [e for e in events if getattr(e, "self_cpu_memory_usage", 0)]
+    changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in usage)
+    return max([0, *itertools.accumulate(delta for _, delta in changes)])
 
 
 def _silence_stderr(stack: contextlib.ExitStack) -> None:
@@ -194,7 +182,7 @@ def handle_request(request, namespace: dict, ask=None):
         _, name, args, kwargs, options = request
         for value in [*args, *kwargs.values()]:
             if isinstance(value, ParentRows):
-                value.connect(ask)
+                value._ask = ask
         outcome, info = _run_call(namespace.get(name), args, kwargs, options)
         memo: dict = {}  # the result first, then the arguments: the grader decodes them so
         try:
@@ -206,14 +194,8 @@ def handle_request(request, namespace: dict, ask=None):
         except CheckTimeout:
             raise
         except BaseException as exc:  # noqa: BLE001
-            return (
-                "raised",
-                type(exc).__name__,
-                f"its result could not be read: {safe_text(exc, str)}",
-                encode(info),
-                _mro(exc),
-                None,
-            )
+            message = f"its result could not be read: {safe_text(exc, str)}"
+            return ("raised", type(exc).__name__, message, encode(info), _mro(exc), None)
         return ("returned", encoded, args_after, encode(info))
     return ("error", f"unknown request {kind!r}")
 
@@ -305,12 +287,8 @@ def _confine(read_paths, package: dict | None) -> str:
 
 
 def child_main(read_fd: int, write_fd: int) -> None:
-    """The grader's child: silence stdout/stderr at the descriptor level, confine itself, then
-    load the notebook and serve."""
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
+    """The grader's child (its standard streams /dev/null, as the grader starts it): confine
+    itself, then load the notebook and serve."""
     channel = Channel(read_fd, write_fd, trusted=True)
     os.environ["KVLIB_GRADING"] = "1"
     # ("confine", what it must read, the notebook's folder, the kvlib it may see or None)

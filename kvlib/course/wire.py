@@ -2,12 +2,10 @@
 (`Channel`), values sent by value (`encode`/`decode`), where their memory lies (`extents`), and
 arrays the grader keeps and serves a slice at a time (`ParentRows`).
 
-The grader sends pickled requests (inputs are data it made itself); the learner's side answers with
-*encoded* values: tensors, arrays, numbers, strings and containers as nested tuples of plain data,
-rebuilt by the grader without running any code from the learner's side (its unpickler refuses
-every global). An object of another type comes back as an `Opaque` (type name, repr, attributes).
-It does not decide what is sent or judge it: `kvlib.course.sandbox` serves requests, and
-`kvlib.course.grading` holds the tests.
+The grader sends pickled requests (inputs it made itself); the learner's side answers with
+*encoded* values: nested tuples of plain data that the grader rebuilds without running any code of
+the learner's side (its unpickler refuses every global); an object of another type comes back as
+an `Opaque` (type name, repr, attributes).
 """
 
 from __future__ import annotations
@@ -179,6 +177,9 @@ def _tensor(array):
 
 # --- values by value ------------------------------------------------------------------------------
 
+_PLAIN = frozenset({int, float, bool, complex, str, bytes, type(None)})
+_CONTAINERS = {list: "L", tuple: "U", set: "E", frozenset: "F"}
+
 
 def encode(value, memo: dict | None = None, depth: int = 0):
     """`value` as nested tuples of plain data (see the module docstring); objects seen twice
@@ -188,9 +189,8 @@ def encode(value, memo: dict | None = None, depth: int = 0):
     memo = {} if memo is None else memo
     if depth > 60:
         return ("X", "a structure nested more than 60 levels deep")
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        if type(value) in (bool, int, float, complex, str, bytes, type(None)):
-            return ("P", value)
+    if type(value) in _PLAIN:
+        return ("P", value)
     key = id(value)
     if key in memo:
         return ("R", memo[key][0])
@@ -202,9 +202,7 @@ def encode(value, memo: dict | None = None, depth: int = 0):
         if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
             return ("O", type(value).__name__, "a torch.Tensor subclass", ())
         t = value.detach()
-        if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
-            t = t.to_dense() if t.layout != torch.strided else t
-            t = t.cpu()
+        t = (t if t.layout == torch.strided else t.to_dense()).cpu()
         flat = t.contiguous().reshape(-1)
         raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
         return ("T", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
@@ -214,20 +212,11 @@ def encode(value, memo: dict | None = None, depth: int = 0):
         return ("A", value.dtype.str, value.shape, np.ascontiguousarray(value).tobytes())
     if isinstance(value, np.generic):
         return ("S", value.dtype.str, value.tobytes())
-    if type(value) is list:
-        return ("L", tuple(encode(v, memo, depth + 1) for v in value))
-    if type(value) is tuple:
-        return ("U", tuple(encode(v, memo, depth + 1) for v in value))
+    if type(value) in _CONTAINERS:
+        return (_CONTAINERS[type(value)], tuple(encode(v, memo, depth + 1) for v in value))
     if type(value) is dict:
-        return (
-            "D",
-            tuple(
-                (encode(k, memo, depth + 1), encode(v, memo, depth + 1)) for k, v in value.items()
-            ),
-        )
-    if type(value) in (set, frozenset):
-        kind = "E" if type(value) is set else "F"
-        return (kind, tuple(encode(v, memo, depth + 1) for v in value))
+        items = ((encode(k, memo, depth + 1), encode(v, memo, depth + 1)) for k, v in value.items())
+        return ("D", tuple(items))
     attrs = ()
     with contextlib.suppress(Exception):
         fields = getattr(value, "__dict__", None)
@@ -284,11 +273,10 @@ def decode(node, refs: list | None = None):
         torch_dtype = getattr(torch, dtype)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype}")
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else None
-        if flat is None:
-            value = torch.empty(shape, dtype=torch_dtype)
-        else:
-            value = flat.view(torch_dtype).reshape(shape).clone()
+        value = torch.empty(shape, dtype=torch_dtype)
+        if raw:
+            value = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch_dtype)
+            value = value.reshape(shape).clone()
     elif kind == "A":
         _, dtype, shape, raw = node
         value = np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
@@ -326,14 +314,11 @@ def decode(node, refs: list | None = None):
 
 # --- where values lie in memory -------------------------------------------------------------------
 
-_ARRAY_INTERFACE = None  # numpy's own descriptor, taken before any learner code runs
-
 
 def _span(value) -> tuple[int, int] | None:
     """(first byte, last byte + 1) of the memory under a tensor (its whole storage) or an array,
     read through the C types' own accessors (a patched torch.Tensor.untyped_storage, or an
     ndarray subclass, does not change it)."""
-    global _ARRAY_INTERFACE
     import numpy as np
 
     torch = sys.modules.get("torch")
@@ -343,14 +328,10 @@ def _span(value) -> tuple[int, int] | None:
             start = torch._C.StorageBase.data_ptr(storage)
             return start, start + torch._C.StorageBase.nbytes(storage)
         if isinstance(value, np.ndarray):
-            if _ARRAY_INTERFACE is None:
-                _ARRAY_INTERFACE = np.ndarray.__dict__["__array_interface__"]
-            info = _ARRAY_INTERFACE.__get__(value)
+            info = np.ndarray.__array_interface__.__get__(value)
             start, size = info["data"][0], np.dtype(info["typestr"]).itemsize
-            shape, strides = info["shape"], info["strides"]
-            if strides is None:  # C-contiguous
-                strides = [size * int(np.prod(shape[i + 1 :])) for i in range(len(shape))]
-            if any(n == 0 for n in shape):
+            shape, strides = info["shape"], np.ndarray.strides.__get__(value)
+            if 0 in shape:
                 return start, start
             low = start + sum(min(0, (n - 1) * st) for n, st in zip(shape, strides))
             high = start + sum(max(0, (n - 1) * st) for n, st in zip(shape, strides)) + size
@@ -358,9 +339,6 @@ def _span(value) -> tuple[int, int] | None:
     except Exception:  # noqa: BLE001 - an exotic tensor (sparse, meta): no extent
         return None
     return None
-
-
-_PLAIN = frozenset({int, float, bool, complex, str, bytes, type(None)})
 
 
 def extents(value, depth: int = 0) -> list[tuple[int, int]]:
@@ -375,8 +353,7 @@ def extents(value, depth: int = 0) -> list[tuple[int, int]]:
     for count, item in enumerate(items):
         if count == 1000:
             break
-        if type(item) not in _PLAIN:
-            found += extents(item, depth + 1)
+        found += extents(item, depth + 1)
     return found
 
 
@@ -397,7 +374,7 @@ class ParentRows:
         self.shape, self.dtype = tuple(array.shape), str(array.dtype)
         self.max_rows, self.index = int(max_rows), index
         self.reads = None
-        self._ask = None
+        self._ask = None  # the learner's side, during a call: ask(message) -> the grader's reply
 
     def __getstate__(self):  # what crosses the wire: not the array
         return {**self.__dict__, "_array": None, "reads": None, "_ask": None}
@@ -411,11 +388,6 @@ class ParentRows:
 
     def __repr__(self) -> str:
         return f"<rows of a {self.shape} array, read {self.max_rows} at a time>"
-
-    def connect(self, ask) -> None:
-        """The learner's side: read rows through `ask(message)` -> the grader's reply (the channel
-        of the call now running; `None`: no call runs, and reading raises)."""
-        self._ask = ask
 
     def rows(self, start: int, stop: int):
         """The grader's side: rows start..stop-1, counted."""
