@@ -2,15 +2,9 @@
 `main`).
 
 Each question is graded against a child process (`kvlib.course.child`) that executed the
-notebook's code cells, each within `timeout_s` (a cell that errs, hangs or ends the process costs
-only itself); each question's test may then run `timeout_s`. The test, the expected values and the
-verdict stay here (`kvlib.course.grading.run_question`). A call that raises, hangs, exits or
-prints megabytes costs that question its points, never the others'; a question that leaves a
-thread running gets the next question a fresh child.
-
-The report carries the run's seed (`--seed` replays its random cases), a nonce (the environment's
-KVLIB_GRADE_NONCE, or drawn; the child never sees it) and what confined the child. Exit status: 0
-when grading ran to its end, 2 on a usage error, 3 (and no score) when the grader itself failed.
+notebook's code cells, each within `timeout_s`; each question's test may then run `timeout_s`. The
+test, the expected values and the verdict stay here (`kvlib.course.grading.run_question`). A call
+that raises, hangs, exits or prints megabytes costs that question its points, never the others'.
 """
 
 from __future__ import annotations
@@ -194,7 +188,7 @@ def grade_notebook(
         FileNotFoundError: no such notebook. ValueError: not a notebook, a chapter without
             questions, or timeout_s <= 0.
     """
-    path, cells, questions = _prepare(notebook, timeout_s)
+    folder, cells, questions, seed = _prepare(notebook, timeout_s, seed)
     if only is not None:
         unknown = sorted(set(only) - {q.id for q in questions})
         if unknown:
@@ -203,11 +197,10 @@ def grade_notebook(
                 f"{[q.id for q in questions]}"
             )
         questions = [q for q in questions if q.id in only]
-    seed = secrets.randbelow(2**32) if seed is None else int(seed)
     if nonce is None:
         nonce = os.environ.get("KVLIB_GRADE_NONCE") or secrets.token_hex(8)
     jobs = [(q, "") for q in questions]
-    results, confinement = _grade_questions(cells, jobs, timeout_s, seed, str(path.parent))
+    results, confinement = _grade_questions(cells, jobs, timeout_s, seed, folder)
     return GradeReport(
         str(notebook), results, [q.points for q in questions], seed, nonce, confinement
     )
@@ -219,20 +212,21 @@ def grade_bindings(
 ) -> list[QuestionResult]:  # fmt: skip
     """Grade question `question_id` once per function name in `names`, all defined by the
     notebook, against one child process (the grading tests grade many answers this way)."""
-    path, cells, questions = _prepare(notebook, timeout_s)
+    folder, cells, questions, seed = _prepare(notebook, timeout_s, seed)
     (q,) = [q for q in questions if q.id == question_id]
-    seed = secrets.randbelow(2**32) if seed is None else int(seed)
     jobs = [(q, name) for name in names]
-    return _grade_questions(cells, jobs, timeout_s, seed, str(path.parent))[0]
+    return _grade_questions(cells, jobs, timeout_s, seed, folder)[0]
 
 
-def _prepare(notebook, timeout_s: float) -> tuple[Path, list[str], list[Question]]:
+def _prepare(notebook, timeout_s: float, seed: int | None) -> tuple:
+    """(the notebook's folder, its code cells, its chapter's questions, the seed or one drawn)."""
     path = Path(notebook).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"notebook: no such file {notebook!s}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
-    return path, read_code_cells(path), chapter_questions(chapter_of(path))
+    seed = secrets.randbelow(2**32) if seed is None else int(seed)
+    return str(path.parent), read_code_cells(path), chapter_questions(chapter_of(path)), seed
 
 
 def main(argv: list[str] | None = None) -> int:

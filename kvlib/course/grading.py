@@ -2,16 +2,12 @@
 (`Submission`) and how one question is run (`run_question`).
 
 A chapter's questions are test functions in `kvlib/course/checks/chNN.py`, each declared with
-`@question(...)`. The learner's code never runs in the process that holds a test: a test's
-`submission.function(name)` is a `Remote`, whose calls send the inputs to the learner's process by
-value and return the outputs by value (`kvlib.course.wire`). `run_question` runs a test against
-either learner's side, so that their verdicts cannot differ: the grader's child process
-(`python -m kvlib.course.grade NOTEBOOK`: `kvlib.course.grader`, `kvlib.course.child`), or the
-notebook itself (`check("question_id", function)`: `kvlib.course.checking`).
-
-What the grader guarantees on which platform, and what needs a container, is in
-book/grader_guarantees.md. It does not grade prose, nor judge whether code was copied: an
-instructor reads the notebook. `check`, `show` and the grader's API stay importable from here.
+`@question(...)`. A test's `submission.function(name)` is a `Remote`, whose calls run in the
+learner's process, inputs and outputs sent by value (`kvlib.course.wire`). `run_question` runs a
+test against either learner's side, so that their verdicts cannot differ: the grader's child
+(`kvlib.course.grader`) or the notebook itself (`check()`: `kvlib.course.checking`). What the
+grader guarantees where: book/grader_guarantees.md. `check`, `show` and the grader's API stay
+importable from here.
 """
 
 from __future__ import annotations
