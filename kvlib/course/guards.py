@@ -110,10 +110,8 @@ def _module_name(filename: str) -> str | None:
         return None  # the course machinery (grading, notebook helpers) is not guarded
     if filename == _INTERPRETER_FILE:
         return None  # Triton's interpreter set-up, which a graded kernel's launch runs through
-    parts = list(Path(filename[len(_KVLIB_DIR) :]).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(["kvlib", *parts])
+    parts = Path(filename[len(_KVLIB_DIR) :]).with_suffix("").parts
+    return ".".join(["kvlib", *parts]).removesuffix(".__init__")
 
 
 class _Prologues(ast.NodeVisitor):
@@ -132,12 +130,8 @@ class _Prologues(ast.NodeVisitor):
         if not module_hook:  # a module's lazy attribute lookup computes nothing
             dotted = ".".join([self.module, *self.stack, node.name])
             first = node.body[0]
-            call = ast.Expr(
-                ast.Call(ast.Constant(_PLACEHOLDER), [ast.Constant(dotted)], keywords=[])
-            )
-            for part in ast.walk(call):
-                part.lineno = part.end_lineno = first.lineno
-                part.col_offset = part.end_col_offset = 0
+            call = ast.parse(f"{_PLACEHOLDER!r}({dotted!r})").body[0]
+            ast.increment_lineno(call, first.lineno - 1)  # on the line of the body's first
             docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
             node.body.insert(1 if docstring and isinstance(first.value.value, str) else 0, call)
         self.stack += [node.name, "<locals>"]
@@ -152,13 +146,6 @@ def _bind(const):
     if isinstance(const, types.CodeType):
         return const.replace(co_consts=tuple(map(_bind, const.co_consts)))
     return _guard if isinstance(const, str) and const == _PLACEHOLDER else const
-
-
-def _walk(code: types.CodeType):
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _walk(const)
 
 
 def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
@@ -179,8 +166,9 @@ def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
             guarded = _bind(compile(tree, filename, "exec", dont_inherit=True))
     except (OSError, SyntaxError, ValueError):
         return _GUARDED[filename]
-    table, library = {}, not module.startswith(_CHECKS_PREFIX)
-    for code in _walk(guarded):
+    table, library, codes = {}, not module.startswith(_CHECKS_PREFIX), [guarded]
+    for code in codes:  # the module's code and, as the loop reaches them, all nested in it
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
         if library:
             _LIBRARY[id(code)] = code
         if any(c is _guard for c in code.co_consts):
