@@ -12,10 +12,12 @@ itself (`measure_memory == "self"`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import linecache
 import os
 import sys
+import threading
 import types
 
 from kvlib.course.guards import call_learner, install_guards
@@ -125,15 +127,11 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
 def _is_triton_kernel(value, interpreted: bool = False) -> bool:
     """A @triton.jit kernel: a JITFunction (unless `interpreted`), or the InterpretedFunction that
     @triton.jit makes of one under TRITON_INTERPRET=1 (wrapping a plain Python function)."""
-    jit = sys.modules.get("triton.runtime.jit")
-    interpreter = sys.modules.get("triton.runtime.interpreter")
-    if not interpreted and jit is not None and isinstance(value, jit.JITFunction):
+    jit = getattr(sys.modules.get("triton.runtime.jit"), "JITFunction", ())  # (): no Triton
+    wrapper = getattr(sys.modules.get("triton.runtime.interpreter"), "InterpretedFunction", ())
+    if not interpreted and isinstance(value, jit):
         return True
-    return (
-        interpreter is not None
-        and isinstance(value, interpreter.InterpretedFunction)
-        and isinstance(getattr(value, "fn", None), types.FunctionType)
-    )
+    return isinstance(value, wrapper) and isinstance(getattr(value, "fn", None), types.FunctionType)
 
 
 def _describe(namespace: dict, name: str, question_id: str) -> dict:
@@ -170,12 +168,8 @@ def handle_request(request, namespace: dict, ask=None):
         install_guards(tuple(allowed), question_id)
         return ("guarded",)
     if kind == "status":
-        import threading
-
         return ("status", {"threads": threading.active_count()})
     if kind == "collect":  # before a memory window: what earlier calls left behind goes now
-        import gc
-
         gc.collect()
         return ("collected",)
     if kind == "call":
