@@ -60,15 +60,10 @@ class GradeReport:
         with --seed), nonce (KVLIB_GRADE_NONCE, or drawn), sandbox (what confined the learner's
         code).
         """
-        return {
-            "notebook": self.notebook,
-            "score": self.score,
-            "max_score": self.max_score,
-            "questions": [dataclasses.asdict(q) for q in self.questions],
-            "seed": self.seed,
-            "nonce": self.nonce,
-            "sandbox": self.sandbox,
-        }
+        fields = dataclasses.asdict(self)  # notebook, questions, max_points, seed, nonce, sandbox
+        del fields["max_points"]
+        totals = {"score": self.score, "max_score": self.max_score}
+        return {"notebook": self.notebook, **totals, **fields}
 
     def table(self) -> str:
         """A readable per-question table and the total."""
@@ -151,12 +146,8 @@ def read_code_cells(path: Path) -> list[str]:
         cells = notebook["cells"]
         if not isinstance(cells, list):
             raise TypeError("cells is not a list")
-        sources = []
-        for cell in cells:
-            if cell.get("cell_type") == "code":
-                source = cell.get("source", "")
-                sources.append("".join(source) if isinstance(source, list) else str(source))
-        return sources
+        sources = [cell.get("source", "") for cell in cells if cell.get("cell_type") == "code"]
+        return ["".join(source) if isinstance(source, list) else str(source) for source in sources]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
             AttributeError) as exc:  # fmt: skip
         raise ValueError(
