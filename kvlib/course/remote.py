@@ -302,8 +302,7 @@ def _same_value(a, b) -> bool:
             return False
         a = a.detach().cpu()
         if a.is_floating_point():  # NaN where it was NaN is unchanged
-            nan = a.isnan()
-            return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+            return torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
         return torch.equal(a, b)
     if isinstance(a, np.ndarray):
         return (
