@@ -105,7 +105,7 @@ class Channel:
             while view:
                 try:
                     written = os.write(self.write_fd, view)
-                except (BrokenPipeError, OSError) as exc:
+                except OSError as exc:
                     raise ChannelClosed(str(exc)) from None
                 view = view[written:]
 
@@ -165,14 +165,8 @@ class _Compact(pickle.Pickler):
             and obj.is_contiguous()
             and obj.untyped_storage().nbytes() == obj.nbytes  # owns its storage: no views of it
         ):
-            return _tensor, (obj.numpy(),)
+            return torch.from_numpy, (obj.numpy(),)  # rebuilt on the buffer, without a copy
         return NotImplemented
-
-
-def _tensor(array):
-    import torch
-
-    return torch.from_numpy(array)
 
 
 # --- values by value ------------------------------------------------------------------------------
@@ -220,12 +214,8 @@ def encode(value, memo: dict | None = None, depth: int = 0):
     attrs = ()
     with contextlib.suppress(Exception):
         fields = getattr(value, "__dict__", None)
-        if isinstance(fields, dict):
-            attrs = tuple(
-                (str(k), encode(v, memo, depth + 1))
-                for k, v in list(fields.items())[:50]
-                if isinstance(k, str)
-            )
+        fields = list(fields.items())[:50] if isinstance(fields, dict) else []
+        attrs = tuple((str(k), encode(v, memo, depth + 1)) for k, v in fields if isinstance(k, str))
     return ("O", type(value).__name__, safe_text(value)[:200], attrs)
 
 
