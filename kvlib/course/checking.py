@@ -28,7 +28,6 @@ from kvlib.course.grading import (
     ENV_GRADING,
     MESSAGE_CHARS,
     ProcessEnded,
-    Question,
     QuestionTimeout,
     chapter_questions,
     run_question,
@@ -254,10 +253,16 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
         _, question_id, limit, seed = request
         if isinstance(limit, float) and limit > 0:
             timeout_s = limit + 5.0  # the notebook's own deadline comes first
-        try:
-            q = _find_question(str(question_id))
-        except ValueError as exc:
-            channel.tell(("verdict", None, str(exc), 0))
+        question_id = str(question_id)
+        files = sorted(Path(__file__).with_name("checks").glob("ch[0-9]*.py"))
+        # import only the chapter that defines it (each chapter's imports cost seconds)
+        owners = [p for p in files if f"def test_{question_id}(" in p.read_text(encoding="utf-8")]
+        for path in owners or files:
+            chapter_questions(path.stem.removeprefix("ch"))
+        q = _QUESTIONS.get(question_id)
+        if q is None:
+            message = f"question_id: unknown question {question_id!r}; known: {sorted(_QUESTIONS)}"
+            channel.tell(("verdict", None, message, 0))
             continue
         side = _PeerSide(channel, timeout_s)
         try:
@@ -267,19 +272,6 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
                 channel.tell(("verdict", False, str(exc), q.points))
             return
         channel.tell(("verdict", passed, message, q.points))
-
-
-def _find_question(question_id: str) -> Question:
-    files = sorted(Path(__file__).with_name("checks").glob("ch[0-9]*.py"))
-    # import only the chapter that defines it (each chapter's imports cost seconds)
-    owners = [p for p in files if f"def test_{question_id}(" in p.read_text(encoding="utf-8")]
-    for path in owners or files:
-        chapter_questions(path.stem.removeprefix("ch"))
-    if question_id not in _QUESTIONS:
-        raise ValueError(
-            f"question_id: unknown question {question_id!r}; known: {sorted(_QUESTIONS)}"
-        )
-    return _QUESTIONS[question_id]
 
 
 def show(function: Callable, *args, **kwargs) -> None:

@@ -75,20 +75,13 @@ class GradeReport:
         ]
         for q, max_points in zip(self.questions, self.max_points):
             verdict = "pass" if q.passed else "FAIL"
-            lines.append(
-                f"{q.id:<{width}}  {verdict:<6}  {q.points:>2}/{max_points:<3}  "
-                f"{_printable(q.message)}"
-            )
+            # learner text on one line, control characters escaped: it cannot add a row or a score
+            message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(q.message))
+            lines.append(f"{q.id:<{width}}  {verdict:<6}  {q.points:>2}/{max_points:<3}  {message}")
         lines.append(f"score: {self.score}/{self.max_score}")
         if self.sandbox:
             lines.append(f"({self.sandbox})")
         return "\n".join(lines)
-
-
-def _printable(text: str) -> str:
-    """Learner text on one line of the table: control characters (newlines, escapes) as `\\n`,
-    `\\x1b`, so that a message cannot add a row or a score."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def _grade_questions(cells: list[str], jobs: list[tuple[Question, str]], timeout_s: float,

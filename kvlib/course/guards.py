@@ -178,17 +178,6 @@ def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
     return _GUARDED[filename]
 
 
-def _guard_function(fn: types.FunctionType) -> None:
-    """Give kvlib's function `fn` its guarded code (found by file, name and first line)."""
-    code = fn.__code__
-    if id(code) in _GUARDED_IDS or _module_name(code.co_filename) is None:
-        return  # guarded already, or not kvlib's library or check code
-    guarded = _guarded_codes(code.co_filename)[1].get((code.co_qualname, code.co_firstlineno))
-    if guarded is not None and guarded.co_freevars == code.co_freevars:
-        _ORIGINAL.setdefault(id(fn), (fn, code))
-        fn.__code__ = guarded
-
-
 def install_guards(allowed: tuple[str, ...], question_id: str) -> None:
     """Guard every kvlib function in this process; while question `question_id` is graded, the
     learner's code may call the kvlib functions `allowed` (dotted names; a class allows its
@@ -199,9 +188,14 @@ def install_guards(allowed: tuple[str, ...], question_id: str) -> None:
     if not any(isinstance(f, _GuardingFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _GuardingFinder())
     _install_audit_hook()
-    for obj in gc.get_objects():
-        if type(obj) is types.FunctionType:
-            _guard_function(obj)
+    for fn in gc.get_objects():  # kvlib's library and check functions get their guarded code
+        code = fn.__code__ if type(fn) is types.FunctionType else None
+        if code is None or id(code) in _GUARDED_IDS or _module_name(code.co_filename) is None:
+            continue  # not a function, guarded already, or not kvlib's
+        guarded = _guarded_codes(code.co_filename)[1].get((code.co_qualname, code.co_firstlineno))
+        if guarded is not None and guarded.co_freevars == code.co_freevars:
+            _ORIGINAL.setdefault(id(fn), (fn, code))
+            fn.__code__ = guarded
 
 
 def remove_guards() -> None:
