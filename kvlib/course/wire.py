@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import pickle
 import select
@@ -331,20 +332,20 @@ def _span(value) -> tuple[int, int] | None:
     return None
 
 
-def extents(value, depth: int = 0) -> list[tuple[int, int]]:
-    """The memory spans of the tensors and arrays in `value` (lists, tuples, dicts searched)."""
-    if depth > 4 or type(value) in _PLAIN:
-        return []
-    span = _span(value)
-    if span is not None:
-        return [span]
-    found: list = []
+def held(value, depth: int = 0):
+    """`value` and what it holds, first to last (list, tuple and dict items, 1,000 of each, four
+    levels down), numbers, strings and None left out."""
+    if depth > 4 or isinstance(value, (int, float, complex, str, bytes, type(None))):
+        return
+    yield value
     items = value if type(value) in (list, tuple) else value.values() if type(value) is dict else ()
-    for count, item in enumerate(items):
-        if count == 1000:
-            break
-        found += extents(item, depth + 1)
-    return found
+    for item in itertools.islice(items, 1000):
+        yield from held(item, depth + 1)
+
+
+def extents(value) -> list[tuple[int, int]]:
+    """The memory spans of the tensors and arrays in `value` (lists, tuples, dicts searched)."""
+    return [span for part in held(value) if (span := _span(part)) is not None]
 
 
 # --- arrays the grader keeps ----------------------------------------------------------------------
