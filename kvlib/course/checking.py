@@ -289,11 +289,8 @@ def show(function: Callable, *args, **kwargs) -> None:
         result = function(*args, **kwargs)
     except Exception as exc:  # the learner's code may raise anything
         text = f"{type(exc).__name__}: {exc}"
-        print(
-            f"{name}: not written yet"
-            if "NotImplementedError" in text
-            else f"{name} raised {text[:MESSAGE_CHARS]}"
-        )
+        unwritten = "NotImplementedError" in text
+        print(f"{name}: not written yet" if unwritten else f"{name} raised {text[:MESSAGE_CHARS]}")
         return
     print(f"{name} returned {_short(result)}")
 

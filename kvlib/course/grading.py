@@ -111,11 +111,10 @@ def chapter_questions(chapter: str) -> list[Question]:
 def chapter_of(notebook: str | os.PathLike) -> str:
     """The chapter number of an exercise notebook from its file name: `01_naive_vs_cached.ipynb` ->
     "01"."""
-    match = re.match(r"(\d\d)_", Path(notebook).name)
+    name = Path(notebook).name
+    match = re.match(r"(\d\d)_", name)
     if not match:
-        raise ValueError(
-            f"notebook: expected a file named NN_<chapter>.ipynb, got {Path(notebook).name!r}"
-        )
+        raise ValueError(f"notebook: expected a file named NN_<chapter>.ipynb, got {name!r}")
     return match.group(1)
 
 

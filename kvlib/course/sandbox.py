@@ -217,11 +217,10 @@ def _cell_code(source: str):
     stripped = source.lstrip()
     if stripped.startswith("%%"):
         first, _, body = stripped.partition("\n")
-        magic = first[2:].split()[0] if first[2:].split() else ""
-        if magic in ("time", "capture", "prun"):
-            source = "\n" + body  # keep line numbers
-        else:
+        magic = (first[2:].split() or [""])[0]
+        if magic not in ("time", "capture", "prun"):
             raise SyntaxError(f"the cell magic %%{magic} is not run by the grader")
+        source = "\n" + body  # keep line numbers
     lines = []
     for line in source.splitlines():
         s = line.lstrip()
@@ -255,16 +254,14 @@ def _confine(read_paths, package: dict | None) -> str:
     `kvlib.course.confine`, `kvlib.course.guards`); what took effect, for the report."""
     import ctypes  # noqa: F401 (imported now: its own import opens a library, refused later)
 
-    from kvlib.course import confine, guards
+    from kvlib.course import confine, guards, isolation
 
     user, processes = "the grader's own user", "refused by Python's audit hooks only"
     sight = "kvlib visible, guarded at the Python level only"
     if package and os.geteuid() == 0:
-        from kvlib.course.isolation import isolate
-
         keep = [os.path.realpath(p) for p in read_paths]
         try:
-            sight = isolate(package["dirs"], package["files"], package["home"], keep)
+            sight = isolation.isolate(package["dirs"], package["files"], package["home"], keep)
         except OSError as exc:
             sight = f"kvlib visible (no mount namespace: {exc})"
     if os.name == "posix" and os.geteuid() == 0:
