@@ -151,12 +151,9 @@ def _slow_defining_cell(function, timeout_s: float) -> str | None:
 
 
 def _watch_cells() -> None:
-    """In Jupyter, time each cell from now on (record_cell_time)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    shell = get_ipython()
+    """In Jupyter (IPython imported, a shell running), time each cell from now on
+    (record_cell_time)."""
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
     if shell is None or getattr(shell, "_kvlib_cells_timed", False):
         return
     shell._kvlib_cells_timed = True

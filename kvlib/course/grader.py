@@ -166,8 +166,6 @@ def grade_notebook(
         seed: the random cases' seed (default: drawn afresh); the report says which.
         nonce: carried by the report (default: KVLIB_GRADE_NONCE, or drawn); never sent to the
             child.
-    Returns:
-        A GradeReport.
     Raises:
         FileNotFoundError: no such notebook. ValueError: not a notebook, a chapter without
             questions, or timeout_s <= 0.

@@ -97,10 +97,8 @@ def chapter_questions(chapter: str) -> list[Question]:
     except ModuleNotFoundError as exc:
         if exc.name != f"kvlib.course.checks.ch{chapter}":
             raise
-        available = sorted(
-            p.stem.removeprefix("ch")
-            for p in Path(__file__).with_name("checks").glob("ch[0-9]*.py")
-        )
+        checks = Path(__file__).with_name("checks").glob("ch[0-9]*.py")
+        available = sorted(p.stem.removeprefix("ch") for p in checks)
         raise ValueError(
             f"chapter: no graded questions for chapter {chapter!r}; chapters with exercises: "
             f"{available}"
@@ -227,17 +225,11 @@ def _shorten(text: str, limit: int = MESSAGE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-_ELSEWHERE = {
-    "kvlib.course.checking": ("check", "show"),
-    "kvlib.course.grader": ("grade_notebook", "read_code_cells", "GradeReport", "QuestionResult",
-                            "main"),
-}  # fmt: skip
-
-
 def __getattr__(name: str):
     """`check`, `show` and the grader's API, importable from here as before (imported lazily: those
     modules import this one)."""
-    for module, names in _ELSEWHERE.items():
-        if name in names:
-            return getattr(importlib.import_module(module), name)
+    if name in ("check", "show"):
+        return getattr(importlib.import_module("kvlib.course.checking"), name)
+    if name in ("grade_notebook", "read_code_cells", "GradeReport", "QuestionResult", "main"):
+        return getattr(importlib.import_module("kvlib.course.grader"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -291,11 +291,8 @@ def _same_value(a, b) -> bool:
             return torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
         return torch.equal(a, b)
     if isinstance(a, np.ndarray):
-        return (
-            isinstance(b, np.ndarray)
-            and a.dtype == b.dtype
-            and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
-        )
+        same_type = isinstance(b, np.ndarray) and a.dtype == b.dtype
+        return same_type and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
     if isinstance(a, (list, tuple)):
         if type(a) is not type(b) or len(a) != len(b):
             return False
@@ -303,9 +300,8 @@ def _same_value(a, b) -> bool:
             return a == b  # the common case: a list of plain values
         return all(_same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
-        return (
-            isinstance(b, dict) and list(a) == list(b) and all(_same_value(a[k], b[k]) for k in a)
-        )
+        same_keys = isinstance(b, dict) and list(a) == list(b)
+        return same_keys and all(_same_value(a[k], b[k]) for k in a)
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True
     return type(a) is type(b) and a == b

@@ -243,9 +243,7 @@ def _load(channel: Channel, namespace: dict, cells: list[str], skip: set[int], n
             exec(compile(text, filename, "exec"), namespace)
         except BaseException as exc:  # noqa: BLE001 - learner code may raise SystemExit too
             error = f"cell {index}: {type(exc).__name__}: {safe_text(exc, str)}"[:MESSAGE_CHARS]
-        for name in names:
-            if namespace.get(name) is not before[name]:
-                defined[name] = index
+        defined.update({name: index for name in names if namespace.get(name) is not before[name]})
         channel.answer(("cell", index, error))
 
 
@@ -288,14 +286,11 @@ def child_main(read_fd: int, write_fd: int) -> None:
     if folder:
         os.chdir(folder)  # as Jupyter runs a notebook (imports still come from where they were)
     namespace: dict = {"__name__": "__main__"}
-    request = channel.next_request()
-    if request[0] == "guard":  # guards first: whatever the notebook imports is guarded already
-        channel.answer(handle_request(request, namespace))
-        request = channel.next_request()
-    if request[0] == "load":
-        _, cells, skip, names = request
-        _load(channel, namespace, cells, set(skip), names)
-        channel.answer(("loaded",))
+    # ("guard", ...) first: whatever the notebook imports is guarded already; then ("load", ...)
+    channel.answer(handle_request(channel.next_request(), namespace))
+    _, cells, skip, names = channel.next_request()
+    _load(channel, namespace, cells, set(skip), names)
+    channel.answer(("loaded",))
     serve(channel, namespace)
     os._exit(0)
 

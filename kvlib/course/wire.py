@@ -241,6 +241,7 @@ class Opaque:
 
 
 _OPAQUE_TYPES: dict[str, type] = {}
+_BUILT = {"U": tuple, "E": set, "F": frozenset}
 
 
 def decode(node, refs: list | None = None):
@@ -277,16 +278,13 @@ def decode(node, refs: list | None = None):
         value = []
         refs[slot] = value
         value.extend(decode(v, refs) for v in node[1])
-    elif kind == "U":
-        value = tuple(decode(v, refs) for v in node[1])
+    elif kind in _BUILT:  # tuples, sets, frozensets: made once their items are
+        value = _BUILT[kind](decode(v, refs) for v in node[1])
     elif kind == "D":
         value = {}
         refs[slot] = value
         for k, v in node[1]:
             value[decode(k, refs)] = decode(v, refs)
-    elif kind in ("E", "F"):
-        items = [decode(v, refs) for v in node[1]]
-        value = set(items) if kind == "E" else frozenset(items)
     elif kind == "O":
         _, type_name, text, attrs = node
         cls = _OPAQUE_TYPES.setdefault(type_name, type(str(type_name), (Opaque,), {}))
@@ -363,16 +361,13 @@ class ParentRows:
     def __init__(self, array, max_rows: int, index: int = 0):
         self._array = array
         self.shape, self.dtype = tuple(array.shape), str(array.dtype)
+        self.ndim = len(self.shape)
         self.max_rows, self.index = int(max_rows), index
         self.reads = None
         self._ask = None  # the learner's side, during a call: ask(message) -> the grader's reply
 
     def __getstate__(self):  # what crosses the wire: not the array
         return {**self.__dict__, "_array": None, "reads": None, "_ask": None}
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
 
     def __len__(self) -> int:
         return self.shape[0]
