@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from kvlib.course.grader import child_env
 from kvlib.course.grading import (
     _QUESTIONS,
@@ -32,6 +34,9 @@ from kvlib.course.grading import (
     chapter_questions,
     run_question,
 )
+from kvlib.course.memory_window import PeakMemory
+from kvlib.course.sandbox import CheckTimeout, serve
+from kvlib.course.wire import Channel, ChannelClosed, ChannelTimeout, Unsolicited
 
 # question id -> the function the notebook's check() cell passed, while the grader runs it
 CHECKED_WHILE_GRADING: dict[str, object] = {}
@@ -79,9 +84,6 @@ def check(
     if os.environ.get(ENV_GRADING) == "1":
         CHECKED_WHILE_GRADING[question_id] = function
         return
-    from kvlib.course.sandbox import CheckTimeout, serve
-    from kvlib.course.wire import Channel, ChannelClosed
-
     slow = _slow_defining_cell(function, timeout_s)
     if slow is not None:
         print(f"❌ {question_id}: {slow}")
@@ -211,16 +213,12 @@ class _PeerSide:
     """The learner's side as seen by check()'s grader subprocess: the notebook process."""
 
     def __init__(self, channel, timeout_s: float):
-        from kvlib.course.memory_window import PeakMemory
-
         self.channel, self.timeout_s = channel, timeout_s
         self.deadline = time.monotonic() + timeout_s
         memory = PeakMemory(os.getppid())  # the notebook's process, which can reset it
         self.memory = memory if memory.available else None
 
     def request(self, message, *, compact: bool = False):
-        from kvlib.course.wire import ChannelClosed, ChannelTimeout, Unsolicited
-
         try:
             wait = max(0.0, self.deadline - time.monotonic())
             return self.channel.request(message, wait, compact=compact)
@@ -236,8 +234,6 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
     """check()'s grader subprocess: for each question the notebook asks for, run its test against
     the notebook and send the verdict; ends when the notebook goes, or after a timeout (the
     notebook's side is then out of step)."""
-    from kvlib.course.wire import Channel, ChannelClosed
-
     channel = Channel(read_fd, write_fd, trusted=False)
     while True:
         try:
@@ -294,8 +290,6 @@ def show(function: Callable, *args, **kwargs) -> None:
 
 def _short(value) -> str:
     """A compact, deterministic rendering of arrays, tensors, tuples and lists."""
-    import numpy as np
-
     if isinstance(value, (tuple, list)):
         inner = ", ".join(_short(v) for v in value)
         return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"

@@ -9,12 +9,14 @@ that raises, hangs, exits or prints megabytes costs that question its points, ne
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import secrets
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from kvlib.course.child import _ChildSide, child_env  # noqa: F401 (check() imports child_env)
@@ -214,8 +216,6 @@ def _prepare(notebook, timeout_s: float, seed: int | None) -> tuple:
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvlib.course.grade NOTEBOOK [--json] [--timeout S] [--seed N]`: exit 0 when
     grading ran to its end, 2 on a usage error, 3 (and no score) when the grader failed."""
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="python -m kvlib.course.grade",
         description="Grade a course exercise notebook. Read the exit status (0: graded) and the "
@@ -255,8 +255,6 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))  # exits with status 2
     except Exception:  # noqa: BLE001 - the grader failed: no score, a non-zero status
-        import traceback
-
         traceback.print_exc()
         print("grading failed: no score", file=sys.stderr)
         return 3

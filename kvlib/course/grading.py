@@ -20,6 +20,8 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from kvlib.course.guards import GradingError  # noqa: F401 (raised in the learner's process)
 from kvlib.course.remote import (  # noqa: F401 (the checks import them from here)
     Call,
@@ -169,12 +171,9 @@ class Submission:
 
     def rng(self, stream: int = 0):
         """A numpy Generator for this run's random cases (the seed is in a failure message)."""
-        import numpy as np
-
         return np.random.default_rng(self._key(stream))
 
     def torch_generator(self, stream: int = 0):
-        import numpy as np
         import torch
 
         seed = int(np.random.SeedSequence(self._key(stream)).generate_state(1, np.uint64)[0])

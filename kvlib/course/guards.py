@@ -17,12 +17,15 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
+import gc
 import importlib
 import importlib.abc
 import importlib.machinery
 import mmap
 import os
+import site
 import sys
+import sysconfig
 import types
 import warnings
 from pathlib import Path
@@ -182,8 +185,6 @@ def install_guards(allowed: tuple[str, ...], question_id: str) -> None:
     """Guard every kvlib function in this process; while question `question_id` is graded, the
     learner's code may call the kvlib functions `allowed` (dotted names; a class allows its
     methods) and no other."""
-    import gc
-
     _state.update(question=question_id, allowed=tuple(allowed), installed=True)
     if not any(isinstance(f, _GuardingFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _GuardingFinder())
@@ -249,9 +250,6 @@ def _rules_apply() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _site_packages() -> tuple[str, ...]:
-    import site
-    import sysconfig
-
     paths = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
     with contextlib.suppress(AttributeError):
         paths.update(site.getsitepackages())

@@ -12,7 +12,9 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
-from kvlib.course.wire import ParentRows
+import numpy as np
+
+from kvlib.course.wire import Opaque, ParentRows, decode, encode, held
 
 
 class LearnerRaised(Exception):
@@ -87,8 +89,6 @@ class Remote:
         call and closes when the reply arrives (`side.memory`: the kernel's count), less the
         call's own frame (the inputs, unpickled there); where there is none, the learner's
         process measures itself (best effort, said in the hint)."""
-        from kvlib.course.wire import decode
-
         side = self._submission.side  # the channel to the learner's process
         window = getattr(side, "memory", None) if options.get("measure_memory") else None
         if options.get("measure_memory"):
@@ -130,8 +130,6 @@ class Remote:
         return (*reply[:3], info, *reply[4:])
 
     def _finish(self, args, options, reply) -> Call:
-        from kvlib.course.wire import decode
-
         if reply[0] == "raised":
             _, type_name, message, info, mro, args_after = reply
             refused = "kvlib.course.guards.GradingError" in mro  # a rule's message says it all
@@ -197,8 +195,6 @@ class Remote:
 def _rows_asked(args, ask: tuple) -> tuple:
     """The grader's answer to the learner's side asking, while a call runs, for rows of an
     argument the grader keeps (`ParentRows`): `("rows", index, start, stop)`."""
-    from kvlib.course.wire import encode
-
     if len(ask) == 4 and all(type(n) is int for n in ask[1:]):
         _, index, start, stop = ask
         rows = args[index] if 0 <= index < len(args) else None
@@ -210,8 +206,6 @@ def _rows_asked(args, ask: tuple) -> tuple:
 def _aliases(result, args_after: list, info: dict) -> list[int]:
     """Indices of the arguments that the result is, contains, or shares memory with: the same
     object on the wire (the learner's side sends an object once), or overlapping memory."""
-    from kvlib.course.wire import held
-
     inside = {id(part) for part in held(result)}
     spans = info.get("extents", {})
     result_spans, args_spans = spans.get("result", []), spans.get("args", [])
@@ -233,8 +227,6 @@ def expect_list(got, item_ok: Callable[[object], bool], should: str) -> None:
 def is_int(value) -> bool:
     """Whether `value` counts as an int answer: an int or a numpy integer, not a bool (for the
     items of a list, `expect_list(got, is_int, ...)`)."""
-    import numpy as np
-
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -273,10 +265,6 @@ def _kind(value) -> str:
 
 def _same_value(a, b) -> bool:
     """Whether `b` (an argument after the call, rebuilt here) still equals `a` (as sent)."""
-    import numpy as np
-
-    from kvlib.course.wire import Opaque
-
     torch = sys.modules.get("torch")
     tensor = (torch.Tensor,) if torch is not None else ()
     if isinstance(b, Opaque) or not isinstance(a, (list, tuple, dict, set, frozenset, int, float,

@@ -20,6 +20,8 @@ import struct
 import sys
 import time
 
+import numpy as np
+
 MAX_FRAME_BYTES = 512 * 2**20  # a reply larger than this is refused
 
 
@@ -179,8 +181,6 @@ _CONTAINERS = {list: "L", tuple: "U", set: "E", frozenset: "F"}
 def encode(value, memo: dict | None = None, depth: int = 0):
     """`value` as nested tuples of plain data (see the module docstring); objects seen twice
     become references, so identity within one reply survives."""
-    import numpy as np
-
     memo = {} if memo is None else memo
     if depth > 60:
         return ("X", "a structure nested more than 60 levels deep")
@@ -246,8 +246,6 @@ _BUILT = {"U": tuple, "E": set, "F": frozenset}
 
 def decode(node, refs: list | None = None):
     """The value `encode` described, rebuilt from plain data."""
-    import numpy as np
-
     refs = [] if refs is None else refs
     if not isinstance(node, tuple) or not node or not isinstance(node[0], str):
         raise ValueError("malformed reply")
@@ -308,8 +306,6 @@ def _span(value) -> tuple[int, int] | None:
     """(first byte, last byte + 1) of the memory under a tensor (its whole storage) or an array,
     read through the C types' own accessors (a patched torch.Tensor.untyped_storage, or an
     ndarray subclass, does not change it)."""
-    import numpy as np
-
     torch = sys.modules.get("torch")
     try:
         if torch is not None and isinstance(value, torch.Tensor):
@@ -377,8 +373,6 @@ class ParentRows:
 
     def rows(self, start: int, stop: int):
         """The grader's side: rows start..stop-1, counted."""
-        import numpy as np
-
         if self.reads is None:
             self.reads = np.zeros(self.shape[0], dtype=np.int64)
         self.reads[start:stop] += 1
