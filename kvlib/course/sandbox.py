@@ -34,14 +34,6 @@ class CheckTimeout(BaseException):
 # --- running one call -----------------------------------------------------------------------------
 
 
-def _torch_peak_bytes(events) -> int:
-    """Peak of PyTorch's CPU allocations over a profiled call: every event's own allocations and
-    frees, in time order."""
-    usage = [e for e in events if getattr(e, "self_cpu_memory_usage", 0)]
-    changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in usage)
-    return max([0, *itertools.accumulate(delta for _, delta in changes)])
-
-
 def _silence_stderr(stack: contextlib.ExitStack) -> None:
     """Send file descriptor 2 to /dev/null until `stack` closes (torch's profiler writes its
     warnings there, not through Python's sys.stderr)."""
@@ -84,8 +76,11 @@ def _measured_in_process(stack: contextlib.ExitStack, info: dict) -> None:
     def collect():
         info["python_peak_bytes"] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
+        # PyTorch's peak: every profiled event's own allocations and frees, in time order
+        usage = [e for e in profiler.events() if getattr(e, "self_cpu_memory_usage", 0)]
+        changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in usage)
+        info["torch_peak_bytes"] = max([0, *itertools.accumulate(d for _, d in changes)])
 
-    stack.callback(lambda: info.update(torch_peak_bytes=_torch_peak_bytes(profiler.events())))
     stack.callback(collect)
 
 
