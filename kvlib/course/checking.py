@@ -46,15 +46,14 @@ CELL_SECONDS: list[tuple[str, float]] = []
 # check()'s grader subprocess, started with `python -I`: kvlib from the installed packages, or,
 # for a clone that is not installed, from the folder holding it (appended: it shadows nothing)
 _PEER = (
-    "import importlib.util, os, sys\n"
+    "import contextlib, importlib.util, os, sys\n"
     "if importlib.util.find_spec('kvlib') is None:\n"
     "    sys.path.append(sys.argv[1])\n"
     "os.environ['KVLIB_CHECK_PEER'] = '1'  # the grader's side: nothing to guard\n"
     "from kvlib.course import checking\n"
-    "try:\n"
+    "# an interrupted or shut-down notebook signals its process group: end without a traceback\n"
+    "with contextlib.suppress(KeyboardInterrupt):\n"
     "    checking._peer_main(int(sys.argv[2]), int(sys.argv[3]))\n"
-    "except KeyboardInterrupt:  # an interrupted or shut-down notebook signals its process group\n"
-    "    pass  # this process then ends as when the notebook goes, without a traceback\n"
 )
 
 
@@ -138,18 +137,14 @@ def _slow_defining_cell(function, timeout_s: float) -> str | None:
     """The grader's message when the last cell that defined `function` ran past `timeout_s`."""
     name = getattr(function, "__name__", None) or getattr(getattr(function, "fn", None),
                                                           "__name__", None)  # fmt: skip
-    if not name:
+    seconds = [s for source, s in CELL_SECONDS if f"def {name}(" in source or f"{name} =" in source]
+    if not name or not seconds or seconds[-1] <= timeout_s:  # the last cell that defines it
         return None
-    for source, seconds in reversed(CELL_SECONDS):
-        if f"def {name}(" in source or f"{name} =" in source:
-            if seconds <= timeout_s:
-                return None
-            return (
-                f"`{name}` is not defined for the grader: the cell that defines it ran "
-                f"{seconds:.0f} s, longer than the {timeout_s:g} s the grader gives a cell while "
-                "it loads the notebook (it skips the cell)"
-            )
-    return None
+    return (
+        f"`{name}` is not defined for the grader: the cell that defines it ran "
+        f"{seconds[-1]:.0f} s, longer than the {timeout_s:g} s the grader gives a cell while "
+        "it loads the notebook (it skips the cell)"
+    )
 
 
 def _watch_cells() -> None:

@@ -84,11 +84,9 @@ class Remote:
         return self._finish(args, options, reply)
 
     def _exchange(self, args, kwargs, options) -> tuple:
-        """Send the call; answer the rows the learner's side asks for meanwhile; the reply, with
-        its info decoded. A memory measurement is a window the grader opens before it sends the
-        call and closes when the reply arrives (`side.memory`: the kernel's count), less the
-        call's own frame (the inputs, unpickled there); where there is none, the learner's
-        process measures itself (best effort, said in the hint)."""
+        """Send the call, answering the rows the learner's side asks for meanwhile: the reply, its
+        info decoded. Peak memory: `side.memory`'s window around the call (less the inputs sent),
+        or, where there is none, the learner's process measures itself (said in the hint)."""
         side = self._submission.side  # the channel to the learner's process
         window = getattr(side, "memory", None) if options.get("measure_memory") else None
         if options.get("measure_memory"):

@@ -47,9 +47,8 @@ def _silence_stderr(stack: contextlib.ExitStack) -> None:
 
 
 def _fixed_malloc() -> None:
-    """glibc's malloc in this process: each block of 64 KiB or more its own mapping, given back
-    when freed (what the grader's child gets through its environment), so that the resident
-    memory the grader reads shows a large temporary. Once per process; nothing elsewhere."""
+    """glibc's malloc here as in the grader's child (confine.MALLOC_ENV), once per process: a large
+    temporary shows in the resident memory the grader reads."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or getattr(_fixed_malloc, "done", False):
         return
     _fixed_malloc.done = True

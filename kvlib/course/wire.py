@@ -35,8 +35,7 @@ class ChannelTimeout(Exception):
 
 class Unsolicited(ChannelClosed):
     """The learner's side sent a frame the grader did not ask for, or one it cannot read: the
-    grader ends that process (a fresh one serves the next question), so the channel never
-    shifts."""
+    grader ends that process (a fresh one serves the next question), so frames never shift."""
 
 
 # --- transport ------------------------------------------------------------------------------------
@@ -346,13 +345,10 @@ def extents(value) -> list[tuple[int, int]]:
 
 
 class ParentRows:
-    """A (S, D) array that stays in the grader's process: the learner's code reads it a row slice
-    at a time (`rows[a:b]`, at most `max_rows` rows), each slice asked of the grader, which counts
-    what was read. `shape`, `dtype`, `ndim` and `len()` work as for the array; nothing else of it
-    is here.
-
-    In the grader it holds the array and `reads` (how often each row was served); what crosses
-    the wire is its index among the call's arguments, its shape, dtype and limit."""
+    """A (S, D) array that stays in the grader's process (with `reads`, how often each row was
+    served): the learner's code reads it a row slice at a time (`rows[a:b]`, at most `max_rows`
+    rows), each asked of the grader. `shape`, `dtype`, `ndim` and `len()` work as for the array;
+    only they, its limit and its index among the call's arguments cross the wire."""
 
     def __init__(self, array, max_rows: int, index: int = 0):
         self._array = array
