@@ -4,8 +4,7 @@ processes (`forbid_processes`: a seccomp filter; `fork`, `vfork`, `execve` and `
 `CLONE_THREAD` fail, threads are fine). Each says whether it took effect; where a piece is missing
 the Python-level rules of `kvlib.course.guards` remain (book/grader_guarantees.md).
 
-Sources: seccomp(2), capabilities(7), prctl(2); Docker's default seccomp profile answers `clone3`
-with ENOSYS in the same way, so that glibc falls back to `clone`.
+Sources: seccomp(2), capabilities(7), prctl(2); Docker's default seccomp profile (clone3).
 """
 
 from __future__ import annotations

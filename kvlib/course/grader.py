@@ -56,12 +56,9 @@ class GradeReport:
         return sum(self.max_points)
 
     def to_json(self) -> dict:
-        """The grader's `--json` object.
-
-        Keys: notebook, score, max_score, questions[id, passed, points, message], seed (replay
-        with --seed), nonce (KVLIB_GRADE_NONCE, or drawn), sandbox (what confined the learner's
-        code).
-        """
+        """The grader's `--json` object: notebook, score, max_score, questions[id, passed, points,
+        message], seed (replay with --seed), nonce (KVLIB_GRADE_NONCE, or drawn), sandbox (what
+        confined the learner's code)."""
         fields = dataclasses.asdict(self)  # notebook, questions, max_points, seed, nonce, sandbox
         del fields["max_points"]
         totals = {"score": self.score, "max_score": self.max_score}
@@ -185,9 +182,8 @@ def grade_notebook(
         nonce = os.environ.get("KVLIB_GRADE_NONCE") or secrets.token_hex(8)
     jobs = [(q, "") for q in questions]
     results, confinement = _grade_questions(cells, jobs, timeout_s, seed, folder)
-    return GradeReport(
-        str(notebook), results, [q.points for q in questions], seed, nonce, confinement
-    )
+    points = [q.points for q in questions]
+    return GradeReport(str(notebook), results, points, seed, nonce, confinement)
 
 
 def grade_bindings(

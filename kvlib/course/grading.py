@@ -1,13 +1,9 @@
-"""Graded questions: the registry (`question`), what a test sees of the learner's code
-(`Submission`) and how one question is run (`run_question`).
-
-A chapter's questions are test functions in `kvlib/course/checks/chNN.py`, each declared with
-`@question(...)`. A test's `submission.function(name)` is a `Remote`, whose calls run in the
-learner's process, inputs and outputs sent by value (`kvlib.course.wire`). `run_question` runs a
-test against either learner's side, so that their verdicts cannot differ: the grader's child
-(`kvlib.course.grader`) or the notebook itself (`check()`: `kvlib.course.checking`). What the
-grader guarantees where: book/grader_guarantees.md. `check`, `show` and the grader's API stay
-importable from here.
+"""Graded questions (test functions in `kvlib/course/checks/chNN.py`): the registry
+(`question`), what a test sees of the learner's code (`Submission`: `function(name)` is a `Remote`,
+whose calls run in the learner's process) and how one question is run (`run_question`), the same
+against the grader's child (`kvlib.course.grader`) and the notebook (`check()`:
+`kvlib.course.checking`), so that their verdicts cannot differ. `check`, `show` and the grader's
+API stay importable from here.
 """
 
 from __future__ import annotations
@@ -131,13 +127,10 @@ class Submission:
         self.side, self.question = side, question
         self.errors = errors or []
         self.seed, self.binding, self.draws_only = int(seed), binding, draws_only
+        self.fixed_cases = not draws_only
         self.seed_used = False
         self.violations: list[str] = []  # inputs changed or returned, found by Remote.call
         self.notes: list[str] = []  # said whether the question passes or not
-
-    @property
-    def fixed_cases(self) -> bool:
-        return not self.draws_only
 
     def fixed(self, cases) -> list:
         """`cases`, or none when only the random cases are run."""

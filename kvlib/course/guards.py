@@ -1,15 +1,11 @@
 """Default-deny while a graded call runs (`call_learner`, or a thread it started), in the
-learner's own process (a best effort; what the OS enforces is in book/grader_guarantees.md).
-
-**kvlib.** Every function of every imported kvlib module (and of each imported later: an import
-hook) is recompiled from its source with a first statement that calls the guard: called by
-anything but kvlib library code, a function of kvlib's library or of the check modules raises
-GradingError unless the question allows it (`@question(allowed=...)`).
-
-**Processes.** An audit hook refuses processes, signals to another process and `ctypes` (but
-loading a library in site-packages, as torch does): in the grader's child always
-(`forbid_processes`), elsewhere while a graded call runs, here and in a process forked from here
-earlier (a pool made while a notebook ran). Threads are allowed.
+learner's own process: a best effort (book/grader_guarantees.md). Every function of every kvlib
+module, imported now or later (an import hook), is recompiled with a first statement that calls
+the guard: called by anything but kvlib library code, a kvlib library or check function raises
+GradingError unless the question allows it (`@question(allowed=...)`). An audit hook refuses
+processes (not threads), signals to another process and `ctypes` (but loading a library in
+site-packages, as torch does): in the grader's child always (`forbid_processes`), elsewhere while
+a graded call runs, here and in a process forked from here earlier (a pool made in a notebook).
 """
 
 from __future__ import annotations

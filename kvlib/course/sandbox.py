@@ -1,12 +1,8 @@
 """The learner's side of grading: the process that holds the learner's code answers the grader's
-requests (`handle_request`, `serve`) with values sent by value (`kvlib.course.wire`). Two
-processes serve: the grader's child (`python -m kvlib.course.sandbox RFD WFD`, `child_main`),
-which confines itself, then executes the notebook's code cells one by one, reporting each; and
-the notebook itself, while `check()` waits for the grader subprocess it started.
-
-A call runs as a graded call (`kvlib.course.guards`), its torch operators recorded where the test
-asks; only where the grader cannot measure its memory from outside does this process measure
-itself (`measure_memory == "self"`).
+requests (`handle_request`, `serve`), each call a graded call (`kvlib.course.guards`), values sent
+by value (`kvlib.course.wire`). Two processes serve: the notebook itself, while `check()` waits,
+and the grader's child (`python -m kvlib.course.sandbox RFD WFD`, `child_main`), which confines
+itself, then executes the notebook's code cells one by one, reporting each.
 """
 
 from __future__ import annotations
