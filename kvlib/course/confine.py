@@ -10,6 +10,7 @@ Sources: seccomp(2), capabilities(7), prctl(2); Docker's default seccomp profile
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import platform
 import stat
@@ -58,8 +59,6 @@ _CAP_DAC_READ_SEARCH = 2
 
 
 def _libc():
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
                            ctypes.c_ulong]  # fmt: skip
@@ -68,8 +67,6 @@ def _libc():
 
 def _check(result: int, what: str) -> None:
     if result != 0:
-        import ctypes
-
         errno = ctypes.get_errno()
         raise OSError(errno, f"{what}: {os.strerror(errno)}")
 

@@ -8,6 +8,7 @@ itself, then executes the notebook's code cells one by one, reporting each.
 from __future__ import annotations
 
 import contextlib
+import ctypes  # imported now, before the rules apply: its own import opens a library
 import gc
 import itertools
 import linecache
@@ -49,8 +50,6 @@ def _fixed_malloc() -> None:
         return
     _fixed_malloc.done = True
     with contextlib.suppress(Exception):
-        import ctypes
-
         libc = ctypes.CDLL(None)
         libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 131072)  # M_TRIM_THRESHOLD
@@ -240,8 +239,6 @@ def _load(channel: Channel, namespace: dict, cells: list[str], skip: set[int], n
 def _confine(read_paths, package: dict | None) -> str:
     """Confine this process before any learner code runs (`kvlib.course.isolation`,
     `kvlib.course.confine`, `kvlib.course.guards`); what took effect, for the report."""
-    import ctypes  # noqa: F401 (imported now: its own import opens a library, refused later)
-
     from kvlib.course import confine, guards, isolation
 
     user, processes = "the grader's own user", "refused by Python's audit hooks only"
