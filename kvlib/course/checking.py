@@ -108,12 +108,11 @@ def check(
         with _deadline(timeout_s, CheckTimeout):
             channel.answer(("question", question_id, float(timeout_s), int(seed)))
             verdict = serve(channel, _OnlyFunction(function), until="verdict")
-    except CheckTimeout:  # the grader is out of step: the next check starts a fresh one
+    except (CheckTimeout, ChannelClosed) as exc:  # the grader is out of step: a fresh one next
         _stop_checker()
-        verdict = ("verdict", False, str(QuestionTimeout(timeout_s)), 0)
-    except ChannelClosed:
-        _stop_checker()
-        verdict = ("verdict", False, "the grader ended unexpectedly", 0)
+        late = isinstance(exc, CheckTimeout)
+        message = str(QuestionTimeout(timeout_s)) if late else "the grader ended unexpectedly"
+        verdict = ("verdict", False, message, 0)
     except BaseException:  # an interrupt mid-question: the next check starts a fresh grader
         _stop_checker()
         raise

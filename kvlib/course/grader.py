@@ -134,8 +134,7 @@ def read_code_cells(path: Path) -> list[str]:
         ValueError: the file is not a Jupyter notebook (one clear usage error).
     """
     try:
-        notebook = json.loads(Path(path).read_text(encoding="utf-8"))
-        cells = notebook["cells"]
+        cells = json.loads(Path(path).read_text(encoding="utf-8"))["cells"]
         if not isinstance(cells, list):
             raise TypeError("cells is not a list")
         sources = [cell.get("source", "") for cell in cells if cell.get("cell_type") == "code"]

@@ -59,24 +59,18 @@ def call_learner(fn, args, kwargs, grid):
     _ACTIVE[0] += 1
     _SHARED[0] = 1
     try:
-        if grid is not None:
-            return fn[grid](*args, **kwargs)
-        return fn(*args, **kwargs)
+        return (fn if grid is None else fn[grid])(*args, **kwargs)
     finally:
         _ACTIVE[0] -= 1
-        if not _ACTIVE[0]:
-            _SHARED[0] = 0
+        _SHARED[0] = min(_ACTIVE[0], 1)
 
 
 def _guard(dotted: str) -> None:
     """The first statement of every guarded function."""
     if not _state["installed"] or not graded_call_running():
         return
-    try:
-        caller = sys._getframe(2).f_code  # 0: here, 1: the guarded function, 2: its caller
-    except ValueError:
-        caller = None
-    if caller is not None and _LIBRARY.get(id(caller)) is caller:
+    caller = sys._getframe(1).f_back  # the guarded function's caller (None: called from C)
+    if caller is not None and _LIBRARY.get(id(caller.f_code)) is caller.f_code:
         return
     if dotted.startswith(_CHECKS_PREFIX + "."):
         raise GradingError(
@@ -131,8 +125,8 @@ class _Prologues(ast.NodeVisitor):
             first = node.body[0]
             call = ast.parse(f"{_PLACEHOLDER!r}({dotted!r})").body[0]
             ast.increment_lineno(call, first.lineno - 1)  # on the line of the body's first
-            docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-            node.body.insert(1 if docstring and isinstance(first.value.value, str) else 0, call)
+            docstring = ast.get_docstring(node, clean=False) is not None
+            node.body.insert(1 if docstring else 0, call)
         self.stack += [node.name, "<locals>"]
         self.generic_visit(node)
         del self.stack[-2:]

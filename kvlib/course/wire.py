@@ -272,21 +272,18 @@ def decode(node, refs: list | None = None):
     elif kind == "S":
         value = np.frombuffer(node[2], dtype=np.dtype(node[1]))[0]
     elif kind == "L":
-        value = []
-        refs[slot] = value
+        value = refs[slot] = []  # in refs before its items, which may refer to it
         value.extend(decode(v, refs) for v in node[1])
     elif kind in _BUILT:  # tuples, sets, frozensets: made once their items are
         value = _BUILT[kind](decode(v, refs) for v in node[1])
     elif kind == "D":
-        value = {}
-        refs[slot] = value
+        value = refs[slot] = {}
         for k, v in node[1]:
             value[decode(k, refs)] = decode(v, refs)
     elif kind == "O":
         _, type_name, text, attrs = node
         cls = _OPAQUE_TYPES.setdefault(type_name, type(str(type_name), (Opaque,), {}))
-        value = cls(type_name, text)
-        refs[slot] = value
+        value = refs[slot] = cls(type_name, text)
         for name, v in attrs:
             with contextlib.suppress(Exception):
                 setattr(value, name, decode(v, refs))
@@ -355,7 +352,7 @@ class ParentRows:
         self.shape, self.dtype = tuple(array.shape), str(array.dtype)
         self.ndim = len(self.shape)
         self.max_rows, self.index = int(max_rows), index
-        self.reads = None
+        self.reads = np.zeros(self.shape[0], dtype=np.int64)  # how often each row was served
         self._ask = None  # the learner's side, during a call: ask(message) -> the grader's reply
 
     def __getstate__(self):  # what crosses the wire: not the array
@@ -369,8 +366,6 @@ class ParentRows:
 
     def rows(self, start: int, stop: int):
         """The grader's side: rows start..stop-1, counted."""
-        if self.reads is None:
-            self.reads = np.zeros(self.shape[0], dtype=np.int64)
         self.reads[start:stop] += 1
         return self._array[start:stop]
 
