@@ -49,7 +49,6 @@ _PEER = (
     "import contextlib, importlib.util, os, sys\n"
     "if importlib.util.find_spec('kvlib') is None:\n"
     "    sys.path.append(sys.argv[1])\n"
-    "os.environ['KVLIB_CHECK_PEER'] = '1'  # the grader's side: nothing to guard\n"
     "from kvlib.course import checking\n"
     "# an interrupted or shut-down notebook signals its process group: end without a traceback\n"
     "with contextlib.suppress(KeyboardInterrupt):\n"
@@ -97,7 +96,7 @@ def check(
         process = subprocess.Popen(
             [sys.executable, "-I", "-c", _PEER, kvlib_parent, str(to_grader_r), str(to_learner_w)],
             pass_fds=(to_grader_r, to_learner_w),
-            env=child_env(),
+            env={**child_env(), "KVLIB_CHECK_PEER": "1"},  # the grader's side: nothing to guard
             stdin=subprocess.DEVNULL,
         )
         os.close(to_grader_r)

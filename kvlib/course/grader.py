@@ -179,7 +179,7 @@ def grade_notebook(
         questions = [q for q in questions if q.id in only]
     if nonce is None:
         nonce = os.environ.get("KVLIB_GRADE_NONCE") or secrets.token_hex(8)
-    jobs = [(q, "") for q in questions]
+    jobs = [(q, "") for q in questions]  # each question's own function
     results, confinement = _grade_questions(cells, jobs, timeout_s, seed, folder)
     points = [q.points for q in questions]
     return GradeReport(str(notebook), results, points, seed, nonce, confinement)
@@ -193,8 +193,7 @@ def grade_bindings(
     notebook, against one child process (the grading tests grade many answers this way)."""
     folder, cells, questions, seed = _prepare(notebook, timeout_s, seed)
     (q,) = [q for q in questions if q.id == question_id]
-    jobs = [(q, name) for name in names]
-    return _grade_questions(cells, jobs, timeout_s, seed, folder)[0]
+    return _grade_questions(cells, [(q, name) for name in names], timeout_s, seed, folder)[0]
 
 
 def _prepare(notebook, timeout_s: float, seed: int | None) -> tuple:

@@ -303,7 +303,7 @@ def _span(value) -> tuple[int, int] | None:
     read through the C types' own accessors (a patched torch.Tensor.untyped_storage, or an
     ndarray subclass, does not change it)."""
     torch = sys.modules.get("torch")
-    try:
+    with contextlib.suppress(Exception):  # an exotic tensor (sparse, meta): no extent
         if torch is not None and isinstance(value, torch.Tensor):
             storage = torch._C.TensorBase.untyped_storage(value)
             start = torch._C.StorageBase.data_ptr(storage)
@@ -317,8 +317,6 @@ def _span(value) -> tuple[int, int] | None:
             low = start + sum(min(0, (n - 1) * st) for n, st in zip(shape, strides))
             high = start + sum(max(0, (n - 1) * st) for n, st in zip(shape, strides)) + size
             return low, high
-    except Exception:  # noqa: BLE001 - an exotic tensor (sparse, meta): no extent
-        return None
     return None
 
 
