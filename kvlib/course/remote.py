@@ -148,27 +148,21 @@ class Remote:
         info = reply[3]
         call = Call(result, args_after, _aliases(result, args_after, info), info)
         mutates = set(options.get("mutates", ()))
-        violations = self._submission.violations
-        # reported once the test's own checks pass: their hints come first
+
+        def violation(verb: str, index: int, then: str) -> None:  # failed once the checks pass
+            argument = f"its argument {index + 1} ({_kind(args[index])})"
+            self._submission.violations.append(f"`{self.name}` {verb} {argument} {then}")
+
         for index, (before, after) in enumerate(zip(args, call.args)):
             if index not in mutates and not _same_value(before, after):
-                violations.append(
-                    f"`{self.name}` changed its argument {index + 1} ({_kind(before)}) in place: "
-                    "leave its inputs as they were"
-                )
+                violation("changed", index, "in place: leave its inputs as they were")
         was, spans = info.get("extents_before", []), info.get("extents", {}).get("args", [])
         for index in sorted(mutates):
             if index < min(len(was), len(spans)) and was[index] and was[index] != spans[index]:
-                violations.append(
-                    f"`{self.name}` gave its argument {index + 1} ({_kind(args[index])}) new "
-                    "memory (`x.data = ...` or `x.set_(...)`): write into its own memory, in place"
-                )
+                new = "new memory (`x.data = ...` or `x.set_(...)`)"
+                violation("gave", index, f"{new}: write into its own memory, in place")
         if call.aliases and not options.get("may_alias") and not options.get("grid"):
-            index = call.aliases[0]
-            violations.append(
-                f"`{self.name}` returned its argument {index + 1} ({_kind(args[index])}) itself "
-                "or a view of it: return a new object"
-            )
+            violation("returned", call.aliases[0], "itself or a view of it: return a new object")
         return call
 
     def launch(self, grid: tuple, *args, _mutates=(), **kwargs) -> Call:
