@@ -59,8 +59,7 @@ _PEER = (
 class _OnlyFunction(dict):
     """check()'s namespace: the one function, under whatever name the question asks for."""
 
-    def __init__(self, function):
-        super().__init__()
+    def __init__(self, function):  # an empty dict, whatever is asked of it
         self._function = function
 
     def get(self, name, default=None):

@@ -54,8 +54,7 @@ class Call:
 
 
 class Remote:
-    """The learner's function, in the learner's process: calling it sends the inputs there and
-    returns the outputs by value."""
+    """The learner's function `name`: its calls run in the learner's process, by value."""
 
     def __init__(self, submission, name: str, description: dict, target: str = ""):
         self._submission, self.name, self.description = submission, name, description

@@ -32,9 +32,11 @@ class CheckTimeout(BaseException):
 # --- running one call -----------------------------------------------------------------------------
 
 
-def _silence_stderr(stack: contextlib.ExitStack) -> None:
-    """Send file descriptor 2 to /dev/null until `stack` closes (torch's profiler writes its
-    warnings there, not through Python's sys.stderr)."""
+def _profiler(stack: contextlib.ExitStack, **options):
+    """torch's CPU profiler until `stack` closes, file descriptor 2 sent to /dev/null meanwhile (it
+    writes its warnings there, not through Python's sys.stderr)."""
+    from torch.profiler import ProfilerActivity, profile
+
     sys.stderr.flush()
     saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -42,6 +44,7 @@ def _silence_stderr(stack: contextlib.ExitStack) -> None:
     stack.callback(os.close, devnull)
     stack.callback(os.close, saved)
     stack.callback(os.dup2, saved, 2)
+    return stack.enter_context(profile(activities=[ProfilerActivity.CPU], **options))
 
 
 def _fixed_malloc() -> None:
@@ -60,10 +63,7 @@ def _fixed_malloc() -> None:
 def _measured_in_process(stack: contextlib.ExitStack, info: dict) -> None:
     """Peak allocations measured here (where the grader cannot read this process's memory):
     PyTorch's CPU allocator (its profiler) and numpy/Python's (tracemalloc)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    _silence_stderr(stack)
-    profiler = stack.enter_context(profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+    profiler = _profiler(stack, profile_memory=True)
     tracemalloc.start()
 
     def collect():
@@ -92,10 +92,7 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
             # the profiler records every operator at the dispatcher's entry, composite ones
             # included (torch.ops.aten._scaled_dot_product_attention_math decomposes before a
             # dispatch mode sees it), and torch._C.DisableTorchFunction does not turn it off
-            from torch.profiler import ProfilerActivity, profile
-
-            _silence_stderr(stack)
-            profiler = stack.enter_context(profile(activities=[ProfilerActivity.CPU]))
+            profiler = _profiler(stack)
         if options.get("measure_memory"):
             _fixed_malloc()
             if options["measure_memory"] == "self":  # the grader cannot measure from outside
