@@ -81,9 +81,16 @@ def check(
     if os.environ.get(ENV_GRADING) == "1":
         CHECKED_WHILE_GRADING[question_id] = function
         return
-    slow = _slow_defining_cell(function, timeout_s)
-    if slow is not None:
-        print(f"❌ {question_id}: {slow}")
+    # the grader skips a cell that runs past timeout_s while it loads the notebook
+    name = getattr(function, "__name__", None) or getattr(getattr(function, "fn", None),
+                                                          "__name__", None)  # fmt: skip
+    seconds = [s for source, s in CELL_SECONDS if f"def {name}(" in source or f"{name} =" in source]
+    if name and seconds and seconds[-1] > timeout_s:  # the last cell that defines it
+        print(
+            f"❌ {question_id}: `{name}` is not defined for the grader: the cell that defines it "
+            f"ran {seconds[-1]:.0f} s, longer than the {timeout_s:g} s the grader gives a cell "
+            "while it loads the notebook (it skips the cell)"
+        )
         return
     seed = secrets.randbelow(2**32) if seed is None else seed
     global _CHECKER
@@ -128,20 +135,6 @@ def record_cell_time(source: str, seconds: float) -> None:
     """Note that a cell with `source` ran `seconds` (Jupyter's post_run_cell does, once this
     module is imported in a notebook)."""
     CELL_SECONDS.append((source, float(seconds)))
-
-
-def _slow_defining_cell(function, timeout_s: float) -> str | None:
-    """The grader's message when the last cell that defined `function` ran past `timeout_s`."""
-    name = getattr(function, "__name__", None) or getattr(getattr(function, "fn", None),
-                                                          "__name__", None)  # fmt: skip
-    seconds = [s for source, s in CELL_SECONDS if f"def {name}(" in source or f"{name} =" in source]
-    if not name or not seconds or seconds[-1] <= timeout_s:  # the last cell that defines it
-        return None
-    return (
-        f"`{name}` is not defined for the grader: the cell that defines it ran "
-        f"{seconds[-1]:.0f} s, longer than the {timeout_s:g} s the grader gives a cell while "
-        "it loads the notebook (it skips the cell)"
-    )
 
 
 def _watch_cells() -> None:

@@ -39,8 +39,7 @@ MESSAGE_CHARS = 600  # longest message kept per question (a check's own, 400, an
 
 @dataclasses.dataclass(frozen=True)
 class Question:
-    """One graded question: its test, the learner function it grades and the kvlib names its
-    answer may call."""
+    """One graded question (`question` says what each field holds)."""
 
     id: str
     function: str

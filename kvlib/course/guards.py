@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import functools
 import gc
 import importlib
 import importlib.abc
@@ -234,16 +233,15 @@ _REFUSED = frozenset(
 )  # fmt: skip
 
 
+# where torch and the other installed packages lie: loading a library from there stays allowed
+_PACKAGE_DIRS = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+with contextlib.suppress(AttributeError):  # site.getsitepackages: missing in old virtualenvs
+    _PACKAGE_DIRS.update(site.getsitepackages())
+_SITE_PACKAGES = tuple(os.path.realpath(p) + os.sep for p in _PACKAGE_DIRS)
+
+
 def _rules_apply() -> bool:
     return _state["always"] or _state["installed"] and graded_call_running()
-
-
-@functools.lru_cache(maxsize=1)
-def _site_packages() -> tuple[str, ...]:
-    paths = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
-    with contextlib.suppress(AttributeError):
-        paths.update(site.getsitepackages())
-    return tuple(os.path.realpath(p) + os.sep for p in paths)
 
 
 def _refused(event: str, args: tuple) -> bool:
@@ -257,7 +255,7 @@ def _refused(event: str, args: tuple) -> bool:
     if event == "ctypes.dlopen":
         path = args[0] if args else None
         absolute = isinstance(path, str) and os.path.isabs(path)
-        return not (absolute and os.path.realpath(path).startswith(_site_packages()))
+        return not (absolute and os.path.realpath(path).startswith(_SITE_PACKAGES))
     return True
 
 
