@@ -85,10 +85,9 @@ class GradeReport:
 
 def _grade_questions(cells: list[str], jobs: list[tuple[Question, str]], timeout_s: float,
                      seed: int, folder: str | None = None) -> tuple[list, str]:  # fmt: skip
-    """Grade each (question, binding) of `jobs` in turn against a child process that executed the
-    notebook; a question that timed out, ended the child or left a thread running gets the next
-    question a fresh child. Never raises for anything the learner did. Returns the results and
-    what confined the child."""
+    """Grade each (question, binding) of `jobs` in turn against a child that executed the notebook
+    (a fresh one after a question that timed out, ended it or left a thread running); never raises
+    for anything the learner did. Returns the results and what confined the child."""
     results, side, skip, confinement = [], None, {}, ""
     names = sorted({binding or q.function for q, binding in jobs})
     allowed = tuple(sorted({name for q, _ in jobs for name in q.allowed}))

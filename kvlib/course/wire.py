@@ -345,11 +345,10 @@ class ParentRows:
     rows), each asked of the grader. `shape`, `dtype`, `ndim` and `len()` work as for the array;
     only they, its limit and its index among the call's arguments cross the wire."""
 
-    def __init__(self, array, max_rows: int, index: int = 0):
-        self._array = array
+    def __init__(self, array, max_rows: int):
+        self._array, self.max_rows, self.index = array, int(max_rows), 0  # set by Remote.call
         self.shape, self.dtype = tuple(array.shape), str(array.dtype)
         self.ndim = len(self.shape)
-        self.max_rows, self.index = int(max_rows), index
         self.reads = np.zeros(self.shape[0], dtype=np.int64)  # how often each row was served
         self._ask = None  # the learner's side, during a call: ask(message) -> the grader's reply
 
