@@ -1,16 +1,12 @@
 """The exercise notebook's side of grading: `check("question_id", function)` and `show(function,
 ...)`.
 
-check() starts a grader subprocess (one per notebook kernel, with `python -I`: no PYTHONPATH, no
-user site-packages) that holds the test, the expected values and the verdict and runs the
-question with the grader's own `run_question`; this process serves its requests
-(`kvlib.course.sandbox`), so the learner's function runs here, with the same kvlib functions
-unavailable. A ✅ here is a pass in the grader, with the grader's limits: past `timeout_s` an alarm
-raises `CheckTimeout` (a BaseException) in the main thread, again every half second while the
-function catches it (without an alarm, on Windows or outside the main thread, the grader still
-times it out); in Jupyter, a function whose defining cell ran longer than the grader gives a cell
-fails, as the grader skips that cell. Each check() draws its own random cases (`seed=N` replays
-them).
+check() starts a grader subprocess (one per notebook kernel, `python -I`: no PYTHONPATH, no user
+site-packages) that runs the question with the grader's own `run_question`; this process serves
+its requests (`kvlib.course.sandbox`), so the learner's function runs here, under the grader's
+rules and limits: past `timeout_s` an alarm raises `CheckTimeout` (`_deadline`); in Jupyter, a
+function whose defining cell ran longer than the grader gives a cell fails, as the grader skips
+that cell. Each check() draws its own random cases.
 """
 
 from __future__ import annotations
@@ -26,17 +22,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from kvlib.course.grader import child_env
 from kvlib.course.grading import (
     _QUESTIONS,
     ENV_GRADING,
     MESSAGE_CHARS,
     ProcessEnded,
-    Question,
     QuestionTimeout,
     chapter_questions,
     run_question,
 )
+from kvlib.course.memory_window import PeakMemory
+from kvlib.course.sandbox import CheckTimeout, serve
+from kvlib.course.wire import Channel, ChannelClosed, ChannelTimeout, Unsolicited
 
 # question id -> the function the notebook's check() cell passed, while the grader runs it
 CHECKED_WHILE_GRADING: dict[str, object] = {}
@@ -46,23 +46,20 @@ CELL_SECONDS: list[tuple[str, float]] = []
 # check()'s grader subprocess, started with `python -I`: kvlib from the installed packages, or,
 # for a clone that is not installed, from the folder holding it (appended: it shadows nothing)
 _PEER = (
-    "import importlib.util, os, sys\n"
+    "import contextlib, importlib.util, os, sys\n"
     "if importlib.util.find_spec('kvlib') is None:\n"
     "    sys.path.append(sys.argv[1])\n"
-    "os.environ['KVLIB_CHECK_PEER'] = '1'  # the grader's side: nothing to guard\n"
     "from kvlib.course import checking\n"
-    "try:\n"
+    "# an interrupted or shut-down notebook signals its process group: end without a traceback\n"
+    "with contextlib.suppress(KeyboardInterrupt):\n"
     "    checking._peer_main(int(sys.argv[2]), int(sys.argv[3]))\n"
-    "except KeyboardInterrupt:  # an interrupted or shut-down notebook signals its process group\n"
-    "    pass  # this process then ends as when the notebook goes, without a traceback\n"
 )
 
 
 class _OnlyFunction(dict):
     """check()'s namespace: the one function, under whatever name the question asks for."""
 
-    def __init__(self, function):
-        super().__init__()
+    def __init__(self, function):  # an empty dict, whatever is asked of it
         self._function = function
 
     def get(self, name, default=None):
@@ -84,12 +81,16 @@ def check(
     if os.environ.get(ENV_GRADING) == "1":
         CHECKED_WHILE_GRADING[question_id] = function
         return
-    from kvlib.course.sandbox import CheckTimeout, serve
-    from kvlib.course.wire import Channel, ChannelClosed
-
-    slow = _slow_defining_cell(function, timeout_s)
-    if slow is not None:
-        print(f"❌ {question_id}: {slow}")
+    # the grader skips a cell that runs past timeout_s while it loads the notebook
+    name = getattr(function, "__name__", None) or getattr(getattr(function, "fn", None),
+                                                          "__name__", None)  # fmt: skip
+    seconds = [s for source, s in CELL_SECONDS if f"def {name}(" in source or f"{name} =" in source]
+    if name and seconds and seconds[-1] > timeout_s:  # the last cell that defines it
+        print(
+            f"❌ {question_id}: `{name}` is not defined for the grader: the cell that defines it "
+            f"ran {seconds[-1]:.0f} s, longer than the {timeout_s:g} s the grader gives a cell "
+            "while it loads the notebook (it skips the cell)"
+        )
         return
     seed = secrets.randbelow(2**32) if seed is None else seed
     global _CHECKER
@@ -101,7 +102,7 @@ def check(
         process = subprocess.Popen(
             [sys.executable, "-I", "-c", _PEER, kvlib_parent, str(to_grader_r), str(to_learner_w)],
             pass_fds=(to_grader_r, to_learner_w),
-            env=child_env(),
+            env={**child_env(), "KVLIB_CHECK_PEER": "1"},  # the grader's side: nothing to guard
             stdin=subprocess.DEVNULL,
         )
         os.close(to_grader_r)
@@ -112,12 +113,11 @@ def check(
         with _deadline(timeout_s, CheckTimeout):
             channel.answer(("question", question_id, float(timeout_s), int(seed)))
             verdict = serve(channel, _OnlyFunction(function), until="verdict")
-    except CheckTimeout:  # the grader is out of step: the next check starts a fresh one
+    except (CheckTimeout, ChannelClosed) as exc:  # the grader is out of step: a fresh one next
         _stop_checker()
-        verdict = ("verdict", False, str(QuestionTimeout(timeout_s)), 0)
-    except ChannelClosed:
-        _stop_checker()
-        verdict = ("verdict", False, "the grader ended unexpectedly", 0)
+        late = isinstance(exc, CheckTimeout)
+        message = str(QuestionTimeout(timeout_s)) if late else "the grader ended unexpectedly"
+        verdict = ("verdict", False, message, 0)
     except BaseException:  # an interrupt mid-question: the next check starts a fresh grader
         _stop_checker()
         raise
@@ -137,31 +137,10 @@ def record_cell_time(source: str, seconds: float) -> None:
     CELL_SECONDS.append((source, float(seconds)))
 
 
-def _slow_defining_cell(function, timeout_s: float) -> str | None:
-    """The grader's message when the last cell that defined `function` ran past `timeout_s`."""
-    name = getattr(function, "__name__", None) or getattr(getattr(function, "fn", None),
-                                                          "__name__", None)  # fmt: skip
-    if not name:
-        return None
-    for source, seconds in reversed(CELL_SECONDS):
-        if f"def {name}(" in source or f"{name} =" in source:
-            if seconds <= timeout_s:
-                return None
-            return (
-                f"`{name}` is not defined for the grader: the cell that defines it ran "
-                f"{seconds:.0f} s, longer than the {timeout_s:g} s the grader gives a cell while "
-                "it loads the notebook (it skips the cell)"
-            )
-    return None
-
-
 def _watch_cells() -> None:
-    """In Jupyter, time each cell from now on (record_cell_time)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    shell = get_ipython()
+    """In Jupyter (IPython imported, a shell running), time each cell from now on
+    (record_cell_time)."""
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
     if shell is None or getattr(shell, "_kvlib_cells_timed", False):
         return
     shell._kvlib_cells_timed = True
@@ -219,16 +198,12 @@ class _PeerSide:
     """The learner's side as seen by check()'s grader subprocess: the notebook process."""
 
     def __init__(self, channel, timeout_s: float):
-        from kvlib.course.memory_window import PeakMemory
-
         self.channel, self.timeout_s = channel, timeout_s
         self.deadline = time.monotonic() + timeout_s
         memory = PeakMemory(os.getppid())  # the notebook's process, which can reset it
         self.memory = memory if memory.available else None
 
     def request(self, message, *, compact: bool = False):
-        from kvlib.course.wire import ChannelClosed, ChannelTimeout, Unsolicited
-
         try:
             wait = max(0.0, self.deadline - time.monotonic())
             return self.channel.request(message, wait, compact=compact)
@@ -244,8 +219,6 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
     """check()'s grader subprocess: for each question the notebook asks for, run its test against
     the notebook and send the verdict; ends when the notebook goes, or after a timeout (the
     notebook's side is then out of step)."""
-    from kvlib.course.wire import Channel, ChannelClosed
-
     channel = Channel(read_fd, write_fd, trusted=False)
     while True:
         try:
@@ -258,10 +231,16 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
         _, question_id, limit, seed = request
         if isinstance(limit, float) and limit > 0:
             timeout_s = limit + 5.0  # the notebook's own deadline comes first
-        try:
-            q = _find_question(str(question_id))
-        except ValueError as exc:
-            channel.tell(("verdict", None, str(exc), 0))
+        question_id = str(question_id)
+        files = sorted(Path(__file__).with_name("checks").glob("ch[0-9]*.py"))
+        # import only the chapter that defines it (each chapter's imports cost seconds)
+        owners = [p for p in files if f"def test_{question_id}(" in p.read_text(encoding="utf-8")]
+        for path in owners or files:
+            chapter_questions(path.stem.removeprefix("ch"))
+        q = _QUESTIONS.get(question_id)
+        if q is None:
+            message = f"question_id: unknown question {question_id!r}; known: {sorted(_QUESTIONS)}"
+            channel.tell(("verdict", None, message, 0))
             continue
         side = _PeerSide(channel, timeout_s)
         try:
@@ -271,19 +250,6 @@ def _peer_main(read_fd: int, write_fd: int, timeout_s: float = 65.0) -> None:
                 channel.tell(("verdict", False, str(exc), q.points))
             return
         channel.tell(("verdict", passed, message, q.points))
-
-
-def _find_question(question_id: str) -> Question:
-    files = sorted(Path(__file__).with_name("checks").glob("ch[0-9]*.py"))
-    # import only the chapter that defines it (each chapter's imports cost seconds)
-    owners = [p for p in files if f"def test_{question_id}(" in p.read_text(encoding="utf-8")]
-    for path in owners or files:
-        chapter_questions(path.stem.removeprefix("ch"))
-    if question_id not in _QUESTIONS:
-        raise ValueError(
-            f"question_id: unknown question {question_id!r}; known: {sorted(_QUESTIONS)}"
-        )
-    return _QUESTIONS[question_id]
 
 
 def show(function: Callable, *args, **kwargs) -> None:
@@ -301,19 +267,14 @@ def show(function: Callable, *args, **kwargs) -> None:
         result = function(*args, **kwargs)
     except Exception as exc:  # the learner's code may raise anything
         text = f"{type(exc).__name__}: {exc}"
-        print(
-            f"{name}: not written yet"
-            if "NotImplementedError" in text
-            else f"{name} raised {text[:MESSAGE_CHARS]}"
-        )
+        unwritten = "NotImplementedError" in text
+        print(f"{name}: not written yet" if unwritten else f"{name} raised {text[:MESSAGE_CHARS]}")
         return
     print(f"{name} returned {_short(result)}")
 
 
 def _short(value) -> str:
     """A compact, deterministic rendering of arrays, tensors, tuples and lists."""
-    import numpy as np
-
     if isinstance(value, (tuple, list)):
         inner = ", ".join(_short(v) for v in value)
         return f"({inner})" if isinstance(value, tuple) else f"[{inner}]"
@@ -326,14 +287,10 @@ def _short(value) -> str:
     return repr(value)
 
 
-def _guard_from_now_on() -> None:
-    """Guard kvlib and install the audit hook as soon as a notebook imports check(): a process
-    it forks later (a pool made while it runs) then obeys the same rules while a check() runs."""
-    if os.environ.get(ENV_GRADING) != "1" and not os.environ.get("KVLIB_CHECK_PEER"):
-        from kvlib.course.guards import install_guards
-
-        install_guards((), "")
-
-
 _watch_cells()
-_guard_from_now_on()
+# kvlib guarded from the notebook's import of check() on: a process it forks later (a pool made
+# while it runs) then obeys the same rules while a check() runs
+if os.environ.get(ENV_GRADING) != "1" and not os.environ.get("KVLIB_CHECK_PEER"):
+    from kvlib.course.guards import install_guards
+
+    install_guards((), "")

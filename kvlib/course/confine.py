@@ -1,24 +1,22 @@
 """What the operating system enforces about the learner's process (Linux): the grader's child, as
 root, drops to an unprivileged user (`drop_privileges`, `limit_processes`) and then cannot create
 processes (`forbid_processes`: a seccomp filter; `fork`, `vfork`, `execve` and `clone` without
-`CLONE_THREAD` fail, threads are fine). Each says whether it took effect; where the platform
-lacks a piece (macOS, Windows, no seccomp) the grader still runs, with
-`kvlib.course.guards`' Python-level rules only. The mount namespace is `kvlib.course.isolation`'s,
-memory `kvlib.course.memory_window`'s; the network and the CPU need a container
-(book/grader_guarantees.md).
+`CLONE_THREAD` fail, threads are fine). Each says whether it took effect; where a piece is missing
+the Python-level rules of `kvlib.course.guards` remain (book/grader_guarantees.md).
 
-Sources: seccomp(2), capabilities(7), prctl(2); Docker's default seccomp profile answers `clone3`
-with ENOSYS in the same way, so that glibc falls back to `clone`.
+Sources: seccomp(2), capabilities(7), prctl(2); Docker's default seccomp profile (clone3).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import platform
 import stat
 import struct
 import sys
+from pathlib import Path
 
 UNPRIVILEGED_USER = "nobody"
 # malloc settings for the child (glibc): every block of 64 KiB or more is its own mapping, given
@@ -43,10 +41,7 @@ def _readable_by_others(paths) -> bool:
         path = os.path.abspath(path)
         if not os.path.exists(path):
             continue
-        parts = [path]
-        while os.path.dirname(parts[-1]) != parts[-1]:
-            parts.append(os.path.dirname(parts[-1]))
-        for index, part in enumerate(parts):
+        for index, part in enumerate([path, *Path(path).parents]):
             mode = os.stat(part).st_mode
             need = stat.S_IROTH if index == 0 else 0
             need |= stat.S_IXOTH if stat.S_ISDIR(mode) else 0
@@ -64,8 +59,6 @@ _CAP_DAC_READ_SEARCH = 2
 
 
 def _libc():
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
                            ctypes.c_ulong]  # fmt: skip
@@ -74,8 +67,6 @@ def _libc():
 
 def _check(result: int, what: str) -> None:
     if result != 0:
-        import ctypes
-
         errno = ctypes.get_errno()
         raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
@@ -150,14 +141,8 @@ def forbid_processes() -> bool:
     prog = struct.pack("<HxxxxxxQ", len(program) // 8, ctypes.addressof(buffer))
     prog_buffer = ctypes.create_string_buffer(prog)
     _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
-    try:
-        _check(
-            libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(prog_buffer), 0, 0),
-            "prctl(PR_SET_SECCOMP)",
-        )
-    except OSError:
-        return False
-    return True
+    address = ctypes.addressof(prog_buffer)
+    return libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, address, 0, 0) == 0
 
 
 def limit_processes(extra: int) -> None:

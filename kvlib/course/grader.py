@@ -2,25 +2,21 @@
 `main`).
 
 Each question is graded against a child process (`kvlib.course.child`) that executed the
-notebook's code cells, each within `timeout_s` (a cell that errs, hangs or ends the process costs
-only itself); each question's test may then run `timeout_s`. The test, the expected values and the
-verdict stay here (`kvlib.course.grading.run_question`). A call that raises, hangs, exits or
-prints megabytes costs that question its points, never the others'; a question that leaves a
-thread running gets the next question a fresh child.
-
-The report carries the run's seed (`--seed` replays its random cases), a nonce (the environment's
-KVLIB_GRADE_NONCE, or drawn; the child never sees it) and what confined the child. Exit status: 0
-when grading ran to its end, 2 on a usage error, 3 (and no score) when the grader itself failed.
+notebook's code cells, each within `timeout_s`; each question's test may then run `timeout_s`. The
+test, the expected values and the verdict stay here (`kvlib.course.grading.run_question`). A call
+that raises, hangs, exits or prints megabytes costs that question its points, never the others'.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import secrets
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from kvlib.course.child import _ChildSide, child_env  # noqa: F401 (check() imports child_env)
@@ -60,21 +56,13 @@ class GradeReport:
         return sum(self.max_points)
 
     def to_json(self) -> dict:
-        """The grader's `--json` object.
-
-        Keys: notebook, score, max_score, questions[id, passed, points, message], seed (replay
-        with --seed), nonce (KVLIB_GRADE_NONCE, or drawn), sandbox (what confined the learner's
-        code).
-        """
-        return {
-            "notebook": self.notebook,
-            "score": self.score,
-            "max_score": self.max_score,
-            "questions": [dataclasses.asdict(q) for q in self.questions],
-            "seed": self.seed,
-            "nonce": self.nonce,
-            "sandbox": self.sandbox,
-        }
+        """The grader's `--json` object: notebook, score, max_score, questions[id, passed, points,
+        message], seed (replay with --seed), nonce (KVLIB_GRADE_NONCE, or drawn), sandbox (what
+        confined the learner's code)."""
+        fields = dataclasses.asdict(self)  # notebook, questions, max_points, seed, nonce, sandbox
+        del fields["max_points"]
+        totals = {"score": self.score, "max_score": self.max_score}
+        return {"notebook": self.notebook, **totals, **fields}
 
     def table(self) -> str:
         """A readable per-question table and the total."""
@@ -86,28 +74,20 @@ class GradeReport:
         ]
         for q, max_points in zip(self.questions, self.max_points):
             verdict = "pass" if q.passed else "FAIL"
-            lines.append(
-                f"{q.id:<{width}}  {verdict:<6}  {q.points:>2}/{max_points:<3}  "
-                f"{_printable(q.message)}"
-            )
+            # learner text on one line, control characters escaped: it cannot add a row or a score
+            message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(q.message))
+            lines.append(f"{q.id:<{width}}  {verdict:<6}  {q.points:>2}/{max_points:<3}  {message}")
         lines.append(f"score: {self.score}/{self.max_score}")
         if self.sandbox:
             lines.append(f"({self.sandbox})")
         return "\n".join(lines)
 
 
-def _printable(text: str) -> str:
-    """Learner text on one line of the table: control characters (newlines, escapes) as `\\n`,
-    `\\x1b`, so that a message cannot add a row or a score."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
-
-
 def _grade_questions(cells: list[str], jobs: list[tuple[Question, str]], timeout_s: float,
                      seed: int, folder: str | None = None) -> tuple[list, str]:  # fmt: skip
-    """Grade each (question, binding) of `jobs` in turn against a child process that executed the
-    notebook; a question that timed out, ended the child or left a thread running gets the next
-    question a fresh child. Never raises for anything the learner did. Returns the results and
-    what confined the child."""
+    """Grade each (question, binding) of `jobs` in turn against a child that executed the notebook
+    (a fresh one after a question that timed out, ended it or left a thread running); never raises
+    for anything the learner did. Returns the results and what confined the child."""
     results, side, skip, confinement = [], None, {}, ""
     names = sorted({binding or q.function for q, binding in jobs})
     allowed = tuple(sorted({name for q, _ in jobs for name in q.allowed}))
@@ -153,16 +133,11 @@ def read_code_cells(path: Path) -> list[str]:
         ValueError: the file is not a Jupyter notebook (one clear usage error).
     """
     try:
-        notebook = json.loads(Path(path).read_text(encoding="utf-8"))
-        cells = notebook["cells"]
+        cells = json.loads(Path(path).read_text(encoding="utf-8"))["cells"]
         if not isinstance(cells, list):
             raise TypeError("cells is not a list")
-        sources = []
-        for cell in cells:
-            if cell.get("cell_type") == "code":
-                source = cell.get("source", "")
-                sources.append("".join(source) if isinstance(source, list) else str(source))
-        return sources
+        sources = [cell.get("source", "") for cell in cells if cell.get("cell_type") == "code"]
+        return ["".join(source) if isinstance(source, list) else str(source) for source in sources]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
             AttributeError) as exc:  # fmt: skip
         raise ValueError(
@@ -188,13 +163,11 @@ def grade_notebook(
         seed: the random cases' seed (default: drawn afresh); the report says which.
         nonce: carried by the report (default: KVLIB_GRADE_NONCE, or drawn); never sent to the
             child.
-    Returns:
-        A GradeReport.
     Raises:
         FileNotFoundError: no such notebook. ValueError: not a notebook, a chapter without
             questions, or timeout_s <= 0.
     """
-    path, cells, questions = _prepare(notebook, timeout_s)
+    folder, cells, questions, seed = _prepare(notebook, timeout_s, seed)
     if only is not None:
         unknown = sorted(set(only) - {q.id for q in questions})
         if unknown:
@@ -203,14 +176,12 @@ def grade_notebook(
                 f"{[q.id for q in questions]}"
             )
         questions = [q for q in questions if q.id in only]
-    seed = secrets.randbelow(2**32) if seed is None else int(seed)
     if nonce is None:
         nonce = os.environ.get("KVLIB_GRADE_NONCE") or secrets.token_hex(8)
-    jobs = [(q, "") for q in questions]
-    results, confinement = _grade_questions(cells, jobs, timeout_s, seed, str(path.parent))
-    return GradeReport(
-        str(notebook), results, [q.points for q in questions], seed, nonce, confinement
-    )
+    jobs = [(q, "") for q in questions]  # each question's own function
+    results, confinement = _grade_questions(cells, jobs, timeout_s, seed, folder)
+    points = [q.points for q in questions]
+    return GradeReport(str(notebook), results, points, seed, nonce, confinement)
 
 
 def grade_bindings(
@@ -219,27 +190,25 @@ def grade_bindings(
 ) -> list[QuestionResult]:  # fmt: skip
     """Grade question `question_id` once per function name in `names`, all defined by the
     notebook, against one child process (the grading tests grade many answers this way)."""
-    path, cells, questions = _prepare(notebook, timeout_s)
+    folder, cells, questions, seed = _prepare(notebook, timeout_s, seed)
     (q,) = [q for q in questions if q.id == question_id]
-    seed = secrets.randbelow(2**32) if seed is None else int(seed)
-    jobs = [(q, name) for name in names]
-    return _grade_questions(cells, jobs, timeout_s, seed, str(path.parent))[0]
+    return _grade_questions(cells, [(q, name) for name in names], timeout_s, seed, folder)[0]
 
 
-def _prepare(notebook, timeout_s: float) -> tuple[Path, list[str], list[Question]]:
+def _prepare(notebook, timeout_s: float, seed: int | None) -> tuple:
+    """(the notebook's folder, its code cells, its chapter's questions, the seed or one drawn)."""
     path = Path(notebook).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"notebook: no such file {notebook!s}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
-    return path, read_code_cells(path), chapter_questions(chapter_of(path))
+    seed = secrets.randbelow(2**32) if seed is None else int(seed)
+    return str(path.parent), read_code_cells(path), chapter_questions(chapter_of(path)), seed
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvlib.course.grade NOTEBOOK [--json] [--timeout S] [--seed N]`: exit 0 when
     grading ran to its end, 2 on a usage error, 3 (and no score) when the grader failed."""
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="python -m kvlib.course.grade",
         description="Grade a course exercise notebook. Read the exit status (0: graded) and the "
@@ -279,8 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))  # exits with status 2
     except Exception:  # noqa: BLE001 - the grader failed: no score, a non-zero status
-        import traceback
-
         traceback.print_exc()
         print("grading failed: no score", file=sys.stderr)
         return 3

@@ -1,17 +1,9 @@
-"""Graded questions: the registry (`question`), what a test sees of the learner's code
-(`Submission`) and how one question is run (`run_question`).
-
-A chapter's questions are test functions in `kvlib/course/checks/chNN.py`, each declared with
-`@question(...)`. The learner's code never runs in the process that holds a test: a test's
-`submission.function(name)` is a `Remote`, whose calls send the inputs to the learner's process by
-value and return the outputs by value (`kvlib.course.wire`). `run_question` runs a test against
-either learner's side, so that their verdicts cannot differ: the grader's child process
-(`python -m kvlib.course.grade NOTEBOOK`: `kvlib.course.grader`, `kvlib.course.child`), or the
-notebook itself (`check("question_id", function)`: `kvlib.course.checking`).
-
-What the grader guarantees on which platform, and what needs a container, is in
-book/grader_guarantees.md. It does not grade prose, nor judge whether code was copied: an
-instructor reads the notebook. `check`, `show` and the grader's API stay importable from here.
+"""Graded questions (test functions in `kvlib/course/checks/chNN.py`): the registry
+(`question`), what a test sees of the learner's code (`Submission`: `function(name)` is a `Remote`,
+whose calls run in the learner's process) and how one question is run (`run_question`), the same
+against the grader's child (`kvlib.course.grader`) and the notebook (`check()`:
+`kvlib.course.checking`), so that their verdicts cannot differ. `check`, `show` and the grader's
+API stay importable from here.
 """
 
 from __future__ import annotations
@@ -23,6 +15,8 @@ import re
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from kvlib.course.guards import GradingError  # noqa: F401 (raised in the learner's process)
 from kvlib.course.remote import (  # noqa: F401 (the checks import them from here)
@@ -45,8 +39,7 @@ MESSAGE_CHARS = 600  # longest message kept per question (a check's own, 400, an
 
 @dataclasses.dataclass(frozen=True)
 class Question:
-    """One graded question: its test, the learner function it grades and the kvlib names its
-    answer may call."""
+    """One graded question (`question` says what each field holds)."""
 
     id: str
     function: str
@@ -101,10 +94,8 @@ def chapter_questions(chapter: str) -> list[Question]:
     except ModuleNotFoundError as exc:
         if exc.name != f"kvlib.course.checks.ch{chapter}":
             raise
-        available = sorted(
-            p.stem.removeprefix("ch")
-            for p in Path(__file__).with_name("checks").glob("ch[0-9]*.py")
-        )
+        checks = Path(__file__).with_name("checks").glob("ch[0-9]*.py")
+        available = sorted(p.stem.removeprefix("ch") for p in checks)
         raise ValueError(
             f"chapter: no graded questions for chapter {chapter!r}; chapters with exercises: "
             f"{available}"
@@ -115,11 +106,10 @@ def chapter_questions(chapter: str) -> list[Question]:
 def chapter_of(notebook: str | os.PathLike) -> str:
     """The chapter number of an exercise notebook from its file name: `01_naive_vs_cached.ipynb` ->
     "01"."""
-    match = re.match(r"(\d\d)_", Path(notebook).name)
+    name = Path(notebook).name
+    match = re.match(r"(\d\d)_", name)
     if not match:
-        raise ValueError(
-            f"notebook: expected a file named NN_<chapter>.ipynb, got {Path(notebook).name!r}"
-        )
+        raise ValueError(f"notebook: expected a file named NN_<chapter>.ipynb, got {name!r}")
     return match.group(1)
 
 
@@ -136,13 +126,10 @@ class Submission:
         self.side, self.question = side, question
         self.errors = errors or []
         self.seed, self.binding, self.draws_only = int(seed), binding, draws_only
+        self.fixed_cases = not draws_only
         self.seed_used = False
         self.violations: list[str] = []  # inputs changed or returned, found by Remote.call
         self.notes: list[str] = []  # said whether the question passes or not
-
-    @property
-    def fixed_cases(self) -> bool:
-        return not self.draws_only
 
     def fixed(self, cases) -> list:
         """`cases`, or none when only the random cases are run."""
@@ -176,12 +163,9 @@ class Submission:
 
     def rng(self, stream: int = 0):
         """A numpy Generator for this run's random cases (the seed is in a failure message)."""
-        import numpy as np
-
         return np.random.default_rng(self._key(stream))
 
     def torch_generator(self, stream: int = 0):
-        import numpy as np
         import torch
 
         seed = int(np.random.SeedSequence(self._key(stream)).generate_state(1, np.uint64)[0])
@@ -232,17 +216,11 @@ def _shorten(text: str, limit: int = MESSAGE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-_ELSEWHERE = {
-    "kvlib.course.checking": ("check", "show"),
-    "kvlib.course.grader": ("grade_notebook", "read_code_cells", "GradeReport", "QuestionResult",
-                            "main"),
-}  # fmt: skip
-
-
 def __getattr__(name: str):
     """`check`, `show` and the grader's API, importable from here as before (imported lazily: those
     modules import this one)."""
-    for module, names in _ELSEWHERE.items():
-        if name in names:
-            return getattr(importlib.import_module(module), name)
+    if name in ("check", "show"):
+        return getattr(importlib.import_module("kvlib.course.checking"), name)
+    if name in ("grade_notebook", "read_code_cells", "GradeReport", "QuestionResult", "main"):
+        return getattr(importlib.import_module("kvlib.course.grader"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,33 +1,26 @@
-"""Default-deny while a graded call runs (`call_learner`, or a thread it started): kvlib is
-unavailable to the learner's code, except the helpers its question allows, and no process may be
-created.
-
-**kvlib.** Every function of every imported kvlib module (and of each imported later: an import
-hook) is recompiled from its source with a first statement that calls the guard: called by
-anything but kvlib library code, a function of kvlib's library or of the check modules raises
-GradingError unless the question allows it (`@question(allowed=...)`). A copy of kvlib's code is
-not matched: an instructor judges copying.
-
-**Processes.** An audit hook refuses to create processes, to signal another process, and
-`ctypes` (but loading a library in site-packages, as torch does on import): in the grader's child
-always (`forbid_processes`), elsewhere while a graded call runs, in its process and in any
-process forked from it earlier (a pool made while a notebook ran). Threads are allowed.
-
-All of this runs in the learner's own process, which can rewrite it: a best effort. Where the OS
-enforces more (a mount namespace, seccomp) is in book/grader_guarantees.md.
+"""Default-deny while a graded call runs (`call_learner`, or a thread it started), in the
+learner's own process: a best effort (book/grader_guarantees.md). Every function of every kvlib
+module, imported now or later (an import hook), is recompiled with a first statement that calls
+the guard: called by anything but kvlib library code, a kvlib library or check function raises
+GradingError unless the question allows it (`@question(allowed=...)`). An audit hook refuses
+processes (not threads), signals to another process and `ctypes` (but loading a library in
+site-packages, as torch does): in the grader's child always (`forbid_processes`), elsewhere while
+a graded call runs, here and in a process forked from here earlier (a pool made in a notebook).
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
-import functools
+import gc
 import importlib
 import importlib.abc
 import importlib.machinery
 import mmap
 import os
+import site
 import sys
+import sysconfig
 import types
 import warnings
 from pathlib import Path
@@ -65,24 +58,18 @@ def call_learner(fn, args, kwargs, grid):
     _ACTIVE[0] += 1
     _SHARED[0] = 1
     try:
-        if grid is not None:
-            return fn[grid](*args, **kwargs)
-        return fn(*args, **kwargs)
+        return (fn if grid is None else fn[grid])(*args, **kwargs)
     finally:
         _ACTIVE[0] -= 1
-        if not _ACTIVE[0]:
-            _SHARED[0] = 0
+        _SHARED[0] = min(_ACTIVE[0], 1)
 
 
 def _guard(dotted: str) -> None:
     """The first statement of every guarded function."""
     if not _state["installed"] or not graded_call_running():
         return
-    try:
-        caller = sys._getframe(2).f_code  # 0: here, 1: the guarded function, 2: its caller
-    except ValueError:
-        caller = None
-    if caller is not None and _LIBRARY.get(id(caller)) is caller:
+    caller = sys._getframe(1).f_back  # the guarded function's caller (None: called from C)
+    if caller is not None and _LIBRARY.get(id(caller.f_code)) is caller.f_code:
         return
     if dotted.startswith(_CHECKS_PREFIX + "."):
         raise GradingError(
@@ -115,10 +102,8 @@ def _module_name(filename: str) -> str | None:
         return None  # the course machinery (grading, notebook helpers) is not guarded
     if filename == _INTERPRETER_FILE:
         return None  # Triton's interpreter set-up, which a graded kernel's launch runs through
-    parts = list(Path(filename[len(_KVLIB_DIR) :]).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(["kvlib", *parts])
+    parts = Path(filename[len(_KVLIB_DIR) :]).with_suffix("").parts
+    return ".".join(["kvlib", *parts]).removesuffix(".__init__")
 
 
 class _Prologues(ast.NodeVisitor):
@@ -137,14 +122,10 @@ class _Prologues(ast.NodeVisitor):
         if not module_hook:  # a module's lazy attribute lookup computes nothing
             dotted = ".".join([self.module, *self.stack, node.name])
             first = node.body[0]
-            call = ast.Expr(
-                ast.Call(ast.Constant(_PLACEHOLDER), [ast.Constant(dotted)], keywords=[])
-            )
-            for part in ast.walk(call):
-                part.lineno = part.end_lineno = first.lineno
-                part.col_offset = part.end_col_offset = 0
-            docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-            node.body.insert(1 if docstring and isinstance(first.value.value, str) else 0, call)
+            call = ast.parse(f"{_PLACEHOLDER!r}({dotted!r})").body[0]
+            ast.increment_lineno(call, first.lineno - 1)  # on the line of the body's first
+            docstring = ast.get_docstring(node, clean=False) is not None
+            node.body.insert(1 if docstring else 0, call)
         self.stack += [node.name, "<locals>"]
         self.generic_visit(node)
         del self.stack[-2:]
@@ -152,24 +133,11 @@ class _Prologues(ast.NodeVisitor):
     visit_AsyncFunctionDef = visit_FunctionDef
 
 
-def _bind(code: types.CodeType) -> types.CodeType:
-    """`code` with the placeholder constant replaced by the guard, nested code included."""
-    consts = tuple(
-        _guard
-        if isinstance(c, str) and c == _PLACEHOLDER
-        else _bind(c)
-        if isinstance(c, types.CodeType)
-        else c
-        for c in code.co_consts
-    )
-    return code.replace(co_consts=consts)
-
-
-def _walk(code: types.CodeType):
-    yield code
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _walk(const)
+def _bind(const):
+    """A code object's constant with the placeholder replaced by the guard, nested code included."""
+    if isinstance(const, types.CodeType):
+        return const.replace(co_consts=tuple(map(_bind, const.co_consts)))
+    return _guard if isinstance(const, str) and const == _PLACEHOLDER else const
 
 
 def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
@@ -190,8 +158,9 @@ def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
             guarded = _bind(compile(tree, filename, "exec", dont_inherit=True))
     except (OSError, SyntaxError, ValueError):
         return _GUARDED[filename]
-    table, library = {}, not module.startswith(_CHECKS_PREFIX)
-    for code in _walk(guarded):
+    table, library, codes = {}, not module.startswith(_CHECKS_PREFIX), [guarded]
+    for code in codes:  # the module's code and, as the loop reaches them, all nested in it
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
         if library:
             _LIBRARY[id(code)] = code
         if any(c is _guard for c in code.co_consts):
@@ -201,29 +170,22 @@ def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
     return _GUARDED[filename]
 
 
-def _guard_function(fn: types.FunctionType) -> None:
-    """Give kvlib's function `fn` its guarded code (found by file, name and first line)."""
-    code = fn.__code__
-    if id(code) in _GUARDED_IDS or _module_name(code.co_filename) is None:
-        return  # guarded already, or not kvlib's library or check code
-    guarded = _guarded_codes(code.co_filename)[1].get((code.co_qualname, code.co_firstlineno))
-    if guarded is not None and guarded.co_freevars == code.co_freevars:
-        _ORIGINAL.setdefault(id(fn), (fn, code))
-        fn.__code__ = guarded
-
-
 def install_guards(allowed: tuple[str, ...], question_id: str) -> None:
     """Guard every kvlib function in this process; while question `question_id` is graded, the
     learner's code may call the kvlib functions `allowed` (dotted names; a class allows its
     methods) and no other."""
-    import gc
-
     _state.update(question=question_id, allowed=tuple(allowed), installed=True)
-    _install_import_hook()
+    if not any(isinstance(f, _GuardingFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _GuardingFinder())
     _install_audit_hook()
-    for obj in gc.get_objects():
-        if type(obj) is types.FunctionType:
-            _guard_function(obj)
+    for fn in gc.get_objects():  # kvlib's library and check functions get their guarded code
+        code = fn.__code__ if type(fn) is types.FunctionType else None
+        if code is None or id(code) in _GUARDED_IDS or _module_name(code.co_filename) is None:
+            continue  # not a function, guarded already, or not kvlib's
+        guarded = _guarded_codes(code.co_filename)[1].get((code.co_qualname, code.co_firstlineno))
+        if guarded is not None and guarded.co_freevars == code.co_freevars:
+            _ORIGINAL.setdefault(id(fn), (fn, code))
+            fn.__code__ = guarded
 
 
 def remove_guards() -> None:
@@ -259,11 +221,6 @@ class _GuardingFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _install_import_hook() -> None:
-    if not any(isinstance(f, _GuardingFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _GuardingFinder())
-
-
 # --- the audit hook: a guarded function's code, processes ----------------------------------------
 
 _REFUSED = frozenset(
@@ -276,19 +233,15 @@ _REFUSED = frozenset(
 )  # fmt: skip
 
 
+# where torch and the other installed packages lie: loading a library from there stays allowed
+_PACKAGE_DIRS = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+with contextlib.suppress(AttributeError):  # site.getsitepackages: missing in old virtualenvs
+    _PACKAGE_DIRS.update(site.getsitepackages())
+_SITE_PACKAGES = tuple(os.path.realpath(p) + os.sep for p in _PACKAGE_DIRS)
+
+
 def _rules_apply() -> bool:
     return _state["always"] or _state["installed"] and graded_call_running()
-
-
-@functools.lru_cache(maxsize=1)
-def _site_packages() -> tuple[str, ...]:
-    import site
-    import sysconfig
-
-    paths = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
-    with contextlib.suppress(AttributeError):
-        paths.update(site.getsitepackages())
-    return tuple(os.path.realpath(p) + os.sep for p in paths)
 
 
 def _refused(event: str, args: tuple) -> bool:
@@ -301,11 +254,8 @@ def _refused(event: str, args: tuple) -> bool:
         return not (event == "os.kill" and args and args[0] == os.getpid())
     if event == "ctypes.dlopen":
         path = args[0] if args else None
-        return not (
-            isinstance(path, str)
-            and os.path.isabs(path)
-            and os.path.realpath(path).startswith(_site_packages())
-        )
+        absolute = isinstance(path, str) and os.path.isabs(path)
+        return not (absolute and os.path.realpath(path).startswith(_SITE_PACKAGES))
     return True
 
 

@@ -12,7 +12,9 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
-from kvlib.course.wire import ParentRows
+import numpy as np
+
+from kvlib.course.wire import Opaque, ParentRows, decode, encode, held
 
 
 class LearnerRaised(Exception):
@@ -52,8 +54,7 @@ class Call:
 
 
 class Remote:
-    """The learner's function, in the learner's process: calling it sends the inputs there and
-    returns the outputs by value."""
+    """The learner's function `name`: its calls run in the learner's process, by value."""
 
     def __init__(self, submission, name: str, description: dict, target: str = ""):
         self._submission, self.name, self.description = submission, name, description
@@ -82,13 +83,9 @@ class Remote:
         return self._finish(args, options, reply)
 
     def _exchange(self, args, kwargs, options) -> tuple:
-        """Send the call; answer the rows the learner's side asks for meanwhile; the reply, with
-        its info decoded. A memory measurement is a window the grader opens before it sends the
-        call and closes when the reply arrives (`side.memory`: the kernel's count), less the
-        call's own frame (the inputs, unpickled there); where there is none, the learner's
-        process measures itself (best effort, said in the hint)."""
-        from kvlib.course.wire import decode
-
+        """Send the call, answering the rows the learner's side asks for meanwhile: the reply, its
+        info decoded. Peak memory: `side.memory`'s window around the call (less the inputs sent),
+        or, where there is none, the learner's process measures itself (said in the hint)."""
         side = self._submission.side  # the channel to the learner's process
         window = getattr(side, "memory", None) if options.get("measure_memory") else None
         if options.get("measure_memory"):
@@ -115,31 +112,24 @@ class Remote:
                         "process held when the call started"
                     )
                 measured = {"peak_bytes": max(0, peak - sent), "measured_by": "grader"}
-        try:
+        info = {}
+        with contextlib.suppress(ValueError, TypeError, RecursionError):
             info = decode(reply[3]) if len(reply) > 3 else {}
-        except (ValueError, TypeError, RecursionError):
-            info = {}
-        if not isinstance(info, dict):
-            info = {}
-        for key in ("peak_bytes", "measured_by"):  # the grader's alone
-            info.pop(key, None)
+        mine = ("peak_bytes", "measured_by")  # the grader's alone
+        info = {k: v for k, v in info.items() if k not in mine} if type(info) is dict else {}
         info.update(measured)
-        if "peak_bytes" not in info and options.get("measure_memory") == "self":
-            torch_peak, python_peak = info.get("torch_peak_bytes"), info.get("python_peak_bytes")
-            if type(torch_peak) is not int or type(python_peak) is not int:
+        if options.get("measure_memory") == "self":  # no window: its own measurements
+            peaks = info.get("torch_peak_bytes"), info.get("python_peak_bytes")
+            if any(type(peak) is not int for peak in peaks):
                 raise AssertionError(f"`{self.name}`'s memory could not be measured")
-            info["peak_bytes"] = torch_peak + python_peak
-            info["measured_by"] = "your process"
+            info.update(peak_bytes=sum(peaks), measured_by="your process")
         return (*reply[:3], info, *reply[4:])
 
     def _finish(self, args, options, reply) -> Call:
-        from kvlib.course.wire import decode
-
         if reply[0] == "raised":
             _, type_name, message, info, mro, args_after = reply
-            if "kvlib.course.guards.GradingError" in mro or message.startswith(
-                "expected a @triton.jit"
-            ):
+            refused = "kvlib.course.guards.GradingError" in mro  # a rule's message says it all
+            if refused or message.startswith("expected a @triton.jit"):
                 raise AssertionError(message)
             with contextlib.suppress(ValueError, TypeError, RecursionError):
                 args_after = None if args_after is None else decode(args_after)
@@ -157,27 +147,21 @@ class Remote:
         info = reply[3]
         call = Call(result, args_after, _aliases(result, args_after, info), info)
         mutates = set(options.get("mutates", ()))
-        violations = self._submission.violations
-        # reported once the test's own checks pass: their hints come first
+
+        def violation(verb: str, index: int, then: str) -> None:  # failed once the checks pass
+            argument = f"its argument {index + 1} ({_kind(args[index])})"
+            self._submission.violations.append(f"`{self.name}` {verb} {argument} {then}")
+
         for index, (before, after) in enumerate(zip(args, call.args)):
             if index not in mutates and not _same_value(before, after):
-                violations.append(
-                    f"`{self.name}` changed its argument {index + 1} ({_kind(before)}) in place: "
-                    "leave its inputs as they were"
-                )
+                violation("changed", index, "in place: leave its inputs as they were")
         was, spans = info.get("extents_before", []), info.get("extents", {}).get("args", [])
         for index in sorted(mutates):
             if index < min(len(was), len(spans)) and was[index] and was[index] != spans[index]:
-                violations.append(
-                    f"`{self.name}` gave its argument {index + 1} ({_kind(args[index])}) new "
-                    "memory (`x.data = ...` or `x.set_(...)`): write into its own memory, in place"
-                )
+                new = "new memory (`x.data = ...` or `x.set_(...)`)"
+                violation("gave", index, f"{new}: write into its own memory, in place")
         if call.aliases and not options.get("may_alias") and not options.get("grid"):
-            index = call.aliases[0]
-            violations.append(
-                f"`{self.name}` returned its argument {index + 1} ({_kind(args[index])}) itself "
-                "or a view of it: return a new object"
-            )
+            violation("returned", call.aliases[0], "itself or a view of it: return a new object")
         return call
 
     def launch(self, grid: tuple, *args, _mutates=(), **kwargs) -> Call:
@@ -201,8 +185,6 @@ class Remote:
 def _rows_asked(args, ask: tuple) -> tuple:
     """The grader's answer to the learner's side asking, while a call runs, for rows of an
     argument the grader keeps (`ParentRows`): `("rows", index, start, stop)`."""
-    from kvlib.course.wire import encode
-
     if len(ask) == 4 and all(type(n) is int for n in ask[1:]):
         _, index, start, stop = ask
         rows = args[index] if 0 <= index < len(args) else None
@@ -214,28 +196,14 @@ def _rows_asked(args, ask: tuple) -> tuple:
 def _aliases(result, args_after: list, info: dict) -> list[int]:
     """Indices of the arguments that the result is, contains, or shares memory with: the same
     object on the wire (the learner's side sends an object once), or overlapping memory."""
-    inside: set[int] = set()
-
-    def walk(value, depth=0):
-        if depth > 4 or isinstance(value, (int, float, complex, str, bytes, bool, type(None))):
-            return
-        inside.add(id(value))
-        if type(value) in (list, tuple):
-            for item in value[:1000]:
-                walk(item, depth + 1)
-        elif type(value) is dict:
-            for item in list(value.values())[:1000]:
-                walk(item, depth + 1)
-
-    walk(result)
+    inside = {id(part) for part in held(result)}
     spans = info.get("extents", {})
     result_spans, args_spans = spans.get("result", []), spans.get("args", [])
     hits = []
     for index, arg in enumerate(args_after):
         arg_spans = args_spans[index] if index < len(args_spans) else []
         overlap = any(a0 < b1 and b0 < a1 for a0, a1 in result_spans for b0, b1 in arg_spans)
-        same = id(arg) in inside and not isinstance(arg, (int, float, str, bool, type(None)))
-        if overlap or same:
+        if overlap or id(arg) in inside:  # the same object (never a number: held skips them)
             hits.append(index)
     return hits
 
@@ -249,8 +217,6 @@ def expect_list(got, item_ok: Callable[[object], bool], should: str) -> None:
 def is_int(value) -> bool:
     """Whether `value` counts as an int answer: an int or a numpy integer, not a bool (for the
     items of a list, `expect_list(got, is_int, ...)`)."""
-    import numpy as np
-
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
@@ -264,30 +230,21 @@ def expect_tensor(got, expected, name: str) -> None:
     caller's to compare)."""
     import torch
 
-    assert isinstance(got, torch.Tensor), (
-        f"{name}: expected a torch.Tensor, got {type(got).__name__}"
-    )
-    assert tuple(got.shape) == tuple(expected.shape), (
-        f"{name}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
-    )
-    assert got.dtype == expected.dtype, (
-        f"{name}: expected dtype {expected.dtype} (the inputs' own), got {got.dtype}"
-    )
+    kind, shape, dtype = type(got).__name__, tuple(expected.shape), expected.dtype
+    assert isinstance(got, torch.Tensor), f"{name}: expected a torch.Tensor, got {kind}"
+    assert tuple(got.shape) == shape, f"{name}: expected shape {shape}, got {tuple(got.shape)}"
+    assert got.dtype == dtype, f"{name}: expected dtype {dtype} (the inputs' own), got {got.dtype}"
 
 
 def peak_allocation(info: dict) -> tuple[int, str]:
     """The peak bytes a learner's call held (`_options={"measure_memory": True}`), and a phrase
     for a hint saying what measured it, in MiB."""
-    peak = info["peak_bytes"]
+    peak, mib = info["peak_bytes"], 2**20
     if info.get("measured_by") == "grader":
-        return (
-            peak,
-            f"{peak / 2**20:.1f} MiB (your process's peak memory, measured from outside it)",
-        )
+        return peak, f"{peak / mib:.1f} MiB (your process's peak memory, measured from outside it)"
     return peak, (
-        f"{peak / 2**20:.1f} MiB (PyTorch's CPU allocator "
-        f"{info['torch_peak_bytes'] / 2**20:.1f} MiB + numpy/Python "
-        f"{info['python_peak_bytes'] / 2**20:.1f} MiB, traced in your process)"
+        f"{peak / mib:.1f} MiB (PyTorch's CPU allocator {info['torch_peak_bytes'] / mib:.1f} MiB + "
+        f"numpy/Python {info['python_peak_bytes'] / mib:.1f} MiB, traced in your process)"
     )
 
 
@@ -298,10 +255,6 @@ def _kind(value) -> str:
 
 def _same_value(a, b) -> bool:
     """Whether `b` (an argument after the call, rebuilt here) still equals `a` (as sent)."""
-    import numpy as np
-
-    from kvlib.course.wire import Opaque
-
     torch = sys.modules.get("torch")
     tensor = (torch.Tensor,) if torch is not None else ()
     if isinstance(b, Opaque) or not isinstance(a, (list, tuple, dict, set, frozenset, int, float,
@@ -313,15 +266,11 @@ def _same_value(a, b) -> bool:
             return False
         a = a.detach().cpu()
         if a.is_floating_point():  # NaN where it was NaN is unchanged
-            nan = a.isnan()
-            return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+            return torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
         return torch.equal(a, b)
     if isinstance(a, np.ndarray):
-        return (
-            isinstance(b, np.ndarray)
-            and a.dtype == b.dtype
-            and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
-        )
+        same_type = isinstance(b, np.ndarray) and a.dtype == b.dtype
+        return same_type and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
     if isinstance(a, (list, tuple)):
         if type(a) is not type(b) or len(a) != len(b):
             return False
@@ -329,9 +278,8 @@ def _same_value(a, b) -> bool:
             return a == b  # the common case: a list of plain values
         return all(_same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
-        return (
-            isinstance(b, dict) and list(a) == list(b) and all(_same_value(a[k], b[k]) for k in a)
-        )
+        same_keys = isinstance(b, dict) and list(a) == list(b)
+        return same_keys and all(_same_value(a[k], b[k]) for k in a)
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True
     return type(a) is type(b) and a == b

@@ -1,26 +1,21 @@
 """The learner's side of grading: the process that holds the learner's code answers the grader's
-requests (`handle_request`, `serve`) with values sent by value (`kvlib.course.wire`); the tests,
-the expected values and the verdict stay in the grader's process. Two processes serve:
-
-- the grader's child (`python -m kvlib.course.sandbox RFD WFD`, `child_main`), which confines
-  itself (`kvlib.course.confine`, `kvlib.course.isolation`, `kvlib.course.guards`), then executes
-  the notebook's code cells one by one, reporting each as it finishes (a cell that ends the
-  process or hangs costs only itself: the grader restarts the child without it);
-- the notebook itself, while `check()` waits for the grader subprocess it started.
-
-A call runs as a graded call (`kvlib.course.guards`), with the torch operators it ran recorded
-where the test asks; it may ask the grader for rows of an array the grader keeps (`ParentRows`).
-The grader measures its memory from outside, over a window it opens before it sends the call and
-closes when the reply comes; only where it cannot does this process measure itself
-(`measure_memory == "self"`).
+requests (`handle_request`, `serve`), each call a graded call (`kvlib.course.guards`), values sent
+by value (`kvlib.course.wire`). Two processes serve: the notebook itself, while `check()` waits,
+and the grader's child (`python -m kvlib.course.sandbox RFD WFD`, `child_main`), which confines
+itself, then executes the notebook's code cells one by one, reporting each.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes  # imported now, before the rules apply: its own import opens a library
+import gc
+import itertools
 import linecache
 import os
 import sys
+import threading
+import tracemalloc
 import types
 
 from kvlib.course.guards import call_learner, install_guards
@@ -37,24 +32,11 @@ class CheckTimeout(BaseException):
 # --- running one call -----------------------------------------------------------------------------
 
 
-def _torch_peak_bytes(events) -> int:
-    """Peak of PyTorch's CPU allocations over a profiled call: every event's own allocations and
-    frees, in time order."""
-    changes = sorted(
-        (e.time_range.start, e.self_cpu_memory_usage)
-        for e in events
-        if getattr(e, "self_cpu_memory_usage", 0)
-    )
-    peak = current = 0
-    for _, delta in changes:
-        current += delta
-        peak = max(peak, current)
-    return peak
+def _profiler(stack: contextlib.ExitStack, **options):
+    """torch's CPU profiler until `stack` closes, file descriptor 2 sent to /dev/null meanwhile (it
+    writes its warnings there, not through Python's sys.stderr)."""
+    from torch.profiler import ProfilerActivity, profile
 
-
-def _silence_stderr(stack: contextlib.ExitStack) -> None:
-    """Send file descriptor 2 to /dev/null until `stack` closes (torch's profiler writes its
-    warnings there, not through Python's sys.stderr)."""
     sys.stderr.flush()
     saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -62,18 +44,16 @@ def _silence_stderr(stack: contextlib.ExitStack) -> None:
     stack.callback(os.close, devnull)
     stack.callback(os.close, saved)
     stack.callback(os.dup2, saved, 2)
+    return stack.enter_context(profile(activities=[ProfilerActivity.CPU], **options))
 
 
 def _fixed_malloc() -> None:
-    """glibc's malloc in this process: each block of 64 KiB or more its own mapping, given back
-    when freed (what the grader's child gets through its environment), so that the resident
-    memory the grader reads shows a large temporary. Once per process; nothing elsewhere."""
+    """glibc's malloc here as in the grader's child (confine.MALLOC_ENV), once per process: a large
+    temporary shows in the resident memory the grader reads."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or getattr(_fixed_malloc, "done", False):
         return
     _fixed_malloc.done = True
     with contextlib.suppress(Exception):
-        import ctypes
-
         libc = ctypes.CDLL(None)
         libc.mallopt(-3, 65536)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 131072)  # M_TRIM_THRESHOLD
@@ -83,19 +63,17 @@ def _fixed_malloc() -> None:
 def _measured_in_process(stack: contextlib.ExitStack, info: dict) -> None:
     """Peak allocations measured here (where the grader cannot read this process's memory):
     PyTorch's CPU allocator (its profiler) and numpy/Python's (tracemalloc)."""
-    import tracemalloc
-
-    from torch.profiler import ProfilerActivity, profile
-
-    _silence_stderr(stack)
-    profiler = stack.enter_context(profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+    profiler = _profiler(stack, profile_memory=True)
     tracemalloc.start()
 
     def collect():
         info["python_peak_bytes"] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
+        # PyTorch's peak: every profiled event's own allocations and frees, in time order
+        usage = [e for e in profiler.events() if getattr(e, "self_cpu_memory_usage", 0)]
+        changes = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in usage)
+        info["torch_peak_bytes"] = max([0, *itertools.accumulate(d for _, d in changes)])
 
-    stack.callback(lambda: info.update(torch_peak_bytes=_torch_peak_bytes(profiler.events())))
     stack.callback(collect)
 
 
@@ -114,10 +92,7 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
             # the profiler records every operator at the dispatcher's entry, composite ones
             # included (torch.ops.aten._scaled_dot_product_attention_math decomposes before a
             # dispatch mode sees it), and torch._C.DisableTorchFunction does not turn it off
-            from torch.profiler import ProfilerActivity, profile
-
-            _silence_stderr(stack)
-            profiler = stack.enter_context(profile(activities=[ProfilerActivity.CPU]))
+            profiler = _profiler(stack)
         if options.get("measure_memory"):
             _fixed_malloc()
             if options["measure_memory"] == "self":  # the grader cannot measure from outside
@@ -137,15 +112,11 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
 def _is_triton_kernel(value, interpreted: bool = False) -> bool:
     """A @triton.jit kernel: a JITFunction (unless `interpreted`), or the InterpretedFunction that
     @triton.jit makes of one under TRITON_INTERPRET=1 (wrapping a plain Python function)."""
-    jit = sys.modules.get("triton.runtime.jit")
-    interpreter = sys.modules.get("triton.runtime.interpreter")
-    if not interpreted and jit is not None and isinstance(value, jit.JITFunction):
+    jit = getattr(sys.modules.get("triton.runtime.jit"), "JITFunction", ())  # (): no Triton
+    wrapper = getattr(sys.modules.get("triton.runtime.interpreter"), "InterpretedFunction", ())
+    if not interpreted and isinstance(value, jit):
         return True
-    return (
-        interpreter is not None
-        and isinstance(value, interpreter.InterpretedFunction)
-        and isinstance(getattr(value, "fn", None), types.FunctionType)
-    )
+    return isinstance(value, wrapper) and isinstance(getattr(value, "fn", None), types.FunctionType)
 
 
 def _describe(namespace: dict, name: str, question_id: str) -> dict:
@@ -182,19 +153,15 @@ def handle_request(request, namespace: dict, ask=None):
         install_guards(tuple(allowed), question_id)
         return ("guarded",)
     if kind == "status":
-        import threading
-
         return ("status", {"threads": threading.active_count()})
     if kind == "collect":  # before a memory window: what earlier calls left behind goes now
-        import gc
-
         gc.collect()
         return ("collected",)
     if kind == "call":
         _, name, args, kwargs, options = request
         for value in [*args, *kwargs.values()]:
             if isinstance(value, ParentRows):
-                value.connect(ask)
+                value._ask = ask
         outcome, info = _run_call(namespace.get(name), args, kwargs, options)
         memo: dict = {}  # the result first, then the arguments: the grader decodes them so
         try:
@@ -206,14 +173,8 @@ def handle_request(request, namespace: dict, ask=None):
         except CheckTimeout:
             raise
         except BaseException as exc:  # noqa: BLE001
-            return (
-                "raised",
-                type(exc).__name__,
-                f"its result could not be read: {safe_text(exc, str)}",
-                encode(info),
-                _mro(exc),
-                None,
-            )
+            message = f"its result could not be read: {safe_text(exc, str)}"
+            return ("raised", type(exc).__name__, message, encode(info), _mro(exc), None)
         return ("returned", encoded, args_after, encode(info))
     return ("error", f"unknown request {kind!r}")
 
@@ -241,11 +202,10 @@ def _cell_code(source: str):
     stripped = source.lstrip()
     if stripped.startswith("%%"):
         first, _, body = stripped.partition("\n")
-        magic = first[2:].split()[0] if first[2:].split() else ""
-        if magic in ("time", "capture", "prun"):
-            source = "\n" + body  # keep line numbers
-        else:
+        magic = (first[2:].split() or [""])[0]
+        if magic not in ("time", "capture", "prun"):
             raise SyntaxError(f"the cell magic %%{magic} is not run by the grader")
+        source = "\n" + body  # keep line numbers
     lines = []
     for line in source.splitlines():
         s = line.lstrip()
@@ -268,27 +228,21 @@ def _load(channel: Channel, namespace: dict, cells: list[str], skip: set[int], n
             exec(compile(text, filename, "exec"), namespace)
         except BaseException as exc:  # noqa: BLE001 - learner code may raise SystemExit too
             error = f"cell {index}: {type(exc).__name__}: {safe_text(exc, str)}"[:MESSAGE_CHARS]
-        for name in names:
-            if namespace.get(name) is not before[name]:
-                defined[name] = index
+        defined.update({name: index for name in names if namespace.get(name) is not before[name]})
         channel.answer(("cell", index, error))
 
 
 def _confine(read_paths, package: dict | None) -> str:
     """Confine this process before any learner code runs (`kvlib.course.isolation`,
     `kvlib.course.confine`, `kvlib.course.guards`); what took effect, for the report."""
-    import ctypes  # noqa: F401 (imported now: its own import opens a library, refused later)
-
-    from kvlib.course import confine, guards
+    from kvlib.course import confine, guards, isolation
 
     user, processes = "the grader's own user", "refused by Python's audit hooks only"
     sight = "kvlib visible, guarded at the Python level only"
     if package and os.geteuid() == 0:
-        from kvlib.course.isolation import isolate
-
         keep = [os.path.realpath(p) for p in read_paths]
         try:
-            sight = isolate(package["dirs"], package["files"], package["home"], keep)
+            sight = isolation.isolate(package["dirs"], package["files"], package["home"], keep)
         except OSError as exc:
             sight = f"kvlib visible (no mount namespace: {exc})"
     if os.name == "posix" and os.geteuid() == 0:
@@ -305,12 +259,8 @@ def _confine(read_paths, package: dict | None) -> str:
 
 
 def child_main(read_fd: int, write_fd: int) -> None:
-    """The grader's child: silence stdout/stderr at the descriptor level, confine itself, then
-    load the notebook and serve."""
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
+    """The grader's child (its standard streams /dev/null, as the grader starts it): confine
+    itself, then load the notebook and serve."""
     channel = Channel(read_fd, write_fd, trusted=True)
     os.environ["KVLIB_GRADING"] = "1"
     # ("confine", what it must read, the notebook's folder, the kvlib it may see or None)
@@ -319,16 +269,12 @@ def child_main(read_fd: int, write_fd: int) -> None:
     if folder:
         os.chdir(folder)  # as Jupyter runs a notebook (imports still come from where they were)
     namespace: dict = {"__name__": "__main__"}
-    request = channel.next_request()
-    if request[0] == "guard":  # guards first: whatever the notebook imports is guarded already
-        channel.answer(handle_request(request, namespace))
-        request = channel.next_request()
-    if request[0] == "load":
-        _, cells, skip, names = request
-        _load(channel, namespace, cells, set(skip), names)
-        channel.answer(("loaded",))
-    serve(channel, namespace)
-    os._exit(0)
+    # ("guard", ...) first: whatever the notebook imports is guarded already; then ("load", ...)
+    channel.answer(handle_request(channel.next_request(), namespace))
+    _, cells, skip, names = channel.next_request()
+    _load(channel, namespace, cells, set(skip), names)
+    channel.answer(("loaded",))
+    serve(channel, namespace)  # until the grader closes the pipes (it sends no "end")
 
 
 if __name__ == "__main__":

@@ -2,24 +2,25 @@
 (`Channel`), values sent by value (`encode`/`decode`), where their memory lies (`extents`), and
 arrays the grader keeps and serves a slice at a time (`ParentRows`).
 
-The grader sends pickled requests (inputs are data it made itself); the learner's side answers with
-*encoded* values: tensors, arrays, numbers, strings and containers as nested tuples of plain data,
-rebuilt by the grader without running any code from the learner's side (its unpickler refuses
-every global). An object of another type comes back as an `Opaque` (type name, repr, attributes).
-It does not decide what is sent or judge it: `kvlib.course.sandbox` serves requests, and
-`kvlib.course.grading` holds the tests.
+The grader sends pickled requests (inputs it made itself); the learner's side answers with
+*encoded* values: nested tuples of plain data that the grader rebuilds without running any code of
+the learner's side (its unpickler refuses every global); an object of another type comes back as
+an `Opaque` (type name, repr, attributes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import pickle
 import select
 import struct
 import sys
 import time
+
+import numpy as np
 
 MAX_FRAME_BYTES = 512 * 2**20  # a reply larger than this is refused
 
@@ -34,8 +35,7 @@ class ChannelTimeout(Exception):
 
 class Unsolicited(ChannelClosed):
     """The learner's side sent a frame the grader did not ask for, or one it cannot read: the
-    grader ends that process (a fresh one serves the next question), so the channel never
-    shifts."""
+    grader ends that process (a fresh one serves the next question), so frames never shift."""
 
 
 # --- transport ------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ class Channel:
             while view:
                 try:
                     written = os.write(self.write_fd, view)
-                except (BrokenPipeError, OSError) as exc:
+                except OSError as exc:
                     raise ChannelClosed(str(exc)) from None
                 view = view[written:]
 
@@ -167,30 +167,24 @@ class _Compact(pickle.Pickler):
             and obj.is_contiguous()
             and obj.untyped_storage().nbytes() == obj.nbytes  # owns its storage: no views of it
         ):
-            return _tensor, (obj.numpy(),)
+            return torch.from_numpy, (obj.numpy(),)  # rebuilt on the buffer, without a copy
         return NotImplemented
 
 
-def _tensor(array):
-    import torch
-
-    return torch.from_numpy(array)
-
-
 # --- values by value ------------------------------------------------------------------------------
+
+_PLAIN = frozenset({int, float, bool, complex, str, bytes, type(None)})
+_CONTAINERS = {list: "L", tuple: "U", set: "E", frozenset: "F"}
 
 
 def encode(value, memo: dict | None = None, depth: int = 0):
     """`value` as nested tuples of plain data (see the module docstring); objects seen twice
     become references, so identity within one reply survives."""
-    import numpy as np
-
     memo = {} if memo is None else memo
     if depth > 60:
         return ("X", "a structure nested more than 60 levels deep")
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        if type(value) in (bool, int, float, complex, str, bytes, type(None)):
-            return ("P", value)
+    if type(value) in _PLAIN:
+        return ("P", value)
     key = id(value)
     if key in memo:
         return ("R", memo[key][0])
@@ -202,9 +196,7 @@ def encode(value, memo: dict | None = None, depth: int = 0):
         if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
             return ("O", type(value).__name__, "a torch.Tensor subclass", ())
         t = value.detach()
-        if t.layout != torch.strided or t.device.type != "cpu" or t.is_quantized:
-            t = t.to_dense() if t.layout != torch.strided else t
-            t = t.cpu()
+        t = (t if t.layout == torch.strided else t.to_dense()).cpu()
         flat = t.contiguous().reshape(-1)
         raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
         return ("T", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw)
@@ -214,29 +206,16 @@ def encode(value, memo: dict | None = None, depth: int = 0):
         return ("A", value.dtype.str, value.shape, np.ascontiguousarray(value).tobytes())
     if isinstance(value, np.generic):
         return ("S", value.dtype.str, value.tobytes())
-    if type(value) is list:
-        return ("L", tuple(encode(v, memo, depth + 1) for v in value))
-    if type(value) is tuple:
-        return ("U", tuple(encode(v, memo, depth + 1) for v in value))
+    if type(value) in _CONTAINERS:
+        return (_CONTAINERS[type(value)], tuple(encode(v, memo, depth + 1) for v in value))
     if type(value) is dict:
-        return (
-            "D",
-            tuple(
-                (encode(k, memo, depth + 1), encode(v, memo, depth + 1)) for k, v in value.items()
-            ),
-        )
-    if type(value) in (set, frozenset):
-        kind = "E" if type(value) is set else "F"
-        return (kind, tuple(encode(v, memo, depth + 1) for v in value))
+        items = ((encode(k, memo, depth + 1), encode(v, memo, depth + 1)) for k, v in value.items())
+        return ("D", tuple(items))
     attrs = ()
     with contextlib.suppress(Exception):
         fields = getattr(value, "__dict__", None)
-        if isinstance(fields, dict):
-            attrs = tuple(
-                (str(k), encode(v, memo, depth + 1))
-                for k, v in list(fields.items())[:50]
-                if isinstance(k, str)
-            )
+        fields = list(fields.items())[:50] if isinstance(fields, dict) else []
+        attrs = tuple((str(k), encode(v, memo, depth + 1)) for k, v in fields if isinstance(k, str))
     return ("O", type(value).__name__, safe_text(value)[:200], attrs)
 
 
@@ -261,12 +240,11 @@ class Opaque:
 
 
 _OPAQUE_TYPES: dict[str, type] = {}
+_BUILT = {"U": tuple, "E": set, "F": frozenset}
 
 
 def decode(node, refs: list | None = None):
     """The value `encode` described, rebuilt from plain data."""
-    import numpy as np
-
     refs = [] if refs is None else refs
     if not isinstance(node, tuple) or not node or not isinstance(node[0], str):
         raise ValueError("malformed reply")
@@ -284,35 +262,28 @@ def decode(node, refs: list | None = None):
         torch_dtype = getattr(torch, dtype)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype}")
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else None
-        if flat is None:
-            value = torch.empty(shape, dtype=torch_dtype)
-        else:
-            value = flat.view(torch_dtype).reshape(shape).clone()
+        value = torch.empty(shape, dtype=torch_dtype)
+        if raw:
+            value = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch_dtype)
+            value = value.reshape(shape).clone()
     elif kind == "A":
         _, dtype, shape, raw = node
         value = np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
     elif kind == "S":
         value = np.frombuffer(node[2], dtype=np.dtype(node[1]))[0]
     elif kind == "L":
-        value = []
-        refs[slot] = value
+        value = refs[slot] = []  # in refs before its items, which may refer to it
         value.extend(decode(v, refs) for v in node[1])
-    elif kind == "U":
-        value = tuple(decode(v, refs) for v in node[1])
+    elif kind in _BUILT:  # tuples, sets, frozensets: made once their items are
+        value = _BUILT[kind](decode(v, refs) for v in node[1])
     elif kind == "D":
-        value = {}
-        refs[slot] = value
+        value = refs[slot] = {}
         for k, v in node[1]:
             value[decode(k, refs)] = decode(v, refs)
-    elif kind in ("E", "F"):
-        items = [decode(v, refs) for v in node[1]]
-        value = set(items) if kind == "E" else frozenset(items)
     elif kind == "O":
         _, type_name, text, attrs = node
         cls = _OPAQUE_TYPES.setdefault(type_name, type(str(type_name), (Opaque,), {}))
-        value = cls(type_name, text)
-        refs[slot] = value
+        value = refs[slot] = cls(type_name, text)
         for name, v in attrs:
             with contextlib.suppress(Exception):
                 setattr(value, name, decode(v, refs))
@@ -326,85 +297,63 @@ def decode(node, refs: list | None = None):
 
 # --- where values lie in memory -------------------------------------------------------------------
 
-_ARRAY_INTERFACE = None  # numpy's own descriptor, taken before any learner code runs
-
 
 def _span(value) -> tuple[int, int] | None:
     """(first byte, last byte + 1) of the memory under a tensor (its whole storage) or an array,
     read through the C types' own accessors (a patched torch.Tensor.untyped_storage, or an
     ndarray subclass, does not change it)."""
-    global _ARRAY_INTERFACE
-    import numpy as np
-
     torch = sys.modules.get("torch")
-    try:
+    with contextlib.suppress(Exception):  # an exotic tensor (sparse, meta): no extent
         if torch is not None and isinstance(value, torch.Tensor):
             storage = torch._C.TensorBase.untyped_storage(value)
             start = torch._C.StorageBase.data_ptr(storage)
             return start, start + torch._C.StorageBase.nbytes(storage)
         if isinstance(value, np.ndarray):
-            if _ARRAY_INTERFACE is None:
-                _ARRAY_INTERFACE = np.ndarray.__dict__["__array_interface__"]
-            info = _ARRAY_INTERFACE.__get__(value)
+            info = np.ndarray.__array_interface__.__get__(value)
             start, size = info["data"][0], np.dtype(info["typestr"]).itemsize
-            shape, strides = info["shape"], info["strides"]
-            if strides is None:  # C-contiguous
-                strides = [size * int(np.prod(shape[i + 1 :])) for i in range(len(shape))]
-            if any(n == 0 for n in shape):
+            shape, strides = info["shape"], np.ndarray.strides.__get__(value)
+            if 0 in shape:
                 return start, start
             low = start + sum(min(0, (n - 1) * st) for n, st in zip(shape, strides))
             high = start + sum(max(0, (n - 1) * st) for n, st in zip(shape, strides)) + size
             return low, high
-    except Exception:  # noqa: BLE001 - an exotic tensor (sparse, meta): no extent
-        return None
     return None
 
 
-_PLAIN = frozenset({int, float, bool, complex, str, bytes, type(None)})
-
-
-def extents(value, depth: int = 0) -> list[tuple[int, int]]:
-    """The memory spans of the tensors and arrays in `value` (lists, tuples, dicts searched)."""
-    if depth > 4 or type(value) in _PLAIN:
-        return []
-    span = _span(value)
-    if span is not None:
-        return [span]
-    found: list = []
+def held(value, depth: int = 0):
+    """`value` and what it holds, first to last (list, tuple and dict items, 1,000 of each, four
+    levels down), numbers, strings and None left out."""
+    if depth > 4 or isinstance(value, (int, float, complex, str, bytes, type(None))):
+        return
+    yield value
     items = value if type(value) in (list, tuple) else value.values() if type(value) is dict else ()
-    for count, item in enumerate(items):
-        if count == 1000:
-            break
-        if type(item) not in _PLAIN:
-            found += extents(item, depth + 1)
-    return found
+    for item in itertools.islice(items, 1000):
+        yield from held(item, depth + 1)
+
+
+def extents(value) -> list[tuple[int, int]]:
+    """The memory spans of the tensors and arrays in `value` (lists, tuples, dicts searched)."""
+    return [span for part in held(value) if (span := _span(part)) is not None]
 
 
 # --- arrays the grader keeps ----------------------------------------------------------------------
 
 
 class ParentRows:
-    """A (S, D) array that stays in the grader's process: the learner's code reads it a row slice
-    at a time (`rows[a:b]`, at most `max_rows` rows), each slice asked of the grader, which counts
-    what was read. `shape`, `dtype`, `ndim` and `len()` work as for the array; nothing else of it
-    is here.
+    """A (S, D) array that stays in the grader's process (with `reads`, how often each row was
+    served): the learner's code reads it a row slice at a time (`rows[a:b]`, at most `max_rows`
+    rows), each asked of the grader. `shape`, `dtype`, `ndim` and `len()` work as for the array;
+    only they, its limit and its index among the call's arguments cross the wire."""
 
-    In the grader it holds the array and `reads` (how often each row was served); what crosses
-    the wire is its index among the call's arguments, its shape, dtype and limit."""
-
-    def __init__(self, array, max_rows: int, index: int = 0):
-        self._array = array
+    def __init__(self, array, max_rows: int):
+        self._array, self.max_rows, self.index = array, int(max_rows), 0  # set by Remote.call
         self.shape, self.dtype = tuple(array.shape), str(array.dtype)
-        self.max_rows, self.index = int(max_rows), index
-        self.reads = None
-        self._ask = None
+        self.ndim = len(self.shape)
+        self.reads = np.zeros(self.shape[0], dtype=np.int64)  # how often each row was served
+        self._ask = None  # the learner's side, during a call: ask(message) -> the grader's reply
 
     def __getstate__(self):  # what crosses the wire: not the array
         return {**self.__dict__, "_array": None, "reads": None, "_ask": None}
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -412,17 +361,8 @@ class ParentRows:
     def __repr__(self) -> str:
         return f"<rows of a {self.shape} array, read {self.max_rows} at a time>"
 
-    def connect(self, ask) -> None:
-        """The learner's side: read rows through `ask(message)` -> the grader's reply (the channel
-        of the call now running; `None`: no call runs, and reading raises)."""
-        self._ask = ask
-
     def rows(self, start: int, stop: int):
         """The grader's side: rows start..stop-1, counted."""
-        import numpy as np
-
-        if self.reads is None:
-            self.reads = np.zeros(self.shape[0], dtype=np.int64)
         self.reads[start:stop] += 1
         return self._array[start:stop]
 
