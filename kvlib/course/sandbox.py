@@ -62,9 +62,9 @@ def _fixed_malloc() -> None:
 
 def _measured_in_process(stack: contextlib.ExitStack, info: dict) -> None:
     """Peak allocations measured here (where the grader cannot read this process's memory):
-    PyTorch's CPU allocator (its profiler) and numpy/Python's (tracemalloc)."""
-    profiler = _profiler(stack, profile_memory=True)
-    tracemalloc.start()
+    PyTorch's CPU allocator (its profiler) and numpy/Python's (tracemalloc). `collect` is
+    registered first so that it runs last, once the profiler has stopped (its events read
+    before that carry no memory)."""
 
     def collect():
         info["python_peak_bytes"] = tracemalloc.get_traced_memory()[1]
@@ -75,6 +75,8 @@ def _measured_in_process(stack: contextlib.ExitStack, info: dict) -> None:
         info["torch_peak_bytes"] = max([0, *itertools.accumulate(d for _, d in changes)])
 
     stack.callback(collect)
+    profiler = _profiler(stack, profile_memory=True)
+    tracemalloc.start()
 
 
 def _run_call(fn, args, kwargs, options: dict) -> tuple:
