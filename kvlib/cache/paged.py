@@ -37,7 +37,7 @@ from kvlib.cache.block_pool import BlockPool
 from kvlib.errors import OutOfBlocksError
 from kvlib.ops.attention import reference_attention
 
-__all__ = ["PagedCache", "PagedKV", "paged_attention", "read_slots"]
+__all__ = ["PagedCache", "PagedKV", "gather_slots", "paged_attention", "read_slots"]
 
 
 class PagedKV(NamedTuple):
@@ -54,14 +54,19 @@ class PagedKV(NamedTuple):
     positions: torch.Tensor | None = None
 
 
-def gather_kv(paged: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(paged: PagedKV, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Each sequence's keys and values in logical order, `(B, H_kv, S, D)`: S = max(seq_lens), or
     the width of `paged.positions` (entries for positions a sequence does not hold read its first
-    slots: mask them)."""
-    slots = read_slots(paged)
-    flat_k = paged.key_cache.flatten(0, 1)  # (num_blocks * block_size, H_kv, D)
-    flat_v = paged.value_cache.flatten(0, 1)
-    return flat_k[slots].transpose(1, 2), flat_v[slots].transpose(1, 2)  # (B, H_kv, S, D)
+    slots: mask them). `slots`: `read_slots(paged)`, if the caller has it (a step's layers do)."""
+    slots = read_slots(paged) if slots is None else slots
+    return tuple(gather_slots(pool, slots).transpose(1, 2) for pool in paged[:2])
+
+
+def gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`pool (num_blocks, block_size, ...)` read at `slots (B, S)` (flattened pool indices) ->
+    `(B, S, ...)`: one `index_select`, the values `flat[slots]` takes, 3-5x faster on a CPU."""
+    flat = pool.flatten(0, 1)
+    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:])
 
 
 def read_slots(paged) -> torch.Tensor:
@@ -79,14 +84,7 @@ def read_slots(paged) -> torch.Tensor:
     return blocks * block_size + positions % block_size
 
 
-def paged_attention(
-    q: torch.Tensor,
-    kv: PagedKV,
-    mask: torch.Tensor,
-    *,
-    weights_out: list | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
+def paged_attention(q, kv: PagedKV, mask, *, weights_out=None, scale=None) -> torch.Tensor:
     """Attention over a paged cache, the torch reference: gather each sequence's K/V through its
     block table (`gather_kv`), then `kvlib.ops.attention.reference_attention`, so it computes the
     very numbers a dense cache's reference attention does.

@@ -39,7 +39,7 @@ import torch
 from kvlib._validate import check_positive_int
 from kvlib.cache.base import check_kv_append
 from kvlib.cache.dense import _DenseCache
-from kvlib.cache.paged import PagedCache, read_slots
+from kvlib.cache.paged import PagedCache, gather_slots, read_slots
 from kvlib.ops.attention import reference_attention
 from kvlib.quant import QuantizedTensor, QuantScheme, cat_quantized, dequantize, quantize
 
@@ -337,7 +337,7 @@ def _gather(codes, scale, zero, scheme, slots, head_dim) -> QuantizedTensor:
     """The `(B, H_kv, S, D)` quantized tensor the slots (B, S) read from a pool."""
 
     def read(pool):
-        return pool.flatten(0, 1)[slots].transpose(1, 2)  # (B, H_kv, S, ...)
+        return gather_slots(pool, slots).transpose(1, 2)  # (B, H_kv, S, ...)
 
     c = read(codes)
     shape = (*c.shape[:-1], head_dim)

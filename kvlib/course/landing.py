@@ -37,6 +37,7 @@ WHAT = {
     "quant_flush_unit.csv": "int4 per-token keys flushed as KIVI's are (a control)",
     "quant_sweep.csv": "quantized caches' quality by scheme and residual",
     "serving.csv": "serving: static vs continuous batching, prefix caching, int8",
+    "serving_cpu.csv": "the engine against transformers' generate on a CPU",
     "serving_gpu.csv": "serving SmolLM2 on a GPU against transformers' generate",
     "serving_steps.csv": "the serving runs' per-step trace",
     "smollm2_steps_gpu.csv": "SmolLM2's cached and uncached step times on a GPU",

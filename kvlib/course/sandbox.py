@@ -163,7 +163,7 @@ def handle_request(request, namespace: dict, ask=None):
         _, name, args, kwargs, options = request
         for value in [*args, *kwargs.values()]:
             if isinstance(value, ParentRows):
-                value._ask = ask
+                value.ask = ask
         outcome, info = _run_call(namespace.get(name), args, kwargs, options)
         memo: dict = {}  # the result first, then the arguments: the grader decodes them so
         try:

@@ -350,10 +350,10 @@ class ParentRows:
         self.shape, self.dtype = tuple(array.shape), str(array.dtype)
         self.ndim = len(self.shape)
         self.reads = np.zeros(self.shape[0], dtype=np.int64)  # how often each row was served
-        self._ask = None  # the learner's side, during a call: ask(message) -> the grader's reply
+        self.ask = None  # the learner's side, during a call: ask(message) -> the grader's reply
 
     def __getstate__(self):  # what crosses the wire: not the array
-        return {**self.__dict__, "_array": None, "reads": None, "_ask": None}
+        return {**self.__dict__, "_array": None, "reads": None, "ask": None}
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -378,9 +378,9 @@ class ParentRows:
                 f"index: read {stop - start} rows at once; at most {self.max_rows} (one tile) "
                 "are allowed"
             )
-        if self._ask is None:
+        if self.ask is None:
             raise RuntimeError("these rows are served by the grader only during its call")
-        return decode(self._ask(("rows", self.index, start, stop))[1])
+        return decode(self.ask(("rows", self.index, start, stop))[1])
 
     def __array__(self, *args, **kwargs):
         raise TypeError("read it in row slices (k[a:b]): the whole array is not here")

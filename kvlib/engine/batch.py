@@ -15,9 +15,12 @@ so the projections and MLP compute exactly the tokens planned and no padding, an
 `BatchKV` is the cache object the model sees for the step, through the same seam every cache of
 the course uses. Its `update` writes the step's K/V through the slot mapping (into the pools of a
 `PagedCache` or a `QuantizedPagedCache`, so the quantized cache of chapter 10 plugs in), and its
-attention regroups the queries per sequence and calls that cache's own paged attention with a
-mask built from the metadata: query j of a sequence that held `c` tokens before the step sees its
-slots 0 .. c + j. `KernelBatchKV` sends decode rows through chapter 11's kernel instead.
+attention regroups the queries per sequence and attends with a mask built from the metadata:
+query j of a sequence that held `c` tokens before the step sees its slots 0 .. c + j. Over a plain
+`PagedCache` it gathers each sequence's K/V once per layer and calls PyTorch's fused
+`scaled_dot_product_attention` (on a CPU its flash kernel: measured faster than the grouped
+product and no score tensor; `kvlib.experiments.serving_cpu`); over other storage, that cache's
+own paged attention. `KernelBatchKV` sends decode rows through chapter 11's kernel instead.
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ import numpy as np
 import torch
 
 from kvlib.cache.block_manager import BlockManager
-from kvlib.cache.paged import PagedCache, PagedKV, gather_kv, paged_attention
+from kvlib.cache.paged import PagedCache, PagedKV, gather_kv, paged_attention, read_slots
 from kvlib.engine.request import Request
 from kvlib.engine.sampler import device_tensor
-from kvlib.ops.attention import grouped_attention
+from kvlib.ops.attention import sdpa_attention
 
 __all__ = ["BatchKV", "KernelBatchKV", "ModelInput", "kernel_supports", "prepare_inputs"]
 
@@ -101,8 +104,9 @@ def prepare_inputs(
 
 class BatchKV:
     """The cache the model sees for one step (`kvlib.cache.base`'s seam): writes go through the
-    slot mapping into `storage`'s pools, attention reads through the block tables with
-    `storage`'s own paged attention. `storage` is a `PagedCache` (or a subclass storing another
+    slot mapping into `storage`'s pools, attention reads through the block tables (PyTorch's
+    fused attention over a plain `PagedCache`'s gathered K/V, else `storage`'s own paged
+    attention). `storage` is a `PagedCache` (or a subclass storing another
     layout, such as `QuantizedPagedCache`) used for its pools only; the engine's `BlockManager`
     decides the slots."""
 
@@ -136,6 +140,7 @@ class BatchKV:
             self.mask = key[None, None, :] <= last[:, :, None]  # (n, T, S)
         positions = torch.minimum(key[None], batch.seq_lens[:, None] - 1)  # (n, S)
         self.handle = PagedKV(None, None, batch.block_tables, batch.seq_lens, positions)
+        self.slots = None  # (n, S): the pool slots every layer reads (`attention_backend`)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         """k, v: (1, H_kv, N, D), the step's new keys and values: written at the slot mapping."""
@@ -158,11 +163,13 @@ class BatchKV:
             grouped[self.row_seq, :, self.row_token] = q[0].transpose(0, 1)
         backend = self.storage.attention_backend
         if backend is paged_attention and weights_out is None:  # a plain paged cache
-            # the same attention without K/V repeated per query head (GQA's groups folded into
-            # the query rows): the reference repeats them, here the engine's every step
-            # (B, H_kv, S, D) made contiguous here, once, rather than inside the products
-            k, v = (t.contiguous() for t in gather_kv(kv))
-            out = grouped_attention(grouped, (k, v), self.mask)
+            # PyTorch's fused attention (on a CPU its flash kernel: no score tensor in memory,
+            # GQA's groups read from the shared K/V, not repeated), straight over the gathered
+            # K/V as they lie (B, H_kv, S, D views, no copy); the slots every layer reads are
+            # worked out at the first layer
+            if self.slots is None:
+                self.slots = read_slots(kv)
+            out = sdpa_attention(grouped, gather_kv(kv, self.slots), self.mask)
         else:
             out = backend(grouped, kv, self.mask, weights_out=weights_out)
         if self.max_query_len == 1:

@@ -180,14 +180,16 @@ def hf_model(model):
     return hf.to(model.lm_head.weight.device).eval()
 
 
-def run_hf(hf, contender: str, prompts) -> tuple[float, list[list[int]]]:
-    """One timed run of a transformers contender (after a warm-up run): (seconds, outputs)."""
+def hf_runner(hf, contender: str, prompts, *, max_new_tokens: int = OUTPUT_LEN, device="cuda"):
+    """A callable that runs transformers contender `contender` once over `prompts` (greedy,
+    exactly `max_new_tokens` each, no stop token) on `device` and returns the output ids per
+    prompt. Raises ContenderUnavailable where the installed transformers lacks its API."""
     import torch
     import transformers
 
     config = transformers.GenerationConfig(
-        max_new_tokens=OUTPUT_LEN,
-        min_new_tokens=OUTPUT_LEN,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=0,
         eos_token_id=None,
@@ -204,17 +206,27 @@ def run_hf(hf, contender: str, prompts) -> tuple[float, list[list[int]]]:
             ordered = sorted(out.values(), key=lambda o: int(str(o.request_id).split("_")[-1]))
             return [list(o.generated_tokens) for o in ordered]
 
-    else:
-        if contender == "hf_generate_static_compiled":
-            config.cache_implementation = "static"
-        width = max(map(len, prompts))
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+        return once
+    if contender == "hf_generate_static_compiled":
+        config.cache_implementation = "static"
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
 
-        def once():
+    def once():
+        with torch.no_grad():
             out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-            return out[:, width:].tolist()
+        return out[:, width:].tolist()
 
+    return once
+
+
+def run_hf(hf, contender: str, prompts) -> tuple[float, list[list[int]]]:
+    """One timed run of a transformers contender on the GPU (after a warm-up run): (seconds,
+    outputs)."""
+    import torch
+
+    once = hf_runner(hf, contender, prompts)
     with torch.no_grad():
         once()  # warm-up: compilation, graph capture, allocator
         torch.cuda.synchronize()
