@@ -83,3 +83,17 @@ def test_require_triton_with_interpret_sets_the_interpreter_first_or_says_to_res
     late = subprocess.run([sys.executable, "-c", script, "late"], capture_output=True, text=True)
     assert "refused: chapter 11: it runs its kernels under Triton's interpreter" in late.stdout
     assert "restart the kernel" in late.stdout and "TRITON_INTERPRET = None" in late.stdout
+
+
+def test_operator_time_share_counts_the_named_operators_and_prints_nothing(capfd):
+    import torch
+
+    from kvlib.course.bench import operator_time_share
+
+    a = torch.ones(256, 256)
+    share = operator_time_share(lambda: (a @ a).sum(), ("aten::mm",))
+    assert 0 < share <= 1
+    assert operator_time_share(lambda: (a @ a).sum(), ("aten::no_such_op",)) == 0
+    assert capfd.readouterr().err == ""  # the profiler's timestamped lines silenced
+    with pytest.raises(TypeError, match="fn: expected a callable"):
+        operator_time_share(3, ("aten::mm",))

@@ -29,7 +29,8 @@ def test_a_quick_comparison_gives_a_row_per_contender(course):
     ours, theirs = rows
     assert ours["identical_to_kvlib"] == 3 and ours["output_tokens"] == 12
     assert theirs["speedup_vs_hf_generate"] == 1.0
-    assert ours["speedup_vs_hf_generate"] == pytest.approx(theirs["best_s"] / ours["best_s"], 1e-2)
+    # (the seconds are rounded to the millisecond: a tiny run's ratio of them only roughly)
+    assert ours["speedup_vs_hf_generate"] == pytest.approx(theirs["best_s"] / ours["best_s"], 0.1)
     text = serving_cpu.table([dict(model="course", **r) for r in rows])
     assert "kvlib_engine" in text and text.count("\n") == 2
 

@@ -11,6 +11,7 @@ experiments (`kvlib.experiments.decode_bench`, `decode_tuning`) and use `triton.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -144,24 +145,46 @@ def torch_allocated_bytes(fn: Callable[[], object]) -> int:
     Raises:
         TypeError: fn is not callable.
     """
-    from torch.profiler import ProfilerActivity, profile
-
     if not callable(fn):
         raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
-    # the profiler's C++ side logs its start and stop to file descriptor 2 with a timestamp:
-    # silence it, so that a notebook's stored output stays the same on every run
+    with quiet_profiler(profile_memory=True) as profiler:
+        fn()
+    return sum(max(0, e.self_cpu_memory_usage) for e in profiler.events())
+
+
+def operator_time_share(fn: Callable[[], object], names) -> float:
+    """The fraction of `fn()`'s operator time (torch's CPU profiler: each operator's own time,
+    its callees' excluded) spent in the operators `names` (such as "aten::mm"), in [0, 1].
+
+    Raises:
+        TypeError: fn is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+    with quiet_profiler() as profiler:
+        fn()
+    own_us = {e.key: e.self_cpu_time_total for e in profiler.key_averages()}
+    return sum(us for name, us in own_us.items() if name in set(names)) / sum(own_us.values())
+
+
+@contextlib.contextmanager
+def quiet_profiler(**options):
+    """torch's CPU profiler (`torch.profiler.profile` with `options`), its C++ side's start and
+    stop lines (written to file descriptor 2 with a timestamp) silenced, so that a notebook's
+    stored output stays the same on every run."""
+    from torch.profiler import ProfilerActivity, profile
+
     sys.stderr.flush()
     saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, 2)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-            fn()
+        with profile(activities=[ProfilerActivity.CPU], **options) as profiler:
+            yield profiler
     finally:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
-    return sum(max(0, e.self_cpu_memory_usage) for e in profiler.events())
 
 
 # --- the decode wrapper's host time: `python -m kvlib.course.bench host`
