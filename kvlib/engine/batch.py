@@ -18,8 +18,8 @@ the course uses. Its `update` writes the step's K/V through the slot mapping (in
 attention regroups the queries per sequence and attends with a mask built from the metadata:
 query j of a sequence that held `c` tokens before the step sees its slots 0 .. c + j. Over a plain
 `PagedCache` it gathers each sequence's K/V once per layer and calls PyTorch's fused
-`scaled_dot_product_attention` (on a CPU its flash kernel: measured faster than the grouped
-product and no score tensor; `kvlib.experiments.serving_cpu`); over other storage, that cache's
+`scaled_dot_product_attention` (on a CPU its flash kernel: no score tensor, and faster there than
+the grouped product it replaced at the engine's decode shapes); over other storage, that cache's
 own paged attention. `KernelBatchKV` sends decode rows through chapter 11's kernel instead.
 """
 

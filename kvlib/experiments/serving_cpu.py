@@ -12,7 +12,8 @@ Contenders, each given the same prompts:
 - `hf_generate`: transformers' `generate` on one left-padded batch with its dynamic cache (what
   a learner writes first), holding the same weights (`serving_gpu.hf_model`);
 - `hf_generate_batch`: transformers' continuous batching (`generate_batch`), where the installed
-  transformers has it, at 16 requests (it is several times slower at 64).
+  transformers has it, at 16 requests only (several times slower than both there, it would
+  take most of the run at 64).
 
 Each contender runs once to warm up, then `REPEATS` rounds interleaved (kvlib, transformers,
 kvlib, ...) so that a busy spell of the machine slows them alike; a row keeps the fastest and the
@@ -50,6 +51,7 @@ PROVENANCE_SOURCES = (
     "kvlib/engine/sampler.py",
     "kvlib/engine/scheduler.py",
     "kvlib/experiments/serving_cpu.py",
+    "kvlib/experiments/serving_gpu.py",
     "kvlib/layers/llama.py",
     "kvlib/model.py",
     "kvlib/ops/attention.py",

@@ -194,6 +194,11 @@ def hf_runner(hf, contender: str, prompts, *, max_new_tokens: int = OUTPUT_LEN, 
         pad_token_id=0,
         eos_token_id=None,
     )
+    # generate fills what `config` leaves unset from the model's own generation config, whose
+    # eos_token_id (LlamaConfig's default, 2) min_new_tokens would then keep from being sampled:
+    # a real token of the course model, and a different greedy answer wherever it is the argmax
+    if getattr(hf, "generation_config", None) is not None:
+        hf.generation_config.eos_token_id = None
     if contender == "hf_generate_batch":
         if not hasattr(hf, "generate_batch"):
             raise ContenderUnavailable(
@@ -209,10 +214,6 @@ def hf_runner(hf, contender: str, prompts, *, max_new_tokens: int = OUTPUT_LEN, 
         return once
     if contender == "hf_generate_static_compiled":
         config.cache_implementation = "static"
-    # generate fills what `config` leaves unset from the model's own generation config, whose
-    # eos_token_id (LlamaConfig's default, 2) min_new_tokens would then keep from being sampled:
-    # a real token of the course model, and a different greedy answer wherever it is the argmax
-    hf.generation_config.eos_token_id = None
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
