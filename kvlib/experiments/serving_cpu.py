@@ -31,7 +31,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 from kvlib.experiments import options
@@ -65,11 +64,9 @@ def prompts_for(model, num_requests: int, seed: int = SEED) -> list[list[int]]:
     from kvlib.experiments.serving_gpu import workload_prompts
 
     vocab = model.config.vocab_size
-    if vocab > 256:
-        return workload_prompts(vocab, num_requests=num_requests, prompt_len=PROMPT_LEN, seed=seed)
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(PROMPT_LEN[0], PROMPT_LEN[1] + 1, num_requests)
-    return [rng.integers(0, vocab, int(n)).tolist() for n in lengths]
+    return workload_prompts(
+        vocab, num_requests=num_requests, prompt_len=PROMPT_LEN, seed=seed, low=256 * (vocab > 256)
+    )
 
 
 def kvlib_runner(model, prompts, max_tokens: int):

@@ -63,13 +63,14 @@ CONTENDERS = (*KVLIB, *TRANSFORMERS)
 
 
 def workload_prompts(
-    vocab_size: int, *, num_requests=NUM_REQUESTS, prompt_len=PROMPT_LEN, seed=SEED
+    vocab_size: int, *, num_requests=NUM_REQUESTS, prompt_len=PROMPT_LEN, seed=SEED, low=256
 ):
-    """The workload's prompts: lists of random token ids in [256, vocab_size) (no special tokens),
-    lengths uniform in `prompt_len` (inclusive); seeded, the same everywhere."""
+    """The workload's prompts: lists of random token ids in [low, vocab_size) (by default from
+    256: no special tokens), lengths uniform in `prompt_len` (inclusive); seeded, the same
+    everywhere."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(prompt_len[0], prompt_len[1] + 1, num_requests)
-    return [rng.integers(256, vocab_size, int(n)).tolist() for n in lengths]
+    return [rng.integers(low, vocab_size, int(n)).tolist() for n in lengths]
 
 
 MAX_NUM_BATCHED_TOKENS = 8192
