@@ -18,6 +18,7 @@ import threading
 import tracemalloc
 import types
 
+from kvlib.course.bench import quiet_profiler
 from kvlib.course.guards import call_learner, install_guards
 from kvlib.course.wire import Channel, ParentRows, encode, extents, safe_text
 
@@ -30,21 +31,6 @@ class CheckTimeout(BaseException):
 
 
 # --- running one call -----------------------------------------------------------------------------
-
-
-def _profiler(stack: contextlib.ExitStack, **options):
-    """torch's CPU profiler until `stack` closes, file descriptor 2 sent to /dev/null meanwhile (it
-    writes its warnings there, not through Python's sys.stderr)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    stack.callback(os.close, devnull)
-    stack.callback(os.close, saved)
-    stack.callback(os.dup2, saved, 2)
-    return stack.enter_context(profile(activities=[ProfilerActivity.CPU], **options))
 
 
 def _fixed_malloc() -> None:
@@ -75,7 +61,7 @@ def _measured_in_process(stack: contextlib.ExitStack, info: dict) -> None:
         info["torch_peak_bytes"] = max([0, *itertools.accumulate(d for _, d in changes)])
 
     stack.callback(collect)
-    profiler = _profiler(stack, profile_memory=True)
+    profiler = stack.enter_context(quiet_profiler(profile_memory=True))
     tracemalloc.start()
 
 
@@ -94,7 +80,7 @@ def _run_call(fn, args, kwargs, options: dict) -> tuple:
             # the profiler records every operator at the dispatcher's entry, composite ones
             # included (torch.ops.aten._scaled_dot_product_attention_math decomposes before a
             # dispatch mode sees it), and torch._C.DisableTorchFunction does not turn it off
-            profiler = _profiler(stack)
+            profiler = stack.enter_context(quiet_profiler())
         if options.get("measure_memory"):
             _fixed_malloc()
             if options["measure_memory"] == "self":  # the grader cannot measure from outside
