@@ -443,3 +443,45 @@ def test_a_config_without_a_dtype_is_sized_in_float32_and_says_so():
     report = M.cache_report(gpt2, 1024)
     assert report.cache_dtype == "float32" and "float32 assumed" in report.table()
     assert M.cache_report(gpt2, 1024, cache_dtype="float16").dtype_assumption is None
+
+
+# Chapter 17's hybrids: linear-attention states and cross-layer sharing, against hand derivations.
+def test_qwen3_next_caches_a_fixed_state_in_three_layers_of_four():
+    config = CONFIGS["qwen3-next-80b-a3b"]
+    specs = M.layer_specs(config)
+    assert [s.kind for s in specs] == ["linear", "linear", "linear", "full"] * 12
+    # recurrent state: 32 value heads x 128 x 128; convolution: (2 x 16 x 128 + 32 x 128) x 4
+    state = 32 * 128 * 128 + (2 * 16 * 128 + 32 * 128) * 4
+    assert {s.state_elements for s in specs if s.kind == "linear"} == {state}
+    for seq_len in (1, 4096, 131072):  # 12 full layers: 2 x 2 heads x 256 dims x 2 bytes per token
+        expected = 36 * state * 2 + 12 * 2 * 2 * 256 * 2 * seq_len
+        assert M.kv_cache_bytes(config, seq_len, cache_dtype="bfloat16") == expected
+
+
+def test_gemma_3n_shared_layers_cache_nothing_and_read_the_last_producer_of_their_kind():
+    config = CONFIGS["gemma-3n-e4b"]
+    specs = M.layer_specs(config)
+    assert [s.kind for s in specs[20:]] == ["shared"] * 15
+    assert all(s.elements_per_token == 0 and s.state_elements == 0 for s in specs[20:])
+    assert "layer 18's sliding" in specs[20].description  # 18: the last sliding layer before 20
+    assert "layer 19's full" in specs[24].description  # 19: the last full layer before 20
+    # 16 sliding layers hold min(S, 512) tokens and 4 full layers S, 2 x 2 heads x 256 x 2 bytes
+    per_token = 2 * 2 * 256 * 2
+    for seq_len in (100, 512, 513, 32768):
+        expected = per_token * (16 * min(seq_len, 512) + 4 * seq_len)
+        assert M.kv_cache_bytes(config, seq_len) == expected
+    unshared = {k: v for k, v in config.items() if k != "num_kv_shared_layers"}
+    assert M.kv_cache_bytes(unshared, 32768) > M.kv_cache_bytes(config, 32768)
+
+
+@pytest.mark.parametrize("shared", [35, 40, -1])
+def test_shared_layers_out_of_range_are_refused(shared):
+    config = dict(CONFIGS["gemma-3n-e4b"], num_kv_shared_layers=shared)
+    with pytest.raises(UnsupportedConfigError, match="num_kv_shared_layers"):
+        M.layer_specs(config)
+
+
+def test_gemma_2_alternates_local_and_global_layers():
+    specs = M.layer_specs(CONFIGS["gemma-2-9b"])
+    assert [s.kind for s in specs] == ["sliding", "full"] * 21
+    assert {s.token_cap for s in specs if s.kind == "sliding"} == {4096}

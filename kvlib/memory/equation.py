@@ -71,8 +71,13 @@ class CacheReport:
             )
         rows = []
         for (kind, layer_bytes, description), members in groups.items():
+            spec = members[0].spec
             holds = (
-                f"{members[0].tokens_held} tok" if members[0].spec.elements_per_token else "state"
+                f"{members[0].tokens_held} tok"
+                if spec.elements_per_token
+                else "state"
+                if spec.state_elements
+                else "nothing"
             )
             rows.append(
                 (
@@ -86,11 +91,12 @@ class CacheReport:
             )
         titles = ("layers", "kind", "holds", "per layer", "subtotal")
         widths = [max(len(r[k]) for r in rows + [titles]) for k in range(5)]
-        states = any(u.spec.state_elements for u in self.layers)
+        kinds = {u.spec.kind for u in self.layers if u.spec.state_elements}
+        states = ("SSM state" if kinds & {"mamba", "mamba2"} else "state") if kinds else ""
         lines = [
             f"{self.model_type}: {self.batch_size} x {self.seq_len} tokens, cache "
             f"{self.cache_dtype}"
-            + (f", SSM state {self.state_dtype}" if states else "")
+            + (f", {states} {self.state_dtype}" if states else "")
             + (f" ({self.dtype_assumption})" if self.dtype_assumption else ""),
             "  ".join(t.ljust(w) for t, w in zip(titles, widths)) + "  derivation",
         ]

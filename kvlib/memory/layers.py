@@ -12,6 +12,12 @@ code reads it (chapter 3). Layer by layer:
   2.1);
 - SSM layers (Mamba, Mamba-2, Jamba's Mamba layers): a constant state per sequence, convolution
   state plus SSM state, in the shapes Hugging Face's Mamba caches allocate;
+- linear-attention layers of a hybrid (Qwen3-Next's Gated DeltaNet layers, Yang et al., 2024): a
+  constant state per sequence, the recurrent state `H_v · D_k · D_v` plus the short convolution's
+  last `linear_conv_kernel_dim` inputs, the shapes transformers' linear-attention cache keeps;
+- cross-layer KV sharing (Brandon et al., 2024; Gemma 3n's `num_kv_shared_layers`): the last
+  layers read the cache of the last earlier layer of their own kind and cache nothing themselves
+  (kind "shared");
 - StreamingLLM attention sinks (Xiao et al., 2024), on request: every attention layer keeps its
   first `sink_tokens` tokens plus a recent window.
 
@@ -44,6 +50,7 @@ DENSE_ATTENTION = {
     "gemma2",
     "gemma3",
     "gemma3_text",
+    "gemma3n_text",
     "gpt2",
     "opt",
     "falcon",
@@ -54,7 +61,7 @@ DENSE_ATTENTION = {
 }
 MLA = {"deepseek_v2", "deepseek_v3"}
 SSM = {"mamba", "mamba2"}
-HYBRID = {"jamba"}
+HYBRID = {"jamba", "qwen3_next"}
 SIZED_MODEL_TYPES = sorted(DENSE_ATTENTION | MLA | SSM | HYBRID)
 
 
@@ -62,7 +69,8 @@ SIZED_MODEL_TYPES = sorted(DENSE_ATTENTION | MLA | SSM | HYBRID)
 class LayerSpec:
     """What one layer caches for one sequence.
 
-    kind: "full", "sliding", "chunked", "mla", "mamba" or "mamba2".
+    kind: "full", "sliding", "chunked", "mla", "mamba", "mamba2", "linear" (a linear-attention
+        layer's fixed state) or "shared" (reads an earlier layer's cache, holds none).
     elements_per_token: cached elements each new token adds (K and V together; the latent for MLA).
     token_cap: the most tokens the layer keeps (window or chunk size); None = unbounded.
     state_elements: constant elements per sequence (SSM convolution + SSM state); 0 for attention.
@@ -103,6 +111,8 @@ def _attention_kinds(config: dict, model_type: str, num_layers: int) -> list[str
             "sliding_attention": "sliding",
             "chunked_attention": "chunked",
         }
+        if model_type == "qwen3_next":
+            names["linear_attention"] = "linear"
         layer_types = config["layer_types"]
         if len(layer_types) != num_layers or any(t not in names for t in layer_types):
             raise UnsupportedConfigError(
@@ -123,6 +133,9 @@ def _attention_kinds(config: dict, model_type: str, num_layers: int) -> list[str
         return ["sliding" if i >= first else "full" for i in range(num_layers)]
     if model_type == "gemma2":  # even layers slide, odd layers are global
         return ["sliding" if (i + 1) % 2 else "full" for i in range(num_layers)]
+    if model_type == "qwen3_next":  # every `full_attention_interval`-th layer is full attention
+        interval = int(config.get("full_attention_interval", 4))
+        return ["linear" if (i + 1) % interval else "full" for i in range(num_layers)]
     if model_type in ("gemma3", "gemma3_text"):  # every `sliding_window_pattern`-th layer is global
         pattern = int(config.get("sliding_window_pattern", 6))
         return ["sliding" if (i + 1) % pattern else "full" for i in range(num_layers)]
@@ -166,6 +179,47 @@ def _mamba_state(config: dict, model_type: str) -> tuple[int, str]:
     return inner * (conv + state), f"Mamba state: conv {inner}x{conv} + ssm {inner}x{state}"
 
 
+def _linear_attention_state(config: dict) -> tuple[int, str]:
+    """Constant state elements per sequence of one Gated DeltaNet layer (Qwen3-Next): the
+    recurrent state (value heads, D_k, D_v) plus the causal convolution's window over the mixed
+    q, k, v channels (conv_dim, kernel), as transformers' linear-attention cache allocates them."""
+    key_heads, value_heads = (
+        config_field(config, "linear_num_key_heads"),
+        config_field(config, "linear_num_value_heads"),
+    )
+    d_k, d_v = (
+        config_field(config, "linear_key_head_dim"),
+        config_field(config, "linear_value_head_dim"),
+    )
+    kernel = config_field(config, "linear_conv_kernel_dim")
+    conv_dim = 2 * key_heads * d_k + value_heads * d_v
+    return (
+        value_heads * d_k * d_v + conv_dim * kernel,
+        f"linear-attention state: {value_heads}x{d_k}x{d_v} + conv {conv_dim}x{kernel}",
+    )
+
+
+def _shared(specs: list[LayerSpec], config: dict) -> list[LayerSpec]:
+    """Cross-layer KV sharing as Gemma 3n configures it: each of the last `num_kv_shared_layers`
+    layers reads the cache of the last earlier layer of its own kind and stores nothing."""
+    shared = int(config.get("num_kv_shared_layers") or 0)
+    first = len(specs) - shared
+    if not 0 <= shared < len(specs):
+        raise UnsupportedConfigError(
+            f"config: num_kv_shared_layers must be in [0, {len(specs)}), got {shared}"
+        )
+    out = list(specs[:first])
+    for spec in specs[first:]:
+        producers = [s.index for s in specs[:first] if s.kind == spec.kind]
+        if not producers:
+            raise UnsupportedConfigError(
+                f"config: shared layer {spec.index} ({spec.kind}) has no earlier {spec.kind} layer"
+            )
+        how = f"reads layer {producers[-1]}'s {spec.kind} cache (cross-layer sharing)"
+        out.append(LayerSpec(spec.index, "shared", 0, None, 0, how))
+    return out
+
+
 def layer_specs(config: dict | str | os.PathLike) -> list[LayerSpec]:
     """What every layer of the model caches, in layer order.
 
@@ -202,6 +256,9 @@ def layer_specs(config: dict | str | os.PathLike) -> list[LayerSpec]:
     kv_heads, head_dim, how = attention_geometry(config, model_type)
     specs = []
     for i, kind in enumerate(_attention_kinds(config, model_type, num_layers)):
+        if kind == "linear":
+            specs.append(LayerSpec(i, "linear", 0, None, *_linear_attention_state(config)))
+            continue
         if kind == "full":
             cap, note = None, ""
         elif kind == "sliding":
@@ -213,7 +270,7 @@ def layer_specs(config: dict | str | os.PathLike) -> list[LayerSpec]:
         specs.append(
             LayerSpec(i, kind, kv_elements_per_token(kv_heads, head_dim), cap, 0, how + note)
         )
-    return specs
+    return _shared(specs, config) if config.get("num_kv_shared_layers") else specs
 
 
 def _with_sinks(
