@@ -1,2 +1,3 @@
-"""The model's layers: the Llama family's (`llama`: RMSNorm, RoPE, attention, SwiGLU MLP) and
-DeepSeek-V2's multi-head latent attention beside them (`mla`)."""
+"""The model's layers: the Llama family's (`llama`: RMSNorm, RoPE, attention, SwiGLU MLP),
+DeepSeek-V2's multi-head latent attention beside them (`mla`), and gated linear attention, the
+layer of a hybrid model whose cache is a fixed-size recurrent state (`linear_attention`)."""
