@@ -86,6 +86,10 @@ CHAPTERS = {
         Chapter(16, "speculative decoding", (7, 11, 15), "verify a drafter's guesses in one "
                 "forward, roll back every kind of cache exactly, keep the target's distribution "
                 "when sampling, and count what an emitted token costs"),
+        Chapter(17, "windows and hybrids", (3, 4, 7), "size each layer group's cache from a "
+                "config, keep a sliding window in a ring or in pages that give dead blocks back, "
+                "add a learned sink to every softmax path, and run a recurrent layer's three "
+                "forms with snapshots"),
     )
 }  # fmt: skip
 
@@ -183,7 +187,7 @@ def write_header(number: int, times: Path | None = None) -> bool:
 _PLACES = {
     1: (0, 3), 2: (1, 4), 4: (1, 1.5), 3: (2, 5), 7: (2, 3), 5: (3, 6), 8: (3, 4), 11: (3, 2),
     6: (4, 6), 10: (4, 5), 9: (4, 4), 15: (4, 3), 12: (4.6, 2), 13: (5.6, 2.5), 14: (5.6, 1.5),
-    16: (5.6, 3.5),
+    16: (5.6, 3.5), 17: (5.6, 4.6),
 }  # fmt: skip
 
 
