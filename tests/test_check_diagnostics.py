@@ -1798,6 +1798,407 @@ def rollback_blocks(block_table, new_len, block_size, ref_cnt):  # all kept bloc
 """,
         "no copy-on-write",
     ),
+    (
+        "17",
+        "ring_slots",
+        """
+def ring_slots(num_positions, window):  # newest first
+    first = max(0, num_positions - window)
+    return [p % window for p in range(first, num_positions)][::-1]
+""",
+        "newest first",
+    ),
+    (
+        "17",
+        "ring_slots",
+        """
+def ring_slots(num_positions, window):  # the slots in buffer order
+    return list(range(min(num_positions, window)))
+""",
+        "the slots in buffer order",
+    ),
+    (
+        "17",
+        "ring_slots",
+        """
+def ring_slots(num_positions, window):  # the positions, not their slots
+    return list(range(max(0, num_positions - window), num_positions))
+""",
+        "the positions themselves",
+    ),
+    (
+        "17",
+        "ring_slots",
+        """
+def ring_slots(num_positions, window):  # W - 1 positions
+    return [p % window for p in range(max(0, num_positions - window + 1), num_positions)]
+""",
+        "W - 1 positions",
+    ),
+    (
+        "17",
+        "ring_slots",
+        """
+def ring_slots(num_positions, window):  # W + 1 positions
+    return [p % window for p in range(max(0, num_positions - window - 1), num_positions)]
+""",
+        "W + 1 positions",
+    ),
+    (
+        "17",
+        "ring_slots",
+        """
+def ring_slots(num_positions, window):  # positions n - W + 1 .. n
+    return [p % window for p in range(max(0, num_positions - window + 1), num_positions + 1)]
+""",
+        "the next position included",
+    ),
+    (
+        "17",
+        "ring_slots",
+        """
+def ring_slots(num_positions, window):  # rotated even before the ring wraps
+    start = num_positions % window
+    return list(range(start, window)) + list(range(start))
+""",
+        "the rotation applied before the ring has wrapped",
+    ),
+    (
+        "17",
+        "freeable_blocks",
+        """
+def freeable_blocks(num_positions, window, block_size, sink_tokens=0):  # positions < n - W out
+    first = -(-sink_tokens // block_size)
+    return list(range(first, (num_positions - window) // block_size))
+""",
+        "a window of W + 1 keys",
+    ),
+    (
+        "17",
+        "freeable_blocks",
+        """
+def freeable_blocks(num_positions, window, block_size, sink_tokens=0):  # n - W + 1 out too
+    first = -(-sink_tokens // block_size)
+    return list(range(first, (num_positions - window + 2) // block_size))
+""",
+        "a window of W - 1 keys",
+    ),
+    (
+        "17",
+        "freeable_blocks",
+        """
+def freeable_blocks(num_positions, window, block_size, sink_tokens=0):  # any position out
+    first = -(-sink_tokens // block_size)
+    return list(range(first, -(-(num_positions - window + 1) // block_size)))
+""",
+        "a block freed while some of its positions are still in the window",
+    ),
+    (
+        "17",
+        "freeable_blocks",
+        """
+def freeable_blocks(num_positions, window, block_size, sink_tokens=0):  # the sinks forgotten
+    return list(range((num_positions - window + 1) // block_size))
+""",
+        "the sinks forgotten",
+    ),
+    (
+        "17",
+        "freeable_blocks",
+        """
+def freeable_blocks(num_positions, window, block_size, sink_tokens=0):  # floor for the sinks
+    first = sink_tokens // block_size
+    return list(range(first, (num_positions - window + 1) // block_size))
+""",
+        "the sinks' last block freed",
+    ),
+    (
+        "17",
+        "freeable_blocks",
+        """
+def freeable_blocks(num_positions, window, block_size, sink_tokens=0):  # sinks as blocks
+    return list(range(sink_tokens, (num_positions - window + 1) // block_size))
+""",
+        "sink_tokens counted in blocks",
+    ),
+    (
+        "17",
+        "freeable_blocks",
+        """
+def freeable_blocks(num_positions, window, block_size, sink_tokens=0):  # sinks in the window
+    first = -(-sink_tokens // block_size)
+    recent = window - sink_tokens
+    return list(range(first, (num_positions - recent + 1) // block_size))
+""",
+        "the sinks counted inside the window",
+    ),
+    (
+        "17",
+        "freeable_blocks",
+        """
+def freeable_blocks(num_positions, window, block_size, sink_tokens=0):  # newest first
+    first = -(-sink_tokens // block_size)
+    return list(range(first, (num_positions - window + 1) // block_size))[::-1]
+""",
+        "newest first: list the blocks in ascending order",
+    ),
+    (
+        "17",
+        "freeable_blocks",
+        """
+def freeable_blocks(num_positions, window, block_size, sink_tokens=0):  # never frees
+    return []
+""",
+        "nothing freed",
+    ),
+    (
+        "17",
+        "softmax_with_sink",
+        """
+def softmax_with_sink(scores, sink):  # the sink forgotten
+    e = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+""",
+        "the sink forgotten",
+    ),
+    (
+        "17",
+        "softmax_with_sink",
+        """
+def softmax_with_sink(scores, sink):  # no maximum subtracted
+    e = np.exp(scores)
+    return e / (e.sum(axis=1, keepdims=True) + np.exp(sink)[:, None])
+""",
+        "no maximum subtracted",
+    ),
+    (
+        "17",
+        "softmax_with_sink",
+        """
+def softmax_with_sink(scores, sink):  # the scores shifted, the sink not
+    e = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return e / (e.sum(axis=1, keepdims=True) + np.exp(sink)[:, None])
+""",
+        "the sink not shifted",
+    ),
+    (
+        "17",
+        "softmax_with_sink",
+        """
+def softmax_with_sink(scores, sink):  # the sink once per key
+    m = np.maximum(scores.max(axis=1, keepdims=True), sink[:, None])
+    e = np.exp(scores - m)
+    return e / (e.sum(axis=1, keepdims=True) + scores.shape[1] * np.exp(sink[:, None] - m))
+""",
+        "the sink counted once per key",
+    ),
+    (
+        "17",
+        "softmax_with_sink",
+        """
+def softmax_with_sink(scores, sink):  # the sink added as a weight
+    e = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return e / (e.sum(axis=1, keepdims=True) + sink[:, None])
+""",
+        "the sink added as a weight",
+    ),
+    (
+        "17",
+        "merge_with_sink",
+        """
+def merge_with_sink(partial_out, partial_lse, sink):  # the sink forgotten
+    w = np.exp(partial_lse - partial_lse.max(axis=0))
+    return np.einsum("ph,phd->hd", w, partial_out) / w.sum(axis=0)[:, None]
+""",
+        "the sink forgotten",
+    ),
+    (
+        "17",
+        "merge_with_sink",
+        """
+def merge_with_sink(partial_out, partial_lse, sink):  # the sink inside every split
+    m = np.maximum(partial_lse.max(axis=0), sink)
+    w = np.exp(partial_lse - m)
+    denominator = w.sum(axis=0) + len(partial_lse) * np.exp(sink - m)
+    return np.einsum("ph,phd->hd", w, partial_out) / denominator[:, None]
+""",
+        "the sink counted in every split",
+    ),
+    (
+        "17",
+        "merge_with_sink",
+        """
+def merge_with_sink(partial_out, partial_lse, sink):  # no maximum subtracted
+    w = np.exp(partial_lse)
+    denominator = w.sum(axis=0) + np.exp(sink)
+    return np.einsum("ph,phd->hd", w, partial_out) / denominator[:, None]
+""",
+        "no maximum subtracted",
+    ),
+    (
+        "17",
+        "merge_with_sink",
+        """
+def merge_with_sink(partial_out, partial_lse, sink):  # the lse shifted, the sink not
+    w = np.exp(partial_lse - partial_lse.max(axis=0))
+    denominator = w.sum(axis=0) + np.exp(sink)
+    return np.einsum("ph,phd->hd", w, partial_out) / denominator[:, None]
+""",
+        "the sink not shifted",
+    ),
+    (
+        "17",
+        "merge_with_sink",
+        """
+def merge_with_sink(partial_out, partial_lse, sink):  # the splits averaged
+    return partial_out.mean(axis=0)
+""",
+        "the splits' outputs averaged",
+    ),
+    (
+        "17",
+        "hybrid_cache_bytes",
+        """
+def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # the window unbounded
+    total = 0
+    for layer in layers:
+        if layer["kind"] == "linear":
+            total += layer["state_elements"]
+        else:
+            held = seq_len
+            total += 2 * layer["num_kv_heads"] * layer["head_dim"] * held
+    return total * bytes_per_element
+""",
+        "the window counted as unbounded",
+    ),
+    (
+        "17",
+        "hybrid_cache_bytes",
+        """
+def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # always W
+    total = 0
+    for layer in layers:
+        if layer["kind"] == "linear":
+            total += layer["state_elements"]
+        else:
+            held = seq_len if layer["kind"] == "full" else layer["window"]
+            total += 2 * layer["num_kv_heads"] * layer["head_dim"] * held
+    return total * bytes_per_element
+""",
+        "the window always full",
+    ),
+    (
+        "17",
+        "hybrid_cache_bytes",
+        """
+def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # W + 1
+    total = 0
+    for layer in layers:
+        if layer["kind"] == "linear":
+            total += layer["state_elements"]
+        else:
+            held = seq_len if layer["kind"] == "full" else min(seq_len, layer["window"] + 1)
+            total += 2 * layer["num_kv_heads"] * layer["head_dim"] * held
+    return total * bytes_per_element
+""",
+        "a window of W + 1 tokens",
+    ),
+    (
+        "17",
+        "hybrid_cache_bytes",
+        """
+def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # W - 1
+    total = 0
+    for layer in layers:
+        if layer["kind"] == "linear":
+            total += layer["state_elements"]
+        else:
+            held = seq_len if layer["kind"] == "full" else min(seq_len, layer["window"] - 1)
+            total += 2 * layer["num_kv_heads"] * layer["head_dim"] * held
+    return total * bytes_per_element
+""",
+        "a window of W - 1 tokens",
+    ),
+    (
+        "17",
+        "hybrid_cache_bytes",
+        """
+def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # K only
+    total = 0
+    for layer in layers:
+        if layer["kind"] == "linear":
+            total += layer["state_elements"]
+        else:
+            held = seq_len if layer["kind"] == "full" else min(seq_len, layer["window"])
+            total += 1 * layer["num_kv_heads"] * layer["head_dim"] * held
+    return total * bytes_per_element
+""",
+        "K or V only",
+    ),
+    (
+        "17",
+        "hybrid_cache_bytes",
+        """
+def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # the state per token
+    total = 0
+    for layer in layers:
+        if layer["kind"] == "linear":
+            total += layer["state_elements"] * seq_len
+        else:
+            held = seq_len if layer["kind"] == "full" else min(seq_len, layer["window"])
+            total += 2 * layer["num_kv_heads"] * layer["head_dim"] * held
+    return total * bytes_per_element
+""",
+        "the state counted per token",
+    ),
+    (
+        "17",
+        "hybrid_cache_bytes",
+        """
+def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # the state as K and V
+    total = 0
+    for layer in layers:
+        if layer["kind"] == "linear":
+            total += 2 * layer["state_elements"]
+        else:
+            held = seq_len if layer["kind"] == "full" else min(seq_len, layer["window"])
+            total += 2 * layer["num_kv_heads"] * layer["head_dim"] * held
+    return total * bytes_per_element
+""",
+        "the state counted twice",
+    ),
+    (
+        "17",
+        "hybrid_cache_bytes",
+        """
+def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # the state forgotten
+    total = 0
+    for layer in layers:
+        if layer["kind"] == "linear":
+            total += 0
+        else:
+            held = seq_len if layer["kind"] == "full" else min(seq_len, layer["window"])
+            total += 2 * layer["num_kv_heads"] * layer["head_dim"] * held
+    return total * bytes_per_element
+""",
+        "the linear layers' state forgotten",
+    ),
+    (
+        "17",
+        "hybrid_cache_bytes",
+        """
+def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # elements
+    total = 0
+    for layer in layers:
+        if layer["kind"] == "linear":
+            total += layer["state_elements"]
+        else:
+            held = seq_len if layer["kind"] == "full" else min(seq_len, layer["window"])
+            total += 2 * layer["num_kv_heads"] * layer["head_dim"] * held
+    return total * 1
+""",
+        "elements, not bytes",
+    ),
 ]
 
 
@@ -2059,6 +2460,33 @@ _solved_rollback_blocks = rollback_blocks
 def rollback_blocks(block_table, new_len, block_size, ref_cnt):
     kept, freed, copy = _solved_rollback_blocks(block_table, new_len, block_size, ref_cnt)
     return [np.int64(b) for b in kept], [np.int64(b) for b in freed], np.bool_(copy)
+""",
+    ),
+    (
+        "17",
+        "ring_slots",
+        """
+def ring_slots(num_positions, window):
+    first = max(0, num_positions - window)
+    return [np.int64(p) % window for p in range(first, num_positions)]
+""",
+    ),
+    (
+        "17",
+        "freeable_blocks",
+        """
+def freeable_blocks(num_positions, window, block_size, sink_tokens=0):
+    first = -(-sink_tokens // block_size)
+    return np.arange(first, (num_positions - window + 1) // block_size, dtype=np.int32)
+""",
+    ),
+    (
+        "17",
+        "hybrid_cache_bytes",
+        """
+_solved_hybrid_cache_bytes = hybrid_cache_bytes
+def hybrid_cache_bytes(layers, seq_len, bytes_per_element):
+    return np.int64(_solved_hybrid_cache_bytes(layers, seq_len, bytes_per_element))
 """,
     ),
 ]
@@ -2408,3 +2836,71 @@ def test_chapter_16s_rejection_oracle_replays_kvlibs_speculative_accept():
         expected, distribution = speculative_answers.rejection(draft, q, p, uniforms)
         assert accepted == expected, (seed, draft, uniforms)
         assert token == int(torch.multinomial(distribution, 1, generator=replay)), seed
+
+
+def test_chapter_17s_oracles_match_kvlibs():
+    """Chapter 17's oracles, written out from their definitions, against kvlib's own code: the
+    ring's read order against `RingCache`'s slots, the freeable blocks against the model's
+    visibility rule (`kvlib.ops.attention.visible`), the sink softmax against
+    `kvlib.ref.attention.attention_weights(sinks=)`, the merged split-K partials against attention
+    over all the keys, and the hybrid bytes against `kvlib.memory.kv_cache_bytes` on shipped
+    configs; with nothing switched, each mistake table's formula is the oracle."""
+    import torch
+
+    from kvlib.cache.ring import RingCache
+    from kvlib.config import attention_geometry, load_config
+    from kvlib.course.checks import ch17
+    from kvlib.course.checks import windows_answers as answers
+    from kvlib.memory import kv_cache_bytes
+    from kvlib.memory.layers import layer_specs
+    from kvlib.ops.attention import visible
+    from kvlib.ref.attention import attention_weights
+
+    rng = np.random.default_rng(17)
+    for window in (1, 3, 4, 8):  # a ring whose keys are their positions
+        ring = RingCache(1, window)
+        for n in range(1, 3 * window + 2):
+            position = torch.full((1, 1, 1, 1), float(n - 1))
+            ring.update(0, position, position)
+            ring.advance(1)
+            held = ring.keys[0][0, 0, answers.ring_order(n, window), 0].tolist()
+            assert held == [float(p) for p in range(max(0, n - window), n)], (n, window)
+    for _ in range(300):
+        n, window, block_size, sinks, _ = ch17._random_freeable_case(rng)
+        later = torch.arange(n, n + window + block_size + 1)[:, None]  # the next queries
+        freed = []
+        for b in range(-(-n // block_size)):
+            keys = torch.arange(b * block_size, (b + 1) * block_size)[None, :]
+            if not visible(keys, later, window).any() and b * block_size >= sinks:
+                freed.append(b)
+        args = (n, window, block_size, sinks)
+        assert answers.freeable(*args) == freed == answers.freeable_formula(*args), args
+    for _ in range(200):
+        heads, keys, dim = (int(x) for x in rng.integers(1, 7, size=3))
+        q, k = rng.normal(size=(heads, 1, dim)) * 5, rng.normal(size=(heads, keys, dim)) * 5
+        sink = rng.normal(size=heads) * 5
+        scores = (q @ k.transpose(0, 2, 1))[:, 0] * dim**-0.5  # (H, S)
+        reference = attention_weights(q, k, sinks=sink)[:, 0]
+        np.testing.assert_allclose(answers.sink_softmax(scores, sink), reference, rtol=1e-12)
+    for _ in range(200):
+        partial_out, partial_lse, sink, _, exact = ch17._random_merge_case(rng)
+        merged = answers.sink_merge(partial_out, partial_lse, sink)
+        size = answers.sink_merge(np.abs(partial_out), partial_lse, sink)
+        assert np.all(np.abs(merged - exact) <= 1e-12 * size + 1e-300)
+    for name in ("gpt-oss-20b", "gemma-3-27b", "jamba-v0.1"):
+        config = load_config(ROOT / "kvlib" / "configs" / f"{name}.json")
+        kv_heads, head_dim, _ = attention_geometry(config, config["model_type"])
+        layers = []
+        for spec in layer_specs(config):
+            if spec.state_elements:
+                layers.append(ch17._linear(spec.state_elements))
+            elif spec.kind == "sliding":
+                layers.append(ch17._sliding(kv_heads, head_dim, spec.token_cap))
+            else:
+                layers.append(ch17._full(kv_heads, head_dim))
+        written = {"gpt-oss-20b": ch17._gpt_oss, "gemma-3-27b": ch17._gemma3,
+                   "jamba-v0.1": ch17._jamba}[name]()  # fmt: skip
+        assert written == layers, name  # the fixed cases' layers are the configs'
+        for seq_len in (1, 127, 128, 129, 1023, 1024, 1025, 131_072):
+            expected = kv_cache_bytes(config, seq_len, cache_dtype="bfloat16")
+            assert answers.hybrid_bytes(layers, seq_len, 2) == expected, (name, seq_len)

@@ -2428,6 +2428,115 @@ WRONG_ANSWERS += [
     if chapter == "16"
 ]
 
+# Chapter 17: its named mistakes (tests/test_check_diagnostics.py's MISTAKES), graded through the
+# notebook, and wrong answers of other kinds: the wrong type, shape or dtype, an input changed in
+# place, a broadcast that only works when H = S, an int32 overflow.
+N17 = "17_windows.ipynb"
+WRONG_ANSWERS += [
+    (N17, question, source, hint) for chapter, question, source, hint in MISTAKES if chapter == "17"
+]
+WRONG_ANSWERS += [
+    (N17, "ring_slots",
+     "def ring_slots(num_positions, window):  # a tuple\n"
+     "    first = max(0, num_positions - window)\n"
+     "    return tuple(p % window for p in range(first, num_positions))\n",
+     "should return a list of ints"),
+    (N17, "ring_slots",
+     "def ring_slots(num_positions, window):  # positions counted from 1\n"
+     "    first = max(0, num_positions - window)\n"
+     "    return [(p + 1) % window for p in range(first, num_positions)]\n",
+     "expected the slots [0, 1, 2], got [1, 2, 3]"),
+    (N17, "freeable_blocks",
+     "def freeable_blocks(num_positions, window, block_size, sink_tokens=0):  # a range\n"
+     "    first = -(-sink_tokens // block_size)\n"
+     "    return range(first, (num_positions - window + 1) // block_size)\n",
+     "should return a list of ints"),
+    (N17, "freeable_blocks",
+     "def freeable_blocks(num_positions, window, block_size, sink_tokens):  # no default\n"
+     "    first = -(-sink_tokens // block_size)\n"
+     "    return list(range(first, (num_positions - window + 1) // block_size))\n",
+     "sink_tokens left out"),
+    (N17, "softmax_with_sink",
+     "def softmax_with_sink(scores, sink):  # the scores shifted in place\n"
+     "    m = np.maximum(scores.max(axis=1), sink)[:, None]\n"
+     "    scores -= m\n"
+     "    e = np.exp(scores)\n"
+     "    return e / (e.sum(axis=1, keepdims=True) + np.exp(sink[:, None] - m))\n",
+     "changed its argument 1"),
+    (N17, "softmax_with_sink",
+     "def softmax_with_sink(scores, sink):  # the sink's column kept\n"
+     "    s = np.concatenate([scores, sink[:, None]], axis=1)\n"
+     "    e = np.exp(s - s.max(axis=1, keepdims=True))\n"
+     "    return e / e.sum(axis=1, keepdims=True)\n",
+     "expected shape (1, 3), got (1, 4)"),
+    (N17, "softmax_with_sink",
+     "def softmax_with_sink(scores, sink):  # float32\n"
+     "    s = np.concatenate([scores, sink[:, None]], axis=1).astype(np.float32)\n"
+     "    e = np.exp(s - s.max(axis=1, keepdims=True))\n"
+     "    return (e / e.sum(axis=1, keepdims=True))[:, :-1]\n",
+     "expected dtype float64"),
+    (N17, "softmax_with_sink",
+     "def softmax_with_sink(scores, sink):  # exp(sink - m): (H,) against (H, 1) is (H, H)\n"
+     "    m = np.maximum(scores.max(axis=1, keepdims=True), sink[:, None])\n"
+     "    e = np.exp(scores - m)\n"
+     "    return e / (e.sum(axis=1, keepdims=True) + np.exp(sink - m))\n",
+     "could not be broadcast"),
+    (N17, "softmax_with_sink",
+     "import torch\n\n"
+     "def softmax_with_sink(scores, sink):  # a torch tensor\n"
+     "    s = torch.cat([torch.from_numpy(scores), torch.from_numpy(sink)[:, None]], dim=1)\n"
+     "    return torch.softmax(s, dim=1)[:, :-1]\n",
+     "should return a numpy array"),
+    (N17, "merge_with_sink",
+     "def merge_with_sink(partial_out, partial_lse, sink):  # sink inside each split, then merged\n"
+     "    lse = np.logaddexp(partial_lse, sink)\n"
+     "    out = partial_out * np.exp(partial_lse - lse)[:, :, None]\n"
+     "    w = np.exp(lse - lse.max(axis=0))\n"
+     "    return (w[:, :, None] * out).sum(axis=0) / w.sum(axis=0)[:, None]\n",
+     "the sink counted in every split"),
+    (N17, "merge_with_sink",
+     "def merge_with_sink(partial_out, partial_lse, sink):  # rescales partial_out in place\n"
+     "    m = np.maximum(partial_lse.max(axis=0), sink)\n"
+     "    w = np.exp(partial_lse - m)\n"
+     "    partial_out *= w[:, :, None]\n"
+     "    return partial_out.sum(axis=0) / (w.sum(axis=0) + np.exp(sink - m))[:, None]\n",
+     "changed its argument 1"),
+    (N17, "hybrid_cache_bytes",
+     "def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # a float\n"
+     "    total = 0.0\n"
+     "    for layer in layers:\n"
+     "        if layer['kind'] == 'linear':\n"
+     "            total += layer['state_elements']\n"
+     "        else:\n"
+     "            held = seq_len if layer['kind'] == 'full' else min(seq_len, layer['window'])\n"
+     "            total += 2 * layer['num_kv_heads'] * layer['head_dim'] * held\n"
+     "    return total * bytes_per_element\n",
+     "should return an int"),
+    (N17, "hybrid_cache_bytes",
+     "def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # pops each layer's kind\n"
+     "    total = 0\n"
+     "    for layer in layers:\n"
+     "        kind = layer.pop('kind')\n"
+     "        if kind == 'linear':\n"
+     "            total += layer['state_elements']\n"
+     "        else:\n"
+     "            held = seq_len if kind == 'full' else min(seq_len, layer['window'])\n"
+     "            total += 2 * layer['num_kv_heads'] * layer['head_dim'] * held\n"
+     "    return total * bytes_per_element\n",
+     "changed its argument 1"),
+    (N17, "hybrid_cache_bytes",
+     "def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # int32 overflows past 2 GiB\n"
+     "    total = np.int32(0)\n"
+     "    for layer in layers:\n"
+     "        if layer['kind'] == 'linear':\n"
+     "            total += np.int32(layer['state_elements'])\n"
+     "        else:\n"
+     "            held = seq_len if layer['kind'] == 'full' else min(seq_len, layer['window'])\n"
+     "            total += np.int32(2 * layer['num_kv_heads'] * layer['head_dim'] * held)\n"
+     "    return total * np.int32(bytes_per_element)\n",
+     "expected 3,224,371,200 bytes"),
+]  # fmt: skip
+
 
 def grade_answer(notebook, question, source, tmp_path):
     """Grade `source` in place of the solution's answer to `question`: (its result, the report)."""
@@ -4067,6 +4176,100 @@ VALID_VARIANTS = [
      "    freed = [b for b in reversed(block_table[keep:]) if ref_cnt[b] == 1]\n"
      "    copy = keep > 0 and new_len % block_size != 0 and ref_cnt[block_table[keep - 1]] > 1\n"
      "    return block_table[:keep], freed, copy\n",
+     None),
+    (N17, "ring_slots",
+     "def ring_slots(num_positions, window):  # numpy, an array\n"
+     "    return np.arange(max(0, num_positions - window), num_positions) % window\n",
+     None),
+    (N17, "ring_slots",
+     "def ring_slots(num_positions, window):  # the buffer rotated, once it has wrapped\n"
+     "    if num_positions <= window:\n"
+     "        return list(range(num_positions))\n"
+     "    oldest = num_positions % window\n"
+     "    return list(range(oldest, window)) + list(range(oldest))\n",
+     None),
+    (N17, "ring_slots",
+     "from collections import deque\n\n"
+     "def ring_slots(num_positions, window):  # a ring simulated with a deque\n"
+     "    ring = deque(maxlen=window)\n"
+     "    for position in range(max(0, num_positions - 2 * window), num_positions):\n"
+     "        ring.append(position % window)\n"
+     "    return list(ring)\n",
+     None),
+    (N17, "freeable_blocks",
+     "def freeable_blocks(num_positions, window, block_size, sink_tokens=0):  # block by block\n"
+     "    freed, block = [], 0\n"
+     "    while (block + 1) * block_size - 1 <= num_positions - window:\n"
+     "        if block * block_size >= sink_tokens:\n"
+     "            freed.append(block)\n"
+     "        block += 1\n"
+     "    return freed\n",
+     None),
+    (N17, "freeable_blocks",
+     "import math\n\n"
+     "def freeable_blocks(num_positions, window, block_size, sink_tokens=0):  # vLLM's skipped\n"
+     "    skipped = max(0, num_positions - window + 1)  # tokens no query reads again\n"
+     "    return np.arange(math.ceil(sink_tokens / block_size), skipped // block_size)\n",
+     None),
+    (N17, "softmax_with_sink",
+     "def softmax_with_sink(scores, sink):  # the sink as a column, softmaxed, dropped\n"
+     "    s = np.concatenate([scores, sink[:, None]], axis=1)\n"
+     "    e = np.exp(s - s.max(axis=1, keepdims=True))\n"
+     "    return (e / e.sum(axis=1, keepdims=True))[:, :-1]\n",
+     None),
+    (N17, "softmax_with_sink",
+     "def softmax_with_sink(scores, sink):  # log-sum-exp with np.logaddexp\n"
+     "    lse = np.logaddexp(np.logaddexp.reduce(scores, axis=1), sink)\n"
+     "    return np.exp(scores - lse[:, None])\n",
+     None),
+    (N17, "softmax_with_sink",
+     "def softmax_with_sink(scores, sink):  # head by head, the scores' maximum only\n"
+     "    out = np.empty_like(scores)\n"
+     "    for h in range(scores.shape[0]):\n"
+     "        m = scores[h].max()\n"
+     "        e = np.exp(scores[h] - m)\n"
+     "        out[h] = e / (e.sum() + np.exp(sink[h] - m))\n"
+     "    return out\n",
+     None),
+    (N17, "merge_with_sink",
+     "def merge_with_sink(partial_out, partial_lse, sink):  # online, starting from the sink\n"
+     "    m, l = sink.copy(), np.ones(len(sink))\n"
+     "    acc = np.zeros(partial_out.shape[1:])\n"
+     "    for out_p, lse_p in zip(partial_out, partial_lse):\n"
+     "        m_new = np.maximum(m, lse_p)\n"
+     "        old, new = np.exp(m - m_new), np.exp(lse_p - m_new)\n"
+     "        acc = acc * old[:, None] + new[:, None] * out_p\n"
+     "        l, m = l * old + new, m_new\n"
+     "    return acc / l[:, None]\n",
+     None),
+    (N17, "merge_with_sink",
+     "def merge_with_sink(partial_out, partial_lse, sink):  # a plain merge times the keys' share\n"
+     "    lse = np.logaddexp.reduce(partial_lse, axis=0)  # (H,)\n"
+     "    plain = np.einsum('ph,phd->hd', np.exp(partial_lse - lse), partial_out)\n"
+     "    return plain / (1 + np.exp(sink - lse))[:, None]\n",
+     None),
+    (N17, "hybrid_cache_bytes",
+     "def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # a table of rules, numpy\n"
+     "    elements = {\n"
+     "        'full': lambda l: 2 * l['num_kv_heads'] * l['head_dim'] * seq_len,\n"
+     "        'sliding': lambda l: 2 * l['num_kv_heads'] * l['head_dim'] * min(seq_len, "
+     "l['window']),\n"
+     "        'linear': lambda l: l['state_elements'],\n"
+     "    }\n"
+     "    return np.int64(sum(elements[l['kind']](l) for l in layers)) * bytes_per_element\n",
+     None),
+    (N17, "hybrid_cache_bytes",
+     "import math\n\n"
+     "def hybrid_cache_bytes(layers, seq_len, bytes_per_element):  # bytes layer by layer\n"
+     "    total = 0\n"
+     "    for layer in layers:\n"
+     "        if layer['kind'] == 'linear':\n"
+     "            total += layer['state_elements'] * bytes_per_element\n"
+     "            continue\n"
+     "        tokens = min(seq_len, layer.get('window', seq_len))\n"
+     "        shape = [2, layer['num_kv_heads'], layer['head_dim'], tokens, bytes_per_element]\n"
+     "        total += math.prod(shape)\n"
+     "    return total\n",
      None),
 ]  # fmt: skip
 
