@@ -24,7 +24,7 @@ NOTEBOOKS = sorted(
 
 
 def test_every_notebook_starts_with_the_rendered_install_lines():
-    assert len(NOTEBOOKS) == 50
+    assert len(NOTEBOOKS) == 51
     differ = [p.name for p in NOTEBOOKS if rewrite_install_lines(p, check=True)]
     assert not differ, "run `make install-cells`: " + ", ".join(differ)
     url = repository_url()
