@@ -20,6 +20,12 @@ decode kernels (Flash-Decoding, Dao et al., 2023; vLLM's and FlashInfer's decode
   the scales where they cost least: a key's scale multiplies its score column, a value's scale its
   probability, so `q·(s_k k)ᵀ = s_k (q·kᵀ)` and `p (s_v v) = (p s_v) v` with no dequantized K/V
   tile ever written.
+- learned sinks (chapter 17; gpt-oss, OpenAI 2025): with `sinks`, one logit per query head joins
+  each head's softmax denominator with value 0, once, where the splits are merged (the reduce;
+  the split kernel itself when one split is the whole sequence), never once per split, which
+  would count it `num_splits` times (`kvlib.ref.online_softmax.merge_partials`). Without them
+  the sink code is compiled out (`HAS_SINKS` is a constexpr): the same instructions as before,
+  and one unused pointer argument more.
 
 What it does not do: prefill (T > 1 queries per sequence), write the cache, or zero points
 (asymmetric codes) and channel-grouped scales.
@@ -40,7 +46,7 @@ import math
 
 import torch
 
-from kvlib.ops.decode_checks import check_inputs, check_values
+from kvlib.ops.decode_checks import check_inputs, check_sinks, check_values
 from kvlib.ops.decode_plan import (
     LOG2_E,
     LaunchPlan,
@@ -94,6 +100,7 @@ def paged_decode_attention(
     v_scale=None,
     out=None,
     workspace=None,
+    sinks=None,
 ):
     """Decode attention over a paged KV cache (one new query per sequence and head).
 
@@ -124,6 +131,10 @@ def paged_decode_attention(
         out: a (B, H, D) tensor of q's dtype to write the result into (else one is allocated).
         workspace: a `DecodeWorkspace` of at least B sequences and `num_splits` splits (else its
             two buffers are allocated per call).
+        sinks: (H,) float32, contiguous, on q's device: learned sink logits (gpt-oss), one per
+            query head in the units of the scaled scores (`score · scale`); each joins its head's
+            softmax denominator once, with value 0 (`kvlib.ops.attention.reference_attention`'s
+            `sinks`). None (the default): no sinks, the sink code compiled out.
     Returns:
         (B, H, D) in q's dtype (`out` if given); accumulation in fp32.
     Raises:
@@ -147,6 +158,7 @@ def paged_decode_attention(
         out,
         workspace,
         (block_n, num_warps, num_stages),
+        sinks,
     )
     longest = (
         check_values(block_tables, seq_lens, plan.num_blocks, plan.block_size) if validate else None
@@ -187,10 +199,11 @@ def paged_decode_attention(
         partial_out,
         partial_lse,
         out,
+        sinks if plan.has_sinks else q,  # an unused pointer without sinks
         qk_scale,
     )
     if reduce is not None:
-        reduce(partial_out, partial_lse, out)
+        reduce(partial_out, partial_lse, out, sinks if plan.has_sinks else out)
     return out
 
 
@@ -221,7 +234,7 @@ def _launches(plan: LaunchPlan, kernels, num_splits: int, out: torch.Tensor) -> 
         (*plan.fixed_strides, *partial_strides, *out_strides, num_splits),
         {**plan.split_options, "SINGLE_SPLIT": single},
         plan.device_index,
-        num_tensors=10,
+        num_tensors=11,
     )
     reduce = None
     if not single:
@@ -231,7 +244,7 @@ def _launches(plan: LaunchPlan, kernels, num_splits: int, out: torch.Tensor) -> 
             (*partial_strides, *out_strides, num_splits),
             {**plan.reduce_options, "BLOCK_S": next_power_of_2(num_splits)},
             plan.device_index,
-            num_tensors=3,
+            num_tensors=4,
         )
     plan.launches[kernels._decode_split_kernel, num_splits] = split, reduce
     return split, reduce
@@ -255,11 +268,13 @@ def paged_decode_attention_ref(
     validate=True,
     k_scale=None,
     v_scale=None,
+    sinks=None,
     **launch_options,
 ):
     """Reference for `paged_decode_attention`, same arguments: gather each sequence's K/V through
     its block table (dequantized, `scale · code`, when scales are given), repeat KV heads for their
-    query groups, and attend in fp32 with plain torch (the kernel's launch options, `num_splits`,
+    query groups, and attend in fp32 with plain torch, each head's sink logit (if any) one more
+    column of its scores, dropped after the softmax (the kernel's launch options, `num_splits`,
     `block_n`, `num_warps`, `num_stages`, are accepted and change nothing here).
 
     Returns (B, H, D) in q's dtype.
@@ -267,6 +282,7 @@ def paged_decode_attention_ref(
     batch, num_heads, num_kv_heads, head_dim = check_inputs(
         q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale
     )
+    check_sinks(q, sinks)
     if validate:
         check_values(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
     if k_scale is not None:
@@ -283,5 +299,9 @@ def paged_decode_attention_ref(
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # (S, H, D)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,shd->hs", q[b].float(), k) * scale  # (H, S)
-        out[b] = torch.einsum("hs,shd->hd", scores.softmax(dim=-1), v).to(q.dtype)  # (H, D)
+        if sinks is not None:  # (H, S + 1): the sink column, dropped after the softmax
+            weights = torch.cat([scores, sinks[:, None]], dim=1).softmax(dim=-1)[:, :-1]
+        else:
+            weights = scores.softmax(dim=-1)
+        out[b] = torch.einsum("hs,shd->hd", weights, v).to(q.dtype)  # (H, D)
     return out

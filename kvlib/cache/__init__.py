@@ -24,7 +24,10 @@
 - `paged_bounds.PageBoundsCache`: the paged cache with each block's key minima and maxima kept as
   blocks fill, the page metadata of query-aware sparse attention (`kvlib.sparse`, chapter 15);
 - `ring.RingCache`: a sliding-window layer's ring buffer of W slots per sequence, position p in
-  slot p mod W, a fixed size whatever the length (chapter 17).
+  slot p mod W, a fixed size whatever the length (chapter 17);
+- `paged_window.PagedWindowCache`: the paged cache for a sliding-window model, each sequence's
+  blocks that left the window given back to the pool, their table entries pointing at a null
+  block (`freeable_blocks`, `free_window_blocks`; chapter 17).
 
 Each chapter adds a module here and plugs it in; the model's layers do not change.
 """
@@ -35,6 +38,7 @@ from kvlib.cache.dense import DynamicCache, StaticCache
 from kvlib.cache.evicting import EvictingCache
 from kvlib.cache.latent import LatentCache
 from kvlib.cache.paged import PagedCache
+from kvlib.cache.paged_window import PagedWindowCache
 from kvlib.cache.quantized import QuantizedCache, QuantizedPagedCache
 from kvlib.cache.ring import RingCache
 
@@ -45,6 +49,7 @@ __all__ = [
     "KVCache",
     "LatentCache",
     "PagedCache",
+    "PagedWindowCache",
     "QuantizedCache",
     "QuantizedPagedCache",
     "RingCache",

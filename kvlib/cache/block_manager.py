@@ -5,7 +5,9 @@ top of `kvlib.cache.block_pool.BlockPool`, named as nano-vllm's `block_manager.p
 prefix; `append_slot` adds one token (a new block when the last one is full; **copy-on-write**
 when the last block is shared); `fork` shares a sequence's blocks with a new one (parallel
 sampling, beam search); `free` releases a sequence; `drop_blocks` and `move_slots` are chapter 9's
-compaction; `check_invariants` tests the reference counts against the tables after any operation.
+compaction; `reserve_null_block` gives chapter 17's sliding windows a block for the table entries
+no query reads any more; `check_invariants` tests the reference counts against the tables after
+any operation.
 What it does not do: hold K/V (the caches do) or decide who runs (the engine's scheduler).
 """
 
@@ -38,6 +40,25 @@ class BlockManager:
         self.prefix_hits = 0  # tokens whose K/V came from the prefix cache
         self.copies: list[tuple[int, int]] = []  # (src, dst) block copies owed to copy-on-write
         self.unhashed: set = set()  # sequences that evicted tokens: their new blocks are not hashed
+        self.null_block: int | None = None  # chapter 17: what dead window entries point at
+
+    def reserve_null_block(self) -> int:
+        """The null block (vLLM's `BlockPool.null_block`): one block taken from the pool once and
+        never given back, for the block-table entries of positions no query reads any more (a
+        sliding window's, `kvlib.cache.paged_window`). A table so keeps its length and `slot`
+        still holds for every live position. Each table entry naming it holds one reference, as
+        any entry does (so `fork` and `free` need no special case); the reservation holds one
+        more, so it never reaches the free queue. Nothing writes it: reads of it are masked,
+        which weighs them exactly 0, so its K/V must be finite (0 · NaN is NaN): reserve it before
+        any K/V is written (a fresh pool's zeros), or zero it. Returns its id (the same one on
+        every call).
+
+        Raises:
+            OutOfBlocksError: on the first call, no block is free.
+        """
+        if self.null_block is None:
+            (self.null_block,) = self.pool.allocate(1)
+        return self.null_block
 
     def num_tokens(self, seq_id) -> int:
         return len(self.token_ids[seq_id])
@@ -341,7 +362,8 @@ class BlockManager:
         """Raise AssertionError (naming the broken rule) unless:
 
         1. every block's `ref_cnt` equals the number of block-table entries holding it (so the sum
-           of reference counts equals the references the tables hold);
+           of reference counts equals the references the tables hold), plus one for the null
+           block's reservation;
         2. the free queue holds exactly the blocks with `ref_cnt` 0, each once: free and used are
            disjoint and together cover the pool;
         3. only blocks that are full in some sequence, or free and cached, carry a hash, and the
@@ -353,6 +375,8 @@ class BlockManager:
         for table in self.block_tables.values():
             for block_id in table:
                 held[block_id] += 1
+        if self.null_block is not None:
+            held[self.null_block] += 1  # the reservation
         for block in pool.blocks:
             assert block.ref_cnt == held[block.block_id], (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but {held[block.block_id]} "

@@ -1,9 +1,9 @@
 """The checks of the paged decode-attention wrapper (`kvlib.kernels.paged_decode_attention`) and of
 its reference: shapes, dtypes, devices and strides from metadata alone (`check_inputs`, no host
 sync: run once per distinct metadata by `kvlib.ops.decode_plan`), the values of block tables and
-sequence lengths (`check_values`: a host sync, only with `validate=True`), and the scales of a
-quantized cache (`check_scales`). Each error names the argument, what was expected and what was
-given."""
+sequence lengths (`check_values`: a host sync, only with `validate=True`), the scales of a
+quantized cache (`check_scales`) and learned sinks (`check_sinks`). Each error names the
+argument, what was expected and what was given."""
 
 from __future__ import annotations
 
@@ -111,6 +111,23 @@ def check_values(block_tables, seq_lens, num_blocks: int, block_size: int) -> in
             f"{int(block_tables.min())}, max {int(block_tables.max())}"
         )
     return longest
+
+
+def check_sinks(q, sinks) -> None:
+    """Learned sinks (gpt-oss): None, or a contiguous (H,) float32 tensor on q's device, one logit
+    per query head in the units of the scaled scores (metadata only: no host sync)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32:
+        raise TypeError(
+            f"sinks: expected a float32 (H,) tensor of sink logits, got {type(sinks).__name__} "
+            f"{getattr(sinks, 'dtype', '')}"
+        )
+    if sinks.shape != q.shape[1:2] or sinks.device != q.device or not sinks.is_contiguous():
+        raise ValueError(
+            f"sinks: expected a contiguous ({q.shape[1]},) tensor (one per query head) on "
+            f"{q.device}, got {tuple(sinks.shape)} on {sinks.device}"
+        )
 
 
 def check_scales(q, k_cache, v_cache, k_scale, v_scale) -> None:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from kvlib._validate import check_positive_int
-from kvlib.ops.decode_checks import check_inputs
+from kvlib.ops.decode_checks import check_inputs, check_sinks
 from kvlib.ops.interpreter import INTERPRETED
 from kvlib.ops.launch import choose_num_splits
 
@@ -101,6 +101,7 @@ class LaunchPlan(NamedTuple):
     num_blocks: int
     block_size: int
     quantized: bool
+    has_sinks: bool  # learned sinks (`HAS_SINKS`): the sinks pointer is read
     qk_scale: float  # the default scale D**-0.5, times log2(e)
     fixed_strides: tuple  # q, cache, scale and block-table strides, in the kernel's order
     workspace_splits: int  # splits the caller's workspace holds (0: none given)
@@ -131,11 +132,22 @@ def _owned(plan: LaunchPlan, k_cache, v_cache, workspace) -> bool:
 
 
 def launch_plan(
-    q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, workspace, launch
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    k_scale,
+    v_scale,
+    out,
+    workspace,
+    launch,
+    sinks=None,
 ) -> LaunchPlan:
     """The launch plan of these inputs: from the cache when the same pools and workspace, the same
     metadata (shapes, strides, dtypes, devices) of the other tensors and the same launch options
-    were seen before, else checked (`check_inputs`) and computed (see the module docstring)."""
+    were seen before, else checked (`check_inputs`, `check_sinks`) and computed (see the module
+    docstring)."""
     try:  # written out: this runs every call
         key = (
             id(k_cache), id(v_cache),
@@ -148,6 +160,7 @@ def launch_plan(
             None if out is None else (out.shape, out.stride(), out.dtype, out.device),
             None if workspace is None else (type(workspace), id(workspace[0]), id(workspace[1])),
             launch,
+            None if sinks is None else (sinks.shape, sinks.stride(), sinks.dtype, sinks.device),
         )  # fmt: skip
         plan = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors: check_inputs says which
@@ -155,7 +168,7 @@ def launch_plan(
     if plan is not None and _owned(plan, k_cache, v_cache, workspace):
         return plan
     plan = _make_plan(
-        q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, workspace, launch
+        q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, workspace, launch, sinks
     )
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
@@ -165,11 +178,12 @@ def launch_plan(
 
 
 def _make_plan(
-    q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, workspace, launch
+    q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale, out, workspace, launch, sinks
 ) -> LaunchPlan:
     batch, num_heads, num_kv_heads, head_dim = check_inputs(
         q, k_cache, v_cache, block_tables, seq_lens, k_scale, v_scale
     )
+    check_sinks(q, sinks)
     if not INTERPRETED and q.device.type != "cuda":
         raise ValueError(
             f"q, k_cache, v_cache, block_tables, seq_lens: the kernel is compiled for CUDA here "
@@ -247,6 +261,7 @@ def _make_plan(
         # (For bf16/fp16 inputs "tf32" is the default and changes nothing.)
         DOT_PRECISION="ieee" if compute_fp32 else "tf32",
         QUANTIZED=quantized,
+        HAS_SINKS=sinks is not None,
     )
     if num_warps is not None:
         split_options["num_warps"] = num_warps
@@ -260,6 +275,7 @@ def _make_plan(
         num_blocks=num_blocks,
         block_size=block_size,
         quantized=quantized,
+        has_sinks=sinks is not None,
         qk_scale=head_dim**-0.5 * LOG2_E,
         fixed_strides=(
             q.stride(0),
@@ -271,7 +287,7 @@ def _make_plan(
         workspace_splits=workspace_splits,
         workspace_strides=workspace_strides,
         split_options=split_options,
-        reduce_options=dict(HEAD_DIM=head_dim, BLOCK_D=block_d),
+        reduce_options=dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_SINKS=sinks is not None),
         device_index=q.device.index if q.device.type == "cuda" else None,
         launches={},
         owners=tuple(

@@ -1,6 +1,11 @@
 """The Triton kernels of `kvlib.kernels.paged_decode_attention`: a split-K paged decode-attention
 kernel and the kernel that merges its splits (the design is described in `kvlib.kernels`).
 
+Learned sinks (gpt-oss; `HAS_SINKS`) join the softmax once, where the splits are merged: in the
+reduce, as one more partial (output 0, log-sum-exp = the sink), or in the split kernel when one
+split is the whole sequence (`SINGLE_SPLIT`: it is its own merge). A split never adds the sink to
+its own partial: k splits would count it k times (`kvlib.ref.online_softmax.merge_partials`).
+
 This module imports Triton; `kvlib.kernels` imports it only when a kernel is launched, so the rest
 of the package (and the reference) works where Triton does not install (macOS, native Windows).
 """
@@ -33,6 +38,7 @@ def _decode_split_kernel(
     partial_out_ptr,  # (B, H, num_splits, D) fp32: each split's normalised output
     partial_lse_ptr,  # (B, H, num_splits) fp32: each split's log2-sum-exp2 of its scores
     out_ptr,  # (B, H, D) in q's dtype: the result, written here when SINGLE_SPLIT
+    sinks_ptr,  # (H,) fp32: learned sink logits, in the units of the scaled scores (HAS_SINKS)
     qk_scale,  # softmax scale * log2(e): scores come out in the log2 domain
     stride_qb,
     stride_qh,
@@ -60,6 +66,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots (not TF32's 10-bit mantissa), else "tf32"
     QUANTIZED: tl.constexpr,  # K/V pools hold int8/fp8 codes with per-token scales
     SINGLE_SPLIT: tl.constexpr,  # one split: write the output itself, no partials, no reduce
+    HAS_SINKS: tl.constexpr,  # learned sinks: added here if SINGLE_SPLIT, else in the reduce
 ):
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,6 +143,13 @@ def _decode_split_kernel(
     has_tokens = l > 0
     out = acc / tl.where(has_tokens, l, 1.0)[:, None]
     if SINGLE_SPLIT:  # the whole sequence in one split: this is the result (what the reduce gives)
+        if HAS_SINKS:  # this split is also the merge: the sink joins the denominator, once
+            sink = tl.load(sinks_ptr + heads, mask=group_mask, other=0.0) * 1.4426950408889634
+            # acc / (l + 2^(sink - m)) = out · l' / (l' + 2^(sink - top)), l' = l · 2^(m - top):
+            # [BLOCK_G], both exponents <= 0 (log2 domain: sink · log2(e))
+            top = tl.maximum(m, sink)
+            kept = l * tl.exp2(m - top)
+            out = out * (kept / (kept + tl.exp2(sink - top)))[:, None]
         result_ptrs = out_ptr + batch * stride_outb + heads[:, None] * stride_outh + dims[None, :]
         tl.store(
             result_ptrs,
@@ -161,6 +175,7 @@ def _reduce_splits_kernel(
     partial_out_ptr,  # (B, H, num_splits, D) fp32
     partial_lse_ptr,  # (B, H, num_splits) fp32, log2 domain
     out_ptr,  # (B, H, D) in q's dtype
+    sinks_ptr,  # (H,) fp32: learned sink logits, in the units of the scaled scores (HAS_SINKS)
     stride_ob,
     stride_oh,
     stride_os,
@@ -172,6 +187,7 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,  # the sink joins here, once: one more partial, out 0, lse = sink
 ):
     batch = tl.program_id(0)
     head = tl.program_id(1)
@@ -187,6 +203,9 @@ def _reduce_splits_kernel(
         other=float("-inf"),
     )
     top = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # log2 domain: sink · log2(e)
+        top = tl.maximum(top, sink)
     weights = tl.exp2(lse - top)  # [BLOCK_S]; 0 for empty splits
     partial = tl.load(
         partial_out_ptr
@@ -199,7 +218,10 @@ def _reduce_splits_kernel(
     )  # [BLOCK_S, BLOCK_D]
 
     # --- the exact merge ---
-    out = tl.sum(weights[:, None] * partial, axis=0) / tl.sum(weights, axis=0)
+    denominator = tl.sum(weights, axis=0)
+    if HAS_SINKS:
+        denominator += tl.exp2(sink - top)  # the sink's share: once, whatever num_splits
+    out = tl.sum(weights[:, None] * partial, axis=0) / denominator
     tl.store(
         out_ptr + batch * stride_outb + head * stride_outh + dims,
         out.to(out_ptr.dtype.element_ty),
