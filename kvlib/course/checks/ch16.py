@@ -15,9 +15,9 @@ import torch
 from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.block_pool import BlockPool
 from kvlib.course.checks import speculative_answers as answers
+from kvlib.course.checks.calls import answer_of
 from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import (
-    LearnerRaised,
     Submission,
     expect_list,
     expect_tensor,
@@ -25,17 +25,6 @@ from kvlib.course.grading import (
     question,
 )
 from kvlib.speculative.verify import greedy_accept
-
-
-def _answer(function, args: tuple, what: str):
-    """The learner's answer for `args`; an exception it raises fails the question naming the case
-    (a function not written yet keeps the grader's own message)."""
-    try:
-        return function.call(*args, _options={"may_alias": True}).result
-    except LearnerRaised as error:
-        if error.type_name == "NotImplementedError":
-            raise
-        raise AssertionError(f"{what}: {error}") from None
 
 
 def _plain_tuple(got, size: int, name: str, what: str) -> None:
@@ -143,7 +132,7 @@ def test_greedy_accept(submission: Submission) -> None:
     cases = [*submission.fixed(_GREEDY_CASES), *(_random_greedy_case(rng) for _ in range(6))]
     for draft, logits, what in cases:
         expected = greedy_accept(draft, logits)
-        got = _answer(greedy, (list(draft), logits.clone()), f"{what} (draft {draft})")
+        got = answer_of(greedy, (list(draft), logits.clone()), f"{what} (draft {draft})")
         _pair_of_ints(got, "greedy_accept")
         argmax = logits.argmax(dim=-1).tolist()
         with naming_mistakes(got, answers.greedy_mistakes(draft, logits), expected=expected):
@@ -234,7 +223,7 @@ def test_rejection_sample(submission: Submission) -> None:
     for draft, q, p, uniforms, what in cases:
         expected = answers.rejection(draft, q, p, uniforms)
         args = (list(draft), q.clone(), p.clone(), list(uniforms))
-        got = _answer(rejection_sample, args, f"{what} (draft {draft}, uniforms {uniforms})")
+        got = answer_of(rejection_sample, args, f"{what} (draft {draft}, uniforms {uniforms})")
         _plain_tuple(got, 2, "rejection_sample", "(accepted, distribution)")
         assert is_int(got[0]), (
             f"rejection_sample should return (accepted, distribution): a Python int (not a "
@@ -345,7 +334,7 @@ def test_rollback_blocks(submission: Submission) -> None:
     for table, new_len, block_size, ref_cnt, what in cases:
         expected = _rollback(table, new_len, block_size, ref_cnt)
         args = (list(table), new_len, block_size, dict(ref_cnt))
-        got = _answer(rollback_blocks, args, what)
+        got = answer_of(rollback_blocks, args, what)
         _plain_tuple(got, 3, "rollback_blocks", "(block_table, freed, copy)")
         kept, freed, copy = got
         expect_list(kept, is_int, "rollback_blocks's block_table should be a list of ints")
@@ -420,7 +409,7 @@ def test_speculation_gain(submission: Submission) -> None:
     cases = [*submission.fixed(_GAIN_CASES), *(_random_gain_case(rng) for _ in range(6))]
     for alpha, k, c, what in cases:
         expected, rtol = answers.gain_series(alpha, k, c), _gain_tolerance(alpha)
-        got = _answer(speculation_gain, (alpha, k, c), f"{what} (alpha={alpha!r}, k={k}, c={c})")
+        got = answer_of(speculation_gain, (alpha, k, c), f"{what} (alpha={alpha!r}, k={k}, c={c})")
         _plain_tuple(got, 2, "speculation_gain", "(tokens_per_step, speedup)")
         assert all(isinstance(x, (float, np.floating)) for x in got), (
             f"speculation_gain should return (tokens_per_step, speedup), two floats (not ints: "

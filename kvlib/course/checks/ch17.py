@@ -9,19 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 from kvlib.course.checks import windows_answers as answers
+from kvlib.course.checks.calls import answer_of
 from kvlib.course.checks.mistakes import naming_mistakes
-from kvlib.course.grading import LearnerRaised, Submission, expect_int, is_int, question
-
-
-def _answer(function, args: tuple, what: str):
-    """The learner's answer for `args`; an exception it raises fails the question naming the case
-    (a function not written yet keeps the grader's own message)."""
-    try:
-        return function.call(*args, _options={"may_alias": True}).result
-    except LearnerRaised as error:
-        if error.type_name == "NotImplementedError":
-            raise
-        raise AssertionError(f"{what}: {error}") from None
+from kvlib.course.grading import Submission, expect_int, is_int, question
 
 
 def _int_list(got, name: str) -> list[int]:
@@ -96,7 +86,7 @@ def test_ring_slots(submission: Submission) -> None:
     for n, window, what in cases:
         expected = answers.ring_order(n, window)
         case = f"n = {n}, W = {window} ({what})"
-        got = _int_list(_answer(ring_slots, (n, window), case), "ring_slots")
+        got = _int_list(answer_of(ring_slots, (n, window), case), "ring_slots")
         held = f"positions {max(0, n - window)} .. {n - 1}" if n else "no position"
         with naming_mistakes(got, answers.ring_mistakes(n, window), expected=expected):
             assert got == expected, (
@@ -158,7 +148,7 @@ def test_freeable_blocks(submission: Submission) -> None:
         sinks = sinks or 0
         expected = answers.freeable(n, window, block_size, sinks)
         case = f"n = {n}, W = {window}, block_size = {block_size}, sink_tokens = {sinks} ({what})"
-        got = _int_list(_answer(freeable_blocks, args, case), "freeable_blocks")
+        got = _int_list(answer_of(freeable_blocks, args, case), "freeable_blocks")
         out = f"positions {sinks} .. {n - window} are out" if n - window >= sinks else (
             "no position is out")  # fmt: skip
         mistakes = answers.freeable_mistakes(n, window, block_size, sinks)
@@ -227,7 +217,7 @@ def test_softmax_with_sink(submission: Submission) -> None:
         expected = answers.sink_softmax(scores, sink)
         shown = f"scores {_numbers(scores)}, sink {_numbers(sink)}" if scores.size <= 12 else (
             f"scores of shape {scores.shape}")  # fmt: skip
-        got = _answer(softmax_with_sink, (scores.copy(), sink.copy()), f"{what} ({shown})")
+        got = answer_of(softmax_with_sink, (scores.copy(), sink.copy()), f"{what} ({shown})")
         _float64_array(got, scores.shape, "softmax_with_sink")
         mistakes = answers.sink_softmax_mistakes(scores, sink)
         # a mistake is named within the check's own tolerance, no looser (allclose is one-sided)
@@ -321,7 +311,7 @@ def test_merge_with_sink(submission: Submission) -> None:
         if partial_lse.size <= 6:
             shown += f", lse {_numbers(partial_lse)}, sink {_numbers(sink)}"
         args = (partial_out.copy(), partial_lse.copy(), sink.copy())
-        got = _answer(merge_with_sink, args, f"{what} ({shown})")
+        got = answer_of(merge_with_sink, args, f"{what} ({shown})")
         _float64_array(got, expected.shape, "merge_with_sink")
         # the terms' own size bounds the round-off of any order of summation
         scale = answers.sink_merge(np.abs(partial_out), partial_lse, sink) + 1e-300
@@ -449,7 +439,7 @@ def test_hybrid_cache_bytes(submission: Submission) -> None:
         expected = answers.hybrid_bytes(layers, seq_len, bytes_per_element)
         case = f"{what}, {bytes_per_element} bytes per element"
         sent = [dict(layer) for layer in layers]
-        got = _answer(hybrid_cache_bytes, (sent, seq_len, bytes_per_element), case)
+        got = answer_of(hybrid_cache_bytes, (sent, seq_len, bytes_per_element), case)
         expect_int(got, "hybrid_cache_bytes")
         kinds = answers.bytes_by_kind(layers, seq_len, bytes_per_element)
         split = " + ".join(f"{kind} {value:,}" for kind, value in kinds.items())
