@@ -146,7 +146,9 @@ def test_a_rollback_beyond_the_margin_or_into_the_prefill_says_why():
     cache = make("StreamingLLM", "original", 2)
     feed(cache, tensors, 0, 12)
     feed(cache, tensors, 12, 15)
-    with pytest.raises(ValueError, match=r"12 is beyond rollback_margin = 2: .* to 13\.\.15 only"):
+    with pytest.raises(
+        ValueError, match=r"12 is beyond rollback_margin = 2: .* to lengths 13\.\.15 only"
+    ):
         cache.truncate(12)
     cache.truncate(14)  # within it, and again
     cache.truncate(13)

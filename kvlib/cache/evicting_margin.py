@@ -263,13 +263,13 @@ class MarginEvictingCache(EvictingCache):
             self.length = self.evicted = self.prefill_length = self.rollback_floor = 0
             return
         if length < self.rollback_floor and self.rollback_floor > self.prefill_length:
-            end = self.rollback_floor + self.rollback_margin  # the latest forward's end
             raise ValueError(
                 f"length: {length} is beyond rollback_margin = {self.rollback_margin}: the cache "
-                f"keeps what the last {self.rollback_margin} tokens of its latest forward evicted "
-                f"and changed (it rolls back to {self.rollback_floor}..{end} only), and what the "
-                f"policy evicted before position {self.rollback_floor} is gone; give the cache a "
-                "margin of at least the draft length k"
+                f"keeps undo records from position {self.rollback_floor} on (rollback_margin "
+                "positions back from the end of its latest forward), so it rolls back to lengths "
+                f"{self.rollback_floor}..{self.length} only, and what the policy evicted before "
+                f"position {self.rollback_floor} is gone; give the cache a margin of at least the "
+                "draft length k"
             )
         if length < self.rollback_floor:
             raise ValueError(

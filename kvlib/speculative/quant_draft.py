@@ -1,12 +1,14 @@
 """Self-speculation over a quantized cache: the target model drafts over an int4 copy of its own
 cache and verifies over the full-precision one (QuantSpec, Tiwari et al., ICML 2025: "the draft
 model shares the architecture of the target model but employs a hierarchical 4-bit quantized KV
-cache and 4-bit quantized weights"). A draft step reads a quarter of a 16-bit cache's K/V bytes
-(an eighth of float32's), plus scales, and it is the same model, so it guesses well.
+cache and 4-bit quantized weights"). A draft step reads 4-bit codes (a quarter of a 16-bit
+cache's K/V bytes, an eighth of float32's) plus their scales, and it is the same model, so it
+guesses well.
 
-Here the copy is chapter 10's `QuantizedCache` (default: its int4 KIVI, keys per channel in groups
-of 32 tokens, values per token in groups of 32 channels, asymmetric; no full-precision residual),
-kept beside the target's `DynamicCache` or `StaticCache`:
+Here the copy is chapter 10's `QuantizedCache` (default: its int4 KIVI, asymmetric, keys per
+channel in groups of 32 tokens, values per token in groups of 32 channels, no residual: only the
+keys of the group still filling stay in full precision), kept beside the target's `DynamicCache`
+or `StaticCache`:
 
 - **catching up**: at each call the copy quantizes the tokens the target's cache gained since the
   last call, from the target's own K/V (the verification forward wrote them; nothing is
@@ -18,9 +20,9 @@ kept beside the target's `DynamicCache` or `StaticCache`:
   falls inside it). `QuantizedCache.update` replaces its tensors and never writes into them, so a
   fork is a shallow copy with lists of its own: no K/V is copied.
 
-What it leaves out of QuantSpec: the hierarchical layout (one int8 copy whose upper 4 bits are the
-draft's cache, so the two share memory: here the int4 copy is extra memory, about a quarter of a
-16-bit cache's), the 4-bit weights (the draft runs the target's weights), and the kernels.
+What it leaves out of QuantSpec: the hierarchical layout of the quantized cache that its title
+names (here the int4 copy is memory on top of the full cache), the 4-bit weights (the draft runs
+the target's own), and the kernels.
 """
 
 from __future__ import annotations
