@@ -36,8 +36,8 @@ the older ones they pushed out.
 The margin costs memory, not behaviour: attention reads exactly the `budget` tokens
 `EvictingCache` would hold. Per layer, sequence and KV head it keeps up to `rollback_margin` evicted
 tokens' K/V beside the cache (a decode step evicts one token once the budget is full) and
-`rollback_margin` score rows of `budget + 1` entries (`rollback_nbytes`). Speculation with k draft
-tokens rejects at most k, so a margin of k suffices.
+`rollback_margin` rows of `budget` scores and query counts (`rollback_nbytes`). Speculation with k
+draft tokens rejects at most k, so a margin of k suffices.
 
 Not done: a rollback into the prefill (its tokens were scored and evicted as one step; only
 `truncate(0)`, a cache as new, reaches before it), `RandomEviction` with a margin (its generator's
@@ -94,6 +94,7 @@ class StepUndo:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the record holds."""
         return sum(
             t.numel() * t.element_size()
             for t in (self.scores, self.seen, self.dropped, self.keys, self.values, self.positions)
@@ -118,9 +119,10 @@ class MarginEvictingCache(EvictingCache):
     tokens (see the module docstring). Arguments as `EvictingCache`'s, plus:
 
     Args:
-        rollback_margin: m >= 0, the most tokens `truncate` can roll back (speculation: at least
-            k). 0 keeps no undo records: the cache then decodes as `EvictingCache` one token per
-            step and refuses every rollback but `truncate(length)` and `truncate(0)`.
+        rollback_margin: m >= 0, the most tokens `truncate` can roll back from the end of the
+            latest forward (speculation: at least k). 0 keeps no undo records: the cache then
+            decodes as `EvictingCache` fed one token per forward and refuses every rollback but
+            one to 0 (a cache as new).
 
     Attributes:
         prefill_length: the first forward's tokens (rollback reaches no length inside them).
