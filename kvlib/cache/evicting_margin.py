@@ -14,11 +14,13 @@ make the undo possible, and "the cache that never saw them" well defined:
   token i is appended, its query attends over what the cache held after token i - 1's eviction
   (and itself), the policy scores that, and the cache evicts down to the budget before token
   i + 1 enters. The attention and eviction are `EvictingCache`'s own, called once per token, so
-  after n tokens the cache holds bitwise what `EvictingCache` fed one token per forward holds,
-  however the tokens were chunked, and a verification of k + 1 tokens leaves it as k + 1 plain
-  greedy steps would (greedy speculation over it emits plain greedy's tokens over
-  `EvictingCache`). Only the model's projections see the chunk, so the logits equal a one-token
-  step's up to the rounding of a (T, d_model) product against a (1, d_model) one.
+  given the same K/V, after n tokens the cache holds bitwise what `EvictingCache` fed one token
+  per forward holds, however the tokens were chunked, and a verification of k + 1 tokens leaves it
+  as k + 1 plain greedy steps would (greedy speculation over it emits plain greedy's tokens over
+  `EvictingCache`, in exact arithmetic). Only the model's projections see the chunk, so K/V and
+  logits equal a one-token step's up to the rounding of a (T, d_model) product against a
+  (1, d_model) one; under H2O that rounding also enters the scores that choose evictions, so a
+  near-tie can flip an eviction as well as an argmax.
 - **An undo record per step and layer**, for the last `rollback_margin` steps: the tokens the step
   evicted (their K/V, positions and indices), the policy's score rows before the step (H2O's
   accumulated attention and query counts) and SnapKV's window of queries before it. Undoing a

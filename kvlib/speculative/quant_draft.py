@@ -1,9 +1,10 @@
 """Self-speculation over a quantized cache: the target model drafts over an int4 copy of its own
 cache and verifies over the full-precision one (QuantSpec, Tiwari et al., ICML 2025: "the draft
 model shares the architecture of the target model but employs a hierarchical 4-bit quantized KV
-cache and 4-bit quantized weights"). A draft step reads 4-bit codes (a quarter of a 16-bit
-cache's K/V bytes, an eighth of float32's) plus their scales, and it is the same model, so it
-guesses well.
+cache and 4-bit quantized weights"). A draft step reads 4-bit codes plus their scales and zero
+points (16-bit, one each per group of 32: with int4 KIVI 0.625 bytes per element, about 31% of a
+16-bit cache's K/V bytes and 16% of float32's at long context; chapter 16 computes them) and the
+keys of the group still filling, in full precision; and it is the same model, so it can guess well.
 
 Here the copy is chapter 10's `QuantizedCache` (default: its int4 KIVI, asymmetric, keys per
 channel in groups of 32 tokens, values per token in groups of 32 channels, no residual: only the
