@@ -27,7 +27,10 @@
   slot p mod W, a fixed size whatever the length (chapter 17);
 - `paged_window.PagedWindowCache`: the paged cache for a sliding-window model, each sequence's
   blocks that left the window given back to the pool, their table entries pointing at a null
-  block (`freeable_blocks`, `free_window_blocks`; chapter 17).
+  block (`freeable_blocks`, `free_window_blocks`; chapter 17);
+- `hybrid_blocks.HybridBlockManager`: a hybrid model's allocator, one block table per group of
+  layers of one kind over one shared pool, prefix hits that need only a window's blocks in a
+  window group (chapter 17; an allocator, not a cache: it holds no K/V).
 
 Each chapter adds a module here and plugs it in; the model's layers do not change.
 """

@@ -41,6 +41,9 @@ class BlockManager:
         self.copies: list[tuple[int, int]] = []  # (src, dst) block copies owed to copy-on-write
         self.unhashed: set = set()  # sequences that evicted tokens: their new blocks are not hashed
         self.null_block: int | None = None  # chapter 17: what dead window entries point at
+        # chapter 17: the first block's parent hash; one per layer group, so that two groups'
+        # blocks of the same tokens (different layers' K/V) never answer each other's lookups
+        self.root_hash: bytes | None = None
 
     def reserve_null_block(self) -> int:
         """The null block (vLLM's `BlockPool.null_block`): one block taken from the pool once and
@@ -75,7 +78,7 @@ class BlockManager:
             return hits, hashes
         for i in range((len(token_ids) - 1) // self.block_size):  # never the whole prompt
             block_hash = hash_block_tokens(
-                hashes[-1] if hashes else None,
+                hashes[-1] if hashes else self.root_hash,
                 token_ids[i * self.block_size : (i + 1) * self.block_size],
             )
             block_id = self.pool.lookup(block_hash)
@@ -123,15 +126,16 @@ class BlockManager:
         self.block_tables[seq_id] = hits + fresh
         self.token_ids[seq_id] = token_ids
         self.block_hashes[seq_id] = hashes  # the hit blocks are cached under these already
-        self._hash_full_blocks(seq_id)
+        self.hash_full_blocks(seq_id)
         covered = len(hits) * self.block_size
         self.prefix_hits += covered
         return covered
 
-    def _hash_full_blocks(self, seq_id) -> None:
+    def hash_full_blocks(self, seq_id) -> None:
         """Hash and cache every full block of the sequence not hashed yet, up to the first block
         holding a token not known yet (nothing to do with prefix caching off: no lookup would
-        read the hashes)."""
+        read the hashes). Every method that adds tokens calls it; an allocator that builds a
+        table itself calls it too (`kvlib.cache.hybrid_blocks`)."""
         if not self.pool.enable_prefix_caching or seq_id in self.unhashed:
             return
         tokens, hashes = self.token_ids[seq_id], self.block_hashes[seq_id]
@@ -141,7 +145,7 @@ class BlockManager:
             block_tokens = tokens[i * self.block_size : (i + 1) * self.block_size]
             if None in block_tokens:  # hashed by `set_token` once the token is known
                 return
-            block_hash = hash_block_tokens(hashes[-1] if hashes else None, block_tokens)
+            block_hash = hash_block_tokens(hashes[-1] if hashes else self.root_hash, block_tokens)
             hashes.append(block_hash)
             self.pool.cache_full_block(table[i], block_hash)
 
@@ -170,7 +174,7 @@ class BlockManager:
                 table[-1] = copy
                 self.copies.append((last, copy))
         tokens.append(None if token_id is None else int(token_id))
-        self._hash_full_blocks(seq_id)
+        self.hash_full_blocks(seq_id)
         return table[-1] * self.block_size + position % self.block_size
 
     def set_token(self, seq_id, position: int, token_id: int) -> None:
@@ -187,7 +191,7 @@ class BlockManager:
                 f"got {position} ({len(tokens)} tokens)"
             )
         tokens[position] = int(token_id)
-        self._hash_full_blocks(seq_id)
+        self.hash_full_blocks(seq_id)
 
     def fork(self, parent_id, child_id) -> None:
         """A new sequence sharing all of `parent_id`'s blocks (each `ref_cnt` + 1): parallel
@@ -232,12 +236,12 @@ class BlockManager:
             raise OutOfBlocksError(f"truncate: sequence {seq_id!r} needs a block, none is free")
         hashes, cut = self.block_hashes[seq_id], num_tokens // self.block_size
         if cut < len(hashes) and num_tokens % self.block_size and not copy:
-            self._uncache(last)  # a shared block keeps its hash: the others' K/V stay
+            self.uncache(last)  # a shared block keeps its hash: the others' K/V stay
         del hashes[cut:]
         dropped = table[keep_blocks:]
         for block in dropped:
             if self.pool.blocks[block].ref_cnt == 1:
-                self._uncache(block)
+                self.uncache(block)
         del table[keep_blocks:], tokens[num_tokens:]
         self.pool.free(reversed(dropped))
         if copy:
@@ -268,10 +272,10 @@ class BlockManager:
         there whose content is about to change out of the prefix cache."""
         hashes, table = self.block_hashes[seq_id], self.block_tables[seq_id]
         for i in range(from_block, len(hashes)):
-            self._uncache(table[i])
+            self.uncache(table[i])
         del hashes[from_block:]
 
-    def _uncache(self, block_id: int) -> None:
+    def uncache(self, block_id: int) -> None:
         """Take a block out of the prefix cache (its hash no longer describes its content)."""
         block = self.pool.blocks[block_id]
         if block.block_hash is not None:
