@@ -1,7 +1,8 @@
 """One pool, one block table per layer group (kvlib.cache.hybrid_blocks, chapter 17): vLLM's
 grouping rule, the longest hit against a brute force over random operations, chapter 3's
-equation against the allocator's bytes for every shipped full/sliding configuration, the hashes
-a window group keeps, and refusals that change nothing."""
+equation against the allocator's bytes for every shipped full/sliding configuration, the next
+turn's hit at every length and after dead window blocks are evicted, and refusals that change
+nothing."""
 
 import random
 
@@ -22,13 +23,13 @@ def test_grouping_follows_vllm_rule():
     sliding = [g for g in groups if g.window == 1024]
     full = [g for g in groups if g.window is None]
     assert [len(g.layers) for g in full] == [10] and len(sliding) == 6
-    assert {g.room for g in groups} == {10}
-    assert sum(g.room - len(g.layers) for g in sliding) == 8  # 52 layers in room for 60
+    assert {g.size for g in groups} == {10}
+    assert sum(g.size - len(g.layers) for g in sliding) == 8  # 52 layers in room for 60
     assert sorted(i for g in groups for i in g.layers) == list(range(62))
     assert sliding[0].layers[:3] == (0, 7, 14)  # the 1st, 7th, 13th sliding layers
     # 12 sliding + 13 full: under 1.5x apart, so the larger count is the room (vLLM's example)
     mixed = group_layers([128] * 12 + [None] * 13)
-    assert [(len(g.layers), g.room) for g in mixed] == [(12, 13), (13, 13)]
+    assert [(len(g.layers), g.size) for g in mixed] == [(12, 13), (13, 13)]
     assert group_layers([None] * 4) == [LayerGroup((0, 1, 2, 3), None, 4)]
 
 
@@ -65,7 +66,6 @@ def test_longest_hit_and_invariants_under_random_operations(seed):
         BlockPool(rng.randint(12, 60), rng.choice([1, 2, 4])),
         group_layers(windows),
         sink_tokens=rng.choice([0, 0, 2]),
-        keep_cached=rng.choice(["window", "all"]),
     )
     prefixes = [[rng.randrange(3) for _ in range(rng.randint(1, 30))] for _ in range(4)]
     live, next_id = {}, 0
@@ -137,29 +137,34 @@ def test_the_equation_equals_the_allocators_bytes(name):
     assert checked >= 256  # past three windows and 4,096 tokens
 
 
-def conversation(manager, turn1, turn2):
-    manager.allocate("turn 1", turn1)
-    manager.free("turn 1")
-    return manager.longest_hit(turn2)
-
-
-def test_window_groups_keep_only_what_a_hit_at_the_end_can_use():
-    windows = [8, 8, None]  # two window layers of 8, one full layer: room 1
-    turn1 = list(range(40))  # 10 blocks of 4
-    turn2 = turn1 + [99, 98, 97]
-    short = turn1[:20] + [55, 56]
-    for keep in ("window", "all"):
-        manager = HybridBlockManager(BlockPool(64, 4), group_layers(windows), keep_cached=keep)
-        hit = conversation(manager, turn1, turn2)
-        assert hit == 40  # the next turn resumes where the first ended, in every group
-        cached = manager.cached_blocks(turn1)
-        if keep == "window":
-            assert cached == [2, 2, 10]  # a window of 8 at 40: blocks 8 and 9; full: all ten
-            assert manager.longest_hit(short) == 0  # its window at 20 was forgotten
-        else:
-            assert cached == [10, 10, 10]
-            assert manager.longest_hit(short) == 20
+@pytest.mark.parametrize("window", [8, 6])
+def test_the_next_turn_hits_at_every_length(window):
+    """A conversation's next turn resumes at the first turn's last block boundary, whatever the
+    first turn's length (one a block boundary or not) and whether the window is a multiple of
+    the block size."""
+    for n in range(1, 60):
+        manager = HybridBlockManager(BlockPool(64, 4), group_layers([window, None]))
+        turn_1 = list(range(n))
+        manager.allocate("turn 1", turn_1[: min(n, 5)])
+        for start in range(5, n, 3):  # prefill, then steps of 3, dead blocks freed after each
+            manager.free_dead("turn 1")
+            manager.extend("turn 1", turn_1[start : start + 3])
+        manager.free("turn 1")
+        assert manager.longest_hit(turn_1 + [97, 98, 99]) == n // 4 * 4, n
         manager.check_invariants()
+
+
+def test_a_hit_at_the_end_survives_the_eviction_of_dead_window_blocks():
+    manager = HybridBlockManager(BlockPool(1 + 30 + 8, 4), group_layers([8, 8, None]))
+    turn_1 = list(range(40))  # 10 blocks in each of 3 groups
+    manager.allocate("turn 1", turn_1)
+    manager.free("turn 1")  # the 16 dead window blocks join the free queue before the rest
+    manager.allocate("other", range(1000, 1032))  # 24 blocks: 8 never used, then those 16
+    assert manager.cached_blocks(turn_1) == [2, 2, 10]
+    assert manager.longest_hit(turn_1 + [97]) == 40  # needs only blocks 8 and 9 of a window
+    assert manager.managers[0].num_cached_prefix_blocks(turn_1 + [97])[0] == 0  # chapter 7's rule
+    assert manager.longest_hit(turn_1[:20] + [55]) == 0  # the window at 20 was evicted
+    manager.check_invariants()
 
 
 def test_a_hit_needs_the_sinks_too():
@@ -167,7 +172,7 @@ def test_a_hit_needs_the_sinks_too():
     tokens = list(range(40))
     manager.allocate("a", tokens)
     manager.free("a")
-    assert manager.cached_blocks(tokens) == [3, 10]  # sink block 0, window blocks 8 and 9
+    assert manager.longest_hit(tokens + [1]) == 40
     manager.pool.cached_blocks.pop(manager._chain(0, tokens, 1)[0])  # evict the sink block
     assert manager.longest_hit(tokens + [1]) == 0
 
@@ -176,16 +181,16 @@ def test_per_group_tables_admit_more_sequences_than_one_table():
     windows = gemma3_windows(12, window=64)  # 10 sliding, 2 full
     admitted = {}
     for label, groups in (("one", group_layers([None] * 12)), ("per group", group_layers(windows))):
-        room = groups[0].room
-        pool = BlockPool(12 * 4096 // (16 * room), 16, enable_prefix_caching=False)
+        size = groups[0].size
+        pool = BlockPool(12 * 4096 // (16 * size), 16, enable_prefix_caching=False)
         admitted[label] = fill_pool(HybridBlockManager(pool, groups), 1024, chunk=256)
     assert admitted["one"] == 4096 // 1024
     assert admitted["per group"] > 2 * admitted["one"]
 
 
 def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="keep_cached"):
-        HybridBlockManager(BlockPool(8, 4), group_layers([None]), keep_cached="some")
+    with pytest.raises(ValueError, match="sink_tokens"):
+        HybridBlockManager(BlockPool(8, 4), group_layers([None]), sink_tokens=-1)
     with pytest.raises(ValueError, match="groups"):
         HybridBlockManager(BlockPool(8, 4), [])
     manager = HybridBlockManager(BlockPool(8, 4), group_layers([None]))

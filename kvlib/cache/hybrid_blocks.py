@@ -10,11 +10,12 @@ so all blocks have the same bytes and a block a window group gives back can serv
 (of this sequence or another) at once.
 
 **Grouping** (`group_layers`, vLLM's `_get_kv_cache_groups_uniform_page_size`, commit 52b9a57d).
-The layers of each kind (full, or one window size) are counted; the group size G is the smallest
-count, or the largest one if it is below 1.5 times the smallest; each kind's layers are dealt
-round-robin into ceil(count / G) groups (group i gets layers[i::num_groups]). Every block has
-room for G layers, so a group of fewer layers wastes the rest: **padding** (Gemma 3 27B: 52
-sliding layers in six groups of room 10, eight layers' worth of padding).
+The layers of each kind (full, or one window size) are counted; the **group size** G (vLLM's
+`group_size`) is the smallest count, or the largest one if it is below 1.5 times the smallest;
+each kind's layers are dealt round-robin into ceil(count / G) groups (group i gets
+layers[i::num_groups]). Every block has room for G layers, so a group of fewer layers leaves the
+rest of each of its blocks empty: **padding** (Gemma 3 27B: 52 sliding layers in six groups of
+size 10, eight layers' worth of padding).
 
 **Prefix hits.** Each group hashes its own full blocks, its chain salted by its index
 (`BlockManager.root_hash`: two groups' blocks of the same tokens hold different layers' K/V). A
@@ -26,17 +27,21 @@ longest hit is the largest L, a multiple of `block_size` below the prompt's leng
 group accepts: each group in turn shortens the candidate until none does (the fixed point of
 vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit`, commit 52b9a57d).
 
-**Keeping only what a hit can use** (`keep_cached="window"`). A full group's cached blocks serve a
-hit at any length up to theirs. A window group's block serves a hit at L only while it is live at
-L. The hits a running sequence anticipates are at its end (the next turn of a conversation
-extends it), and a block the window has left is never live there again; so the window group
-forgets the hash of each block it gives back (`free_dead`, `free`), and the prefix cache holds a
-window's worth per group where it would hold the whole sequence. SGLang's SWA radix cache goes
-part of the way lazily: under memory pressure it frees an inner node's window KV first (a
-tombstone), and a match needs window KV only for its last W tokens (commit 5e24d55a). The price:
-a later request sharing only a shorter prefix finds no window blocks there and its hit falls
-back (to 0 unless sinks and an overlapping window survive). `keep_cached="all"` keeps every hash
-until the pool evicts the block, as vLLM's freed blocks keep theirs.
+**Keeping only what a hit can use.** A window group holds only its live blocks while a sequence
+runs (`free_dead`); the blocks it gives back keep their hashes and join the back of the pool's
+free queue (chapter 7), so they are the first of the sequence's blocks an allocation evicts. A
+hit at the sequence's end (the next turn of a conversation) still succeeds after they are gone:
+it needs only the window's last blocks, which were freed last, at `free`. Chapter 7's rule
+(every leading block cached) would find no hit in a window group at all once the first block is
+evicted. What is given up: a later request that shares only a shorter prefix needs the window's
+blocks at that point, and finds them only if they have not been evicted yet. SGLang's SWA radix
+cache makes the same bet explicit: a tree node's window KV is evicted before its full KV (a
+tombstone), and a match needs window KV only over its last W tokens (commit 5e24d55a).
+
+Beyond vLLM: the sinks in a window group's hit are the course's (vLLM's sliding-window hit has
+none); vLLM keys its cached blocks by (hash, group) where this
+module salts each group's chain, and it also allows groups with different block sizes (a hit's
+length a multiple of their least common multiple), which this module does not.
 
 What it does not do: hold K/V (each group's layers would index their tensors with its table),
 recurrent-state groups (vLLM's `MambaManager`: one block holds a state), per-group block sizes,
@@ -58,21 +63,19 @@ from kvlib.errors import OutOfBlocksError
 
 __all__ = ["HybridBlockManager", "LayerGroup", "fill_pool", "group_layers"]
 
-KEEP_CACHED = ("window", "all")
-
 
 class LayerGroup(NamedTuple):
     """Layers that share one block table. `layers`: the model's layer indices (ascending);
-    `window`: W of their sliding window, None for full attention; `room`: the layers a block has
-    room for (the group size G; room - len(layers) layers' worth of each block is padding)."""
+    `window`: W of their sliding window, None for full attention; `size`: the group size G, the
+    layers a block has room for (size - len(layers) layers' worth of each block is padding)."""
 
     layers: tuple[int, ...]
     window: int | None
-    room: int
+    size: int
 
 
 def group_layers(windows: Sequence[int | None]) -> list[LayerGroup]:
-    """Cut a model's layers into groups of one kind and equal room (vLLM's rule, module
+    """Cut a model's layers into groups of one kind and one size (vLLM's rule, module
     docstring). `windows[i]` is layer i's sliding window (tokens, int >= 1) or None (full
     attention). Kinds come in the order of their first layer; every layer is in exactly one group.
 
@@ -87,12 +90,12 @@ def group_layers(windows: Sequence[int | None]) -> list[LayerGroup]:
             check_positive_int(f"windows[{i}]", window)
         kinds.setdefault(window, []).append(i)
     counts = [len(layers) for layers in kinds.values()]
-    room = min(counts) if max(counts) >= 1.5 * min(counts) else max(counts)
+    size = min(counts) if max(counts) >= 1.5 * min(counts) else max(counts)
     groups = []
     for window, layers in kinds.items():
-        num_groups = -(-len(layers) // room)
+        num_groups = -(-len(layers) // size)
         groups += [
-            LayerGroup(tuple(layers[i::num_groups]), window, room) for i in range(num_groups)
+            LayerGroup(tuple(layers[i::num_groups]), window, size) for i in range(num_groups)
         ]
     return groups
 
@@ -104,8 +107,6 @@ class HybridBlockManager:
         pool: the shared pool (its `block_size` is every group's).
         groups: from `group_layers`.
         sink_tokens: the first positions every window group keeps (StreamingLLM sinks), >= 0.
-        keep_cached: "window" (a window group forgets the hashes of the blocks it gives back) or
-            "all".
 
     `tables(seq_id)` gives each group's table; dead window entries name `null_block`. Raises
     (from the methods): `OutOfBlocksError` when the pool runs short (the call changes nothing),
@@ -118,15 +119,11 @@ class HybridBlockManager:
         groups: Sequence[LayerGroup],
         *,
         sink_tokens: int = 0,
-        keep_cached: str = "window",
     ):
         if not groups:
             raise ValueError("groups: expected at least one layer group, got none")
-        if keep_cached not in KEEP_CACHED:
-            raise ValueError(f"keep_cached: expected one of {KEEP_CACHED}, got {keep_cached!r}")
         self.pool, self.block_size, self.groups = pool, pool.block_size, list(groups)
         self.sink_tokens = check_positive_int("sink_tokens", sink_tokens, allow_zero=True)
-        self.keep_cached = keep_cached
         self.managers = [BlockManager(pool) for _ in self.groups]
         self.null_block = None
         for i, (manager, group) in enumerate(zip(self.managers, self.groups)):
@@ -277,19 +274,14 @@ class HybridBlockManager:
 
     def free_dead(self, seq_id) -> int:
         """Give back every window group's dead blocks of the sequence
-        (`kvlib.cache.paged_window.free_window_blocks`); with keep_cached="window", a block that
-        nobody holds any more also loses its hash. Returns the blocks whose reference was given
-        back."""
+        (`kvlib.cache.paged_window.free_window_blocks`: the table entries point at the null block,
+        the blocks keep their hashes). Returns the blocks whose reference was given back."""
         released = 0
         for manager, group in zip(self.managers, self.groups):
-            if group.window is None:
-                continue
-            blocks = free_window_blocks(manager, seq_id, group.window, sink_tokens=self.sink_tokens)
-            if self.keep_cached == "window":
-                for block in blocks:
-                    if self.pool.blocks[block].ref_cnt == 0:
-                        manager.uncache(block)
-            released += len(blocks)
+            if group.window is not None:
+                released += len(
+                    free_window_blocks(manager, seq_id, group.window, sink_tokens=self.sink_tokens)
+                )
         return released
 
     def free(self, seq_id) -> None:
