@@ -28,6 +28,9 @@
 - `paged_window.PagedWindowCache`: the paged cache for a sliding-window model, each sequence's
   blocks that left the window given back to the pool, their table entries pointing at a null
   block (`freeable_blocks`, `free_window_blocks`; chapter 17).
+- `hybrid.HybridCache`: a hybrid model's cache, per layer the one its kind needs (dense K/V for
+  full attention, a ring for a sliding window, a recurrent state for gated linear attention),
+  dispatched by layer index (chapter 17).
 
 Each chapter adds a module here and plugs it in; the model's layers do not change.
 """
@@ -36,6 +39,7 @@ from kvlib.cache.base import KVCache
 from kvlib.cache.compaction import CompactingPagedCache
 from kvlib.cache.dense import DynamicCache, StaticCache
 from kvlib.cache.evicting import EvictingCache
+from kvlib.cache.hybrid import HybridCache
 from kvlib.cache.latent import LatentCache
 from kvlib.cache.paged import PagedCache
 from kvlib.cache.paged_window import PagedWindowCache
@@ -46,6 +50,7 @@ __all__ = [
     "CompactingPagedCache",
     "DynamicCache",
     "EvictingCache",
+    "HybridCache",
     "KVCache",
     "LatentCache",
     "PagedCache",
