@@ -23,12 +23,15 @@ Rows of `results/hybrid_recall.csv` (`measure` column):
   through each model's cache (the course model's `DynamicCache`, the hybrid's `HybridCache`).
   Per model and distance: facts recalled of facts asked, the rate with its 95% cluster bootstrap
   interval over documents (a document's facts are not independent: `cluster_bootstrap`), and the
-  paired difference from the course model on the same documents (`paired_cluster_bootstrap`).
-  Four models: the course model, the hybrid, and two ablations of the hybrid (the same weights,
-  never trained so), each removing one path a fact can take past the window: its full layers
-  windowed to W like layer 0 (what the window and the recurrent state alone carry beyond W
-  tokens), and its linear layer's decay forced to 0 (log_decay = -inf: the state holds only the
-  current token, so everything beyond W must come through the full layers).
+  paired differences, with their intervals, from the course model (`minus_course`) and from the
+  control below (`minus_control`) on the same documents (`paired_cluster_bootstrap`).
+  Four models: the course model, the hybrid, and two variants of the hybrid with its weights,
+  never trained so: an ablation, its full layers windowed to W like layer 0, whose cache then
+  stops growing (what the window and the recurrent state carry beyond W tokens), and its
+  control, the same with the linear layer's state also erased every W tokens (its gate set to
+  +inf at positions 0, W, 2W, ...: log_decay = -inf), so that no layer sees further back than W
+  tokens (the stack reaches at most about 4W back); run in one forward without a cache, as its
+  resets count positions from the forward's start.
 - `cache_bytes`: bytes a model's cache holds for one sequence after `context` tokens, measured
   on the cache objects (`nbytes`, float32) after a forward over random tokens, beside chapter 3's
   equation on the model's `config.json` (`kvlib.memory.kv_cache_bytes`); the hybrid's split by
@@ -57,7 +60,7 @@ CONTEXTS = (1, 16, 64, 256, 1024, 4096)  # tokens per sequence for the cache-byt
 PREFILL_CHUNK = 256  # tokens per forward when filling a cache for the bytes rows
 BOOTSTRAP = {"draws": 2000, "level": 0.95, "seed": 0}
 WINDOWED = "hybrid, full layers windowed (ablation)"
-MEMORYLESS = "hybrid, linear state reset every token (ablation)"
+WINDOWS_ONLY = "hybrid, full layers windowed, state reset every 16 tokens (control)"
 
 PROVENANCE_SOURCES = (
     "kvlib/cache/dense.py",
@@ -80,9 +83,12 @@ PROVENANCE_SOURCES = (
 
 def cache_factory(model):
     """The cache each model of the comparison streams through: `HybridCache` for a config with
-    layer types, else the full `DynamicCache` (chapter 8's full-cache baseline)."""
+    layer types, else the full `DynamicCache` (chapter 8's full-cache baseline); None (one
+    forward, no cache) for the control, whose resets count positions within a forward."""
     from kvlib.cache import DynamicCache, HybridCache
 
+    if getattr(model, "counts_positions_per_forward", False):
+        return None
     if model.config.layer_types is not None:
         return HybridCache.factory
     return lambda m, batch_size, max_seq_len: DynamicCache(m.config.num_hidden_layers)
@@ -102,25 +108,34 @@ def windowed(model):
     return ablated
 
 
-def memoryless(model):
-    """The other ablation: a copy of `model` (the hybrid) whose linear layers' gates output +inf,
-    so log_decay = -softplus(+inf) = -inf and each token's state is its own write alone."""
+def reset_every(model, period: int):
+    """The control: a copy of `model` whose linear layers' state is erased at positions 0,
+    period, 2 · period, ... (their gates output +inf there: log_decay = -softplus(+inf) = -inf,
+    a = 0), so it holds at most the last `period` tokens. Positions are counted from the first
+    token of a forward: use it for one forward over whole sequences, no cache."""
     import copy
 
     from kvlib.layers.hybrid import LinearAttention
 
+    def erase(module, inputs, output):  # output (B, T, H): the gate's pre-activation
+        output = output.clone()
+        output[:, ::period] = float("inf")
+        return output
+
     ablated = copy.deepcopy(model)
     for layer in ablated.model.layers:
         if isinstance(layer.self_attn, LinearAttention):
-            layer.self_attn.gate_proj.register_forward_hook(
-                lambda module, inputs, output: torch.full_like(output, float("inf"))
-            )
+            layer.self_attn.gate_proj.register_forward_hook(erase)
+    ablated.counts_positions_per_forward = True  # `cache_factory`: one forward, no cache
     return ablated
 
 
-def recall_rows(models: dict, *, num_documents: int = DOCUMENTS, distances=None) -> list[dict]:
-    """`recall` rows for `models` ({name: model}, the first the reference of the paired
-    differences), each streamed through its `cache_factory`."""
+def recall_rows(
+    models: dict, *, num_documents: int = DOCUMENTS, distances=None, references=None
+) -> list[dict]:
+    """`recall` rows for `models` ({name: model}), each streamed through its `cache_factory`,
+    with paired differences from each model of `references` ({column prefix: name}; default:
+    "minus_course" from the first model, "minus_control" from `WINDOWS_ONLY` when present)."""
     from kvlib.metrics.bootstrap import cluster_bootstrap, paired_cluster_bootstrap
     from kvlib.metrics.recall import RECALL_DISTANCES, recall_hits
 
@@ -131,7 +146,10 @@ def recall_rows(models: dict, *, num_documents: int = DOCUMENTS, distances=None)
         )
         for name, model in models.items()
     }
-    reference = next(iter(models))
+    if references is None:
+        references = {"minus_course": next(iter(models))}
+        if WINDOWS_ONLY in models:
+            references["minus_control"] = WINDOWS_ONLY
     rows = []
     for name in models:
         for d in distances:
@@ -140,8 +158,11 @@ def recall_rows(models: dict, *, num_documents: int = DOCUMENTS, distances=None)
             recalled = [hits[name][d][i][0] for i in kept]
             asked = [hits[name][d][i][1] for i in kept]
             rate, low, high = cluster_bootstrap(recalled, asked, **BOOTSTRAP)
-            base = [hits[reference][d][i][0] for i in kept]
-            diff, diff_low, diff_high = paired_cluster_bootstrap(recalled, base, asked, **BOOTSTRAP)
+            paired = {}
+            for prefix, reference in references.items():
+                base = [hits[reference][d][i][0] for i in kept]
+                diff, low_d, high_d = paired_cluster_bootstrap(recalled, base, asked, **BOOTSTRAP)
+                paired |= {prefix: diff, f"{prefix}_low": low_d, f"{prefix}_high": high_d}
             rows.append(
                 dict(
                     measure="recall",
@@ -153,9 +174,7 @@ def recall_rows(models: dict, *, num_documents: int = DOCUMENTS, distances=None)
                     recall=round(rate, 5),
                     recall_low=round(low, 5),
                     recall_high=round(high, 5),
-                    minus_course=round(diff, 5),
-                    minus_course_low=round(diff_low, 5),
-                    minus_course_high=round(diff_high, 5),
+                    **{column: round(value, 5) for column, value in paired.items()},
                 )
             )
     return rows
@@ -206,7 +225,7 @@ def measure(models: dict, logs: dict, *, contexts=CONTEXTS) -> list[dict]:
 
     rows = recall_rows(models)
     for name, model in tqdm(models.items(), desc="cache bytes", unit="model"):
-        if name != MEMORYLESS:  # the hybrid's cache exactly
+        if name != WINDOWS_ONLY:  # the ablation's cache exactly
             rows += [cache_bytes_row(model, name, s) for s in contexts]
     columns = {name: model_columns(model, logs[name]) for name, model in models.items()}
     facts = cpu_facts()
@@ -248,7 +267,7 @@ def record(
         "course model": course,
         "hybrid": hybrid,
         WINDOWED: windowed(hybrid),
-        MEMORYLESS: memoryless(hybrid),
+        WINDOWS_ONLY: reset_every(windowed(hybrid), HYBRID_CONFIG.sliding_window),
     }
     course_log, hybrid_log = (d / "training_log.jsonl" for d in (COURSE_MODEL_DIR, weights))
     logs = {name: hybrid_log for name in models} | {"course model": course_log}
