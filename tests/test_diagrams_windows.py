@@ -41,7 +41,8 @@ def test_the_picture_colours_what_the_next_query_sees():
     assert gids(fig, "position-dead").count("position-dead") == 6  # 0..5
     assert gids(fig, "slot-next") == ["slot-next"]  # slot 13 mod 8 = 5
     assert len(gids(fig, "slot")) == 8
-    assert gids(fig, "page-freed") == ["page-freed"] and len(gids(fig, "page-")) == 4
+    assert gids(fig, "page-freed") == ["page-freed"] and len(gids(fig, "page-live")) == 3
+    assert gids(fig, "page-unwritten") == ["page-unwritten"]  # page 3's slots 13, 14, 15
 
 
 def test_without_pages_there_is_no_page_row_and_bad_sizes_are_refused():

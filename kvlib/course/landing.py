@@ -47,6 +47,7 @@ WHAT = {
     "sparse_sweep.csv": "sparse page selection's quality against pages read",
     "sparse_long.csv": "sparse page selection at 2,000 and 4,096 tokens (passkey, prose KL)",
     "verify_cost.csv": "what verifying drafts costs: a forward of 1-16 tokens over a cache",
+    "window_quality.csv": "SmolLM2 under a sliding window, with and without sink tokens",
 }
 
 

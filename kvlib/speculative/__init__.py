@@ -12,6 +12,8 @@ al., 2023, "Accelerating Large Language Model Decoding with Speculative Sampling
   occurrence of the text's last n-gram; vLLM's `ngram` method takes the earliest).
 - `self_draft`: self-speculation: the target drafts over a few pages of its own cache (chapter
   15's sparse view; sinks and a window when the budget is just those), verified densely.
+- `quant_draft`: self-speculation over an int4 copy of the target's cache (chapter 10's KIVI;
+  QuantSpec), verified over the full-precision cache.
 - `tree`: tree speculation: several candidates per position in one forward with a tree attention
   mask (SpecInfer; Medusa), the accepted branch's K/V moved into place (`move_tokens`).
 - `decode`: the loop: draft, verify in one forward, keep the accepted tokens, `cache.truncate` the
@@ -20,17 +22,22 @@ al., 2023, "Accelerating Large Language Model Decoding with Speculative Sampling
 Rollback itself is each cache's `truncate(length)` (`kvlib.cache.base`): dense, static, latent,
 paged, page-bounds and per-token quantized paged caches roll back; KIVI's (`QuantizedCache`) rolls
 back exactly unless a flush since `length` quantized a token it keeps (always exact at R = 0 with
-per-token schemes), and refuses that rollback; caches that cannot undo a write (evicting and
-compacting caches) raise `NotImplementedError` saying why.
+per-token schemes), and refuses that rollback; chapter 8's evicting cache rolls back within a
+margin as `kvlib.cache.evicting_margin.MarginEvictingCache` (one decode step per token, and undo
+records of its last `rollback_margin` tokens; a `ValueError` beyond them); caches that cannot undo
+a write (`EvictingCache` itself, compacting caches, a wrapped ring) raise `NotImplementedError`
+saying why.
 """
 
 from kvlib.speculative.decode import Draft, SpeculationStats, speculative_generate
 from kvlib.speculative.ngram import ngram_draft
+from kvlib.speculative.quant_draft import QuantizedSelfDrafter
 from kvlib.speculative.self_draft import SparseSelfDrafter
 from kvlib.speculative.verify import greedy_accept, residual_distribution, speculative_accept
 
 __all__ = [
     "Draft",
+    "QuantizedSelfDrafter",
     "SparseSelfDrafter",
     "SpeculationStats",
     "greedy_accept",

@@ -115,6 +115,11 @@ _FREEABLE_CASES = [  # (num_positions, window, block_size, sink_tokens or None: 
     (12, 4, 1, 3, "blocks of 1 token"),
     (10, 4, 4, 12, "more sinks than positions out of the window"),
     (100, 16, 16, 4, "blocks of 16, window 16"),
+    (0, 4, 1, 0, "no position yet: nothing to free"),
+    (2, 4, 1, 0, "blocks of 1, fewer positions than the window"),
+    (4, 4, 1, 0, "blocks of 1, n = W: position 0 = n - W out"),
+    (8, 1, 4, 0, "window 1, n a multiple of the block size: the last block is the next write's"),
+    (7, 4, 1, 3, "blocks of 1, n = W + sinks: one position between the sinks and the window"),
 ]
 
 
@@ -173,6 +178,8 @@ _SINK_CASES = [  # (scores (H, S), sink (H,), what)
     (_rows([[1.0, 2.0, 3.0], [0.0, -1.0, 5.0]]), _rows([0.5, -2.0]), "two heads, two sinks"),
     (_rows([[1000.0, 999.0, 998.0]]), _rows([999.5]), "scores near 1000: exp(1000) overflows"),
     (_rows([[-1000.0, -1001.0]]), _rows([-1000.5]), "scores and sink near -1000: exp underflows"),
+    (_rows([[1000.0, 999.0], [-1000.0, -1001.0]]), _rows([1000.0, -1000.0]),
+     "rows at opposite ends: each row's own maximum subtracted"),
     (_rows([[1000.0, 1000.0]]), _rows([0.0]), "a sink far below scores near 1000"),
     (_rows([[0.0, 1.0]]), _rows([30.0]), "a sink far above the scores: the head attends to "
      "almost nothing"),
@@ -192,8 +199,10 @@ def _random_sink_case(rng) -> tuple:
     heads = int(rng.integers(1, 7))
     keys = heads if rng.random() < 0.2 else int(rng.integers(1, 41))
     spread = float(rng.choice([0.1, 1.0, 10.0, 100.0]))
-    offset = float(rng.choice([0.0, 0.0, 500.0, -500.0, 1000.0, -1000.0]))
+    offsets = np.array([0.0, 0.0, 500.0, -500.0, 1000.0, -1000.0])
+    offset = rng.choice(offsets, size=(heads, 1))  # each head's own: rows far apart
     scores = offset + spread * rng.normal(size=(heads, keys))
+    offset = offset[:, 0]
     kind = str(rng.choice(["near", "above", "below", "tie"]))
     sink = {
         "near": offset + spread * rng.normal(size=heads),
@@ -267,6 +276,9 @@ def _merge_cases() -> list:
              [0, 2, 4, 6, 8], [0.5, -1.0], "four splits, two heads"),
         case([[0.5, 1.5, -0.5, 2.5, 0.0]], [0, 3, 3, 5], [1.0], "an empty split (lse -inf, output "
              "0), as a short sequence leaves"),
+        case([[0.5, 1.5, -0.5, 2.5, 0.0]], [0, 0, 0, 3, 5], [1.0], "the first two splits empty"),
+        case([[1000.0, 999.0, 1001.0], [-1000.0, -1001.0, -999.0]], [0, 1, 3], [1000.0, -1000.0],
+             "heads at opposite ends: each head's own maximum subtracted"),
         case([[1000.0, 999.0, 998.5, 1001.0]], [0, 2, 4], [1000.2], "scores near 1000: exp(lse) "
              "overflows"),
         case([[-1000.0, -1001.0, -999.0]], [0, 1, 3], [-1000.0], "scores and sink near -1000"),
@@ -289,8 +301,8 @@ def _random_merge_case(rng) -> tuple:
         int(rng.integers(1, 41)),
     )
     spread = float(rng.choice([0.1, 1.0, 10.0]))
-    offset = float(rng.choice([0.0, 0.0, 500.0, -500.0, 1000.0, -1000.0]))
-    scores = offset + spread * rng.normal(size=(heads, keys))
+    offset = rng.choice(np.array([0.0, 0.0, 500.0, -500.0, 1000.0, -1000.0]), size=heads)
+    scores = offset[:, None] + spread * rng.normal(size=(heads, keys))
     sink = offset + {"near": spread * rng.normal(size=heads), "above": rng.uniform(5, 40, heads),
                      "below": -rng.uniform(5, 40, heads)}[str(rng.choice(["near", "above",
                                                                          "below"]))]  # fmt: skip
@@ -374,6 +386,7 @@ _HYBRID_CASES = [  # (layers, seq_len, bytes_per_element, what)
     ([_linear(4096)] * 4, 1_000_000, 4, "linear layers only, a million tokens"),
     ([_sliding(4, 32, 1), _full(4, 32)], 5, 1, "window 1, 5 tokens"),
     ([_sliding(1, 16, 8), _sliding(2, 16, 16)], 12, 2, "two windows, 12 tokens between them"),
+    ([_full(8, 128)], 600_000, 4, "one layer past 2**31 bytes: no 32-bit product"),
 ]  # fmt: skip
 
 

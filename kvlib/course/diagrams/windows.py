@@ -55,7 +55,7 @@ def ring_and_pages(
     Returns:
         the Figure. Positions are Rectangles with `gid` "position-live" or "position-dead",
         ring slots "slot" (the next write's slot "slot-next"), pages "page-live" or
-        "page-freed".
+        "page-freed" (a page's slots still to be written hatched over it: "page-unwritten").
     Raises:
         ValueError: a non-positive window, block size or position count.
     """
@@ -89,10 +89,14 @@ def ring_and_pages(
         gone = set(freed)
         for page in range(math.ceil(num_positions / block_size)):
             start = page * block_size
-            span = min(block_size, num_positions - start)
             kind = "page-freed" if page in gone else "page-live"
-            box(ax, start + 3, y, span - 0.08, 0.8, f"page {page}" + (" freed" if page in gone
-                else ""), colour=DEAD if page in gone else LIVE, size=6, gid=kind)  # fmt: skip
+            label = f"page {page}" + (" freed" if page in gone else "")
+            box(ax, start + 3, y, block_size - 0.08, 0.8, label, colour=DEAD if page in gone
+                else LIVE, size=6, gid=kind)  # fmt: skip
+            empty = (page + 1) * block_size - num_positions  # slots the next tokens will fill
+            if empty > 0:
+                box(ax, num_positions + 3, y, empty - 0.08, 0.8, "", colour="white", hatch="///",
+                    gid="page-unwritten")  # fmt: skip
         ax.text(2.6, y + 0.4, "pages", ha="right", va="center", size=7)
     ax.set_title(
         "A sliding-window layer keeps the last W positions: in a ring (slot = position mod W) or"
