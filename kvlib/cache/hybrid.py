@@ -14,8 +14,10 @@ kind, and dispatches by layer index: attention layers call `update(layer_idx, k,
 through `attention_backend` (the ring's attention for what the ring returned, the model's backend
 for a full layer's keys and values); linear layers call `update_state(layer_idx, q, k, v,
 log_decay)`, which advances the state and returns the layer's output. `advance(T)` commits the
-forward in all three. vLLM's hybrid KV cache manager groups layers by kind in the same way, each
-group with its own cache spec (full attention, sliding window, Mamba state).
+forward in all three. vLLM v1 splits a hybrid the same way, by kind of layer: a `KVCacheSpec`
+per kind (`FullAttentionSpec`, `SlidingWindowSpec`, `MambaSpec` in `vllm/v1/kv_cache_interface.py`)
+and a `SingleTypeKVCacheManager` per group of layers of one kind
+(`vllm/v1/core/single_type_kv_cache_manager.py`).
 
 What it deliberately does not do: padding or ragged batches (every sequence has the same
 length, as in `RingCache` and `RecurrentStateCache`; `begin_forward` refuses a padded mask),

@@ -10,10 +10,11 @@ full attention, gated linear attention, full attention (`kvlib.layers.hybrid`). 
 from scratch exactly as the course model was: `train_course_model.train` with the same corpus,
 curriculum, optimizer, learning rate, warm-up, seed and thread count; only the config differs.
 Two full layers, not one: a first layout with one full layer in four (sliding, linear, sliding,
-full) trained this way recalled about 1 fact in 10 at every distance, inside the window too, and
-probes of the first 1,600 steps put the one full layer at 1 or 3, with or without the linear
-layer, equally at chance, where two full layers (1 and 3) began to recall: at this size and
-budget, the recall circuit needs a second global layer to form, not a longer memory.
+full) trained this way recalled about 1 fact in 10 at every distance, 8 tokens apart (inside the
+window) too, so its failure was not one of memory; probes of the first 1,600 steps found one full
+layer, at 1 or at 3, with or without the linear layer, equally at chance, where this layout's
+two full layers (1 and 3) had begun to recall. At this size and training budget one global
+layer in four did not learn to recall at all; two did.
 
 Rows of `results/hybrid_recall.csv` (`measure` column):
 

@@ -3,19 +3,20 @@ attention, "sliding" window attention, or "linear": gated linear attention, a re
 whose cache is a fixed-size state (`kvlib.layers.linear_attention`).
 
 - `LinearAttention`: the "linear" layer. Per head, q, k and v are projected as in attention, and a
-  decay per token comes from a gate, log_decay = -softplus(x W_g + b_g) <= 0 (the decay
-  a = exp(log_decay) of Mamba-2's `exp(-softplus(...) · A)` with A = 1, and of GLA's scalar gate:
-  Dao & Gu, 2024; Yang et al., 2024). Then S_t = a_t S_{t-1} + k_t v_tᵀ, o_t = S_tᵀ q_t,
+  decay per token comes from a gate, log_decay = -softplus(x W_g + b_g) <= 0 (Mamba-2's decay
+  exp(-softplus(...) · A) with A = 1, one scalar per head and token: Dao & Gu, 2024; GLA's gate
+  is a vector, one decay per key channel). Then S_t = a_t S_{t-1} + k_t v_tᵀ, o_t = S_tᵀ q_t,
   computed by `chunked_form` (no cache, or a prefill) or `recurrent_form` (decode).
   Normalisation, for training stability: q and k are L2-normalised per head (Gated DeltaNet's and
   Qwen3-Next's `use_qk_l2norm`; Yang et al., 2024), so |q · k| <= 1 however large the
   projections grow; the output of each head then goes through an RMSNorm (RetNet's and GLA's
   group norm, Mamba-2's output norm), because S_t sums up to 1 / (1 - a) writes and the output
-  of an unnormalised head would grow with how long the head remembers. No RoPE: position enters
-  through the decay (the state is a sum that weights a token by the decays after it) and through
-  the attention layers around it; rotating q and k would make q_i · k_j depend on i - j, which a
-  state summed over every j cannot express (RetNet's xPos rotation is its parallel form's, not
-  GLA's or Mamba-2's).
+  of an unnormalised head would grow with how long the head remembers. No RoPE, as in GLA,
+  Mamba-2 and Qwen3-Next's linear layers (its full-attention layers keep theirs): order enters
+  through the decay (the state weights each token by the decays after it) and through the
+  attention layers around it. A rotation would fit the state too (RetNet rotates each key by its
+  absolute position before it enters the state, in all three of its forms); this layer follows
+  the designs that leave order to the decay.
 - `GlobalAttention`: a "full" layer in a model whose config has a `sliding_window` for its
   sliding layers: the model's mask is windowed, so this layer attends under the causal mask of
   the same shape instead.
