@@ -2,10 +2,11 @@
 
 What it does: the layers of `kvlib.layers.llama` (RMSNorm, RoPE, SwiGLU MLP, attention; no biases
 except the q/k/v biases of Qwen2, MHA/GQA/MQA from one code path, `num_key_value_heads`), or MLA's
-(`kvlib.layers.mla`), stacked, with an optional sliding window (Mistral). Parameter names are
-Hugging Face's (`model.layers.0.self_attn.q_proj.weight`), so a checkpoint's state dict loads as
-is. `model(input_ids, cache=...)` processes only the new tokens, at the right positions, reading
-and extending the cache (`kvlib.cache`).
+(`kvlib.layers.mla`), stacked, with an optional sliding window (Mistral) or, with `layer_types`,
+a kind per layer: full, sliding-window or gated linear attention (chapter 17's hybrids,
+`kvlib.layers.hybrid`). Parameter names are Hugging Face's (`model.layers.0.self_attn.q_proj.
+weight`), so a checkpoint's state dict loads as is. `model(input_ids, cache=...)` processes only
+the new tokens, at the right positions, reading and extending the cache (`kvlib.cache`).
 
 RoPE scaling: Llama 3.1's "llama3" frequency scaling (Meta's reference `apply_scaling`) is
 implemented, so Llama 3.1 and 3.2 checkpoints load; other schemes (YaRN, dynamic NTK, LongRoPE)
@@ -27,16 +28,13 @@ from torch import nn
 from kvlib._validate import check_positive_int
 from kvlib.config import attention_geometry, config_dtype, config_field, load_config
 from kvlib.errors import UnsupportedConfigError
+from kvlib.layers import hybrid
 from kvlib.layers.llama import MLP, Attention, RMSNorm, rope_cos_sin
 from kvlib.layers.mla import MLAttention
 from kvlib.ops.attention import get_backend, reference_attention, visible
 
-LOADABLE_MODEL_TYPES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "deepseek_v2",
-)  # what this model runs (memory sizes more)
+# what this model runs (memory sizes more)
+LOADABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "deepseek_v2")
 LLAMA3_SCALING_FIELDS = (
     "factor",
     "low_freq_factor",
@@ -74,6 +72,9 @@ class ModelConfig:
     qk_nope_head_dim: int | None = None  # d_h
     qk_rope_head_dim: int | None = None  # d_R
     v_head_dim: int | None = None  # d_v
+    # Chapter 17's hybrids (kvlib.layers.hybrid): per layer "full", "sliding" (the window of
+    # sliding_window) or "linear" (gated linear attention); None: every layer as sliding_window says
+    layer_types: tuple[str, ...] | None = None
 
     @property
     def is_mla(self) -> bool:
@@ -85,14 +86,8 @@ class ModelConfig:
         return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-        ):
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+        for name in (*sizes, "num_attention_heads", "num_key_value_heads"):
             check_positive_int(name, getattr(self, name))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
@@ -120,6 +115,8 @@ class ModelConfig:
             raise ValueError(
                 f"qk_rope_head_dim: RoPE needs an even dimension, got {self.qk_rope_head_dim}"
             )
+        if self.layer_types is not None:  # a tuple (hashable, like the rest), checked
+            object.__setattr__(self, "layer_types", hybrid.check_layer_types(self))
 
     @classmethod
     def from_hf(cls, config: dict | str | os.PathLike) -> ModelConfig:
@@ -164,10 +161,10 @@ class ModelConfig:
                     f"config: rope_scaling of type 'llama3' lacks {missing}, got {scaling!r}"
                 )
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        layer_types = hybrid.layer_types_from_hf(config)  # None: every layer alike
+        slides = model_type == "mistral" or config.get("use_sliding_window")
         sliding = (
-            config.get("sliding_window")
-            if model_type == "mistral" or config.get("use_sliding_window")
-            else None
+            config.get("sliding_window") if slides or "sliding" in (layer_types or ()) else None
         )
         if model_type == "qwen2" and config.get("use_sliding_window"):
             raise UnsupportedConfigError(
@@ -213,6 +210,7 @@ class ModelConfig:
                 if rope_type == "llama3"
                 else None
             ),
+            layer_types=layer_types,
             **mla,
         )
 
@@ -234,6 +232,8 @@ class ModelConfig:
                 q_lora_rank=None,
                 first_k_dense_replace=self.num_hidden_layers,
             )
+        if self.layer_types is not None:  # transformers' names, and the linear layers' geometry
+            config.update(hybrid.layer_types_to_hf(self))
         return config
 
 
@@ -241,7 +241,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if config.is_mla:
+        if config.layer_types is not None:  # chapter 17: this layer's own kind
+            self.self_attn = hybrid.hybrid_attention(config, layer_idx)
+        elif config.is_mla:
             self.self_attn = MLAttention(config, layer_idx)
         else:
             self.self_attn = Attention(config, layer_idx)
@@ -324,6 +326,8 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if config.layer_types is not None:  # no padding, no draft trees (kvlib.layers.hybrid)
+            self.register_forward_pre_hook(hybrid.check_hybrid_inputs, with_kwargs=True)
 
     @property
     def num_parameters(self) -> int:

@@ -28,6 +28,9 @@
 - `paged_window.PagedWindowCache`: the paged cache for a sliding-window model, each sequence's
   blocks that left the window given back to the pool, their table entries pointing at a null
   block (`freeable_blocks`, `free_window_blocks`; chapter 17);
+- `hybrid.HybridCache`: a hybrid model's cache, per layer the one its kind needs (dense K/V for
+  full attention, a ring for a sliding window, a recurrent state for gated linear attention),
+  dispatched by layer index (chapter 17);
 - `hybrid_blocks.HybridBlockManager`: a hybrid model's allocator, one block table per group of
   layers of one kind over one shared pool, prefix hits that need only a window's blocks in a
   window group (chapter 17; an allocator, not a cache: it holds no K/V).
@@ -39,6 +42,7 @@ from kvlib.cache.base import KVCache
 from kvlib.cache.compaction import CompactingPagedCache
 from kvlib.cache.dense import DynamicCache, StaticCache
 from kvlib.cache.evicting import EvictingCache
+from kvlib.cache.hybrid import HybridCache
 from kvlib.cache.latent import LatentCache
 from kvlib.cache.paged import PagedCache
 from kvlib.cache.paged_window import PagedWindowCache
@@ -49,6 +53,7 @@ __all__ = [
     "CompactingPagedCache",
     "DynamicCache",
     "EvictingCache",
+    "HybridCache",
     "KVCache",
     "LatentCache",
     "PagedCache",

@@ -174,7 +174,12 @@ class PagedWindowCache(PagedCache):
         cls, model, num_sequences: int, max_seq_len: int, *, window: int | None = None, **options
     ) -> PagedWindowCache:
         """`PagedCache.for_model` with the model's `sliding_window` (`window`, if given, must be
-        the same)."""
+        the same). A hybrid model (`layer_types`) is refused."""
+        if getattr(model.config, "layer_types", None) is not None:  # chapter 17's hybrids
+            raise ValueError(
+                f"model: its layers are of several kinds ({model.config.layer_types}); a "
+                "PagedWindowCache would window every layer: use kvlib.cache.HybridCache"
+            )
         configured = model.config.sliding_window
         if configured is None or (window is not None and window != configured):
             raise ValueError(

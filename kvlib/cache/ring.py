@@ -120,8 +120,13 @@ class RingCache(_DenseCache):
 
         Raises:
             ValueError: the config has no sliding window and none is given, or `window` differs
-                from the config's.
+                from the config's; a hybrid model (`layer_types`).
         """
+        if getattr(model.config, "layer_types", None) is not None:  # chapter 17's hybrids
+            raise ValueError(
+                f"model: its layers are of several kinds ({model.config.layer_types}); a RingCache "
+                "would window every layer: use kvlib.cache.HybridCache"
+            )
         configured = model.config.sliding_window
         if window is None and configured is None:
             raise ValueError(

@@ -32,6 +32,7 @@ WHAT = {
     "gpu_check.csv": "every test, notebook and benchmark run on a GPU (`make gpu-check`)",
     "gqa_smollm2.json": "SmolLM2 pooled to fewer KV heads: perplexity, agreement, passkey",
     "gqa_uptraining.csv": "the course model converted to GQA/MQA and uptrained",
+    "hybrid_recall.csv": "a hybrid course model's recall and cache bytes against the course model",
     "mla_uptraining.csv": "the course model converted to MLA and uptrained",
     "passkey_smollm2.csv": "SmolLM2's passkey retrieval with the full cache",
     "quant_flush_unit.csv": "int4 per-token keys flushed as KIVI's are (a control)",

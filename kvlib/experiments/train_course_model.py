@@ -16,12 +16,13 @@ import torch
 from kvlib.experiments import options
 from kvlib.loaders.course_model import COURSE_CONFIG, COURSE_MODEL_DIR
 from kvlib.loaders.hf import save_hf_checkpoint
-from kvlib.model import LlamaModel
+from kvlib.model import LlamaModel, ModelConfig
 from kvlib.training import CURRICULUM, fit, scaled_curriculum
 
 
 def train(
     *,
+    config: ModelConfig = COURSE_CONFIG,
     curriculum=CURRICULUM,
     lr: float = 3e-3,
     warmup: int = 100,
@@ -30,21 +31,23 @@ def train(
     out_dir: Path = COURSE_MODEL_DIR,
     threads: int = 2,
 ) -> LlamaModel:
-    """Train the course model through `curriculum`; write the checkpoint, `training_log.jsonl` and
-    `loss_curve.png` to `out_dir`."""
+    """Train a model of `config` (the course model's by default; chapter 17's hybrid is another)
+    through `curriculum`; write the checkpoint, `training_log.jsonl` and `loss_curve.png` to
+    `out_dir`."""
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
-    model = LlamaModel(COURSE_CONFIG)
+    model = LlamaModel(config)
     log = fit(model, curriculum, lr=lr, warmup=warmup, seed=seed, eval_every=eval_every)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_hf_checkpoint(model, out_dir)
     (out_dir / "training_log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
-    plot_loss_curve(log, out_dir / "loss_curve.png")
+    title = "course model" if config.layer_types is None else "hybrid course model"
+    plot_loss_curve(log, out_dir / "loss_curve.png", f"{title} training")
     return model
 
 
-def plot_loss_curve(log: list[dict], path: Path) -> None:
+def plot_loss_curve(log: list[dict], path: Path, title: str = "course model training") -> None:
     """Training loss per step and held-out loss at each evaluation."""
     import matplotlib
 
@@ -59,7 +62,7 @@ def plot_loss_curve(log: list[dict], path: Path) -> None:
     ax.plot(
         [e["step"] for e in evals], [e["heldout_loss"] for e in evals], "o-", label="held-out loss"
     )
-    ax.set_title("course model training")
+    ax.set_title(title)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_yscale("log")

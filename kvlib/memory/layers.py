@@ -14,7 +14,9 @@ code reads it (chapter 3). Layer by layer:
   state plus SSM state, in the shapes Hugging Face's Mamba caches allocate;
 - linear-attention layers of a hybrid (Qwen3-Next's Gated DeltaNet layers, Yang et al., 2024): a
   constant state per sequence, the recurrent state `H_v · D_k · D_v` plus the short convolution's
-  last `linear_conv_kernel_dim` inputs, the shapes transformers' linear-attention cache keeps;
+  last `linear_conv_kernel_dim` inputs, the shapes transformers' linear-attention cache keeps
+  (kvlib's own hybrids, `kvlib.layers.hybrid`, list linear layers in any model type's
+  `layer_types` and have no convolution: no `linear_conv_kernel_dim`, no convolution state);
 - cross-layer KV sharing (Brandon et al., 2024; Gemma 3n's `num_kv_shared_layers`): the last
   layers read the cache of the last earlier layer of their own kind and cache nothing themselves
   (kind "shared");
@@ -111,9 +113,9 @@ def _attention_kinds(config: dict, model_type: str, num_layers: int) -> list[str
             "sliding_attention": "sliding",
             "chunked_attention": "chunked",
         }
-        if model_type == "qwen3_next":
-            names["linear_attention"] = "linear"
         layer_types = config["layer_types"]
+        if model_type == "qwen3_next" or "linear_attention" in layer_types:  # kvlib's hybrids too
+            names["linear_attention"] = "linear"
         if len(layer_types) != num_layers or any(t not in names for t in layer_types):
             raise UnsupportedConfigError(
                 f"config: layer_types must list {num_layers} of {sorted(names)}, got "
@@ -191,12 +193,12 @@ def _linear_attention_state(config: dict) -> tuple[int, str]:
         config_field(config, "linear_key_head_dim"),
         config_field(config, "linear_value_head_dim"),
     )
+    state, how = value_heads * d_k * d_v, f"linear-attention state: {value_heads}x{d_k}x{d_v}"
+    if config.get("model_type") != "qwen3_next" and config.get("linear_conv_kernel_dim") is None:
+        return state, how + " (no convolution)"  # kvlib's hybrids (kvlib.layers.hybrid)
     kernel = config_field(config, "linear_conv_kernel_dim")
     conv_dim = 2 * key_heads * d_k + value_heads * d_v
-    return (
-        value_heads * d_k * d_v + conv_dim * kernel,
-        f"linear-attention state: {value_heads}x{d_k}x{d_v} + conv {conv_dim}x{kernel}",
-    )
+    return state + conv_dim * kernel, f"{how} + conv {conv_dim}x{kernel}"
 
 
 def _shared(specs: list[LayerSpec], config: dict) -> list[LayerSpec]:
