@@ -31,7 +31,9 @@ vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit`, commit 52b9a57d).
 runs (`free_dead`); the blocks it gives back keep their hashes and join the back of the pool's
 free queue (chapter 7), so they are the first of the sequence's blocks an allocation evicts. A
 hit at the sequence's end (the next turn of a conversation) still succeeds after they are gone:
-it needs only the window's last blocks, which were freed last, at `free`. Chapter 7's rule
+it needs only the window's last blocks, which were freed last within their group, at `free`
+(before the full groups' blocks, so they are the next evicted: losing one loses the whole hit,
+however much of the prefix the full groups still hold). Chapter 7's rule
 (every leading block cached) would find no hit in a window group at all once the first block is
 evicted. What is given up: a later request that shares only a shorter prefix needs the window's
 blocks at that point, and finds them only if they have not been evicted yet. SGLang's SWA radix
