@@ -217,3 +217,41 @@ def test_smollm2_greedy_outputs_equal_the_engine_without_speculation(smollm2):
     outputs = run_checked(engine, prompts, params)
     assert [o.output_token_ids for o in outputs] == expected
     assert engine.stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_the_server_exports_the_counters_with_vllms_names(course):
+    from types import SimpleNamespace
+
+    from kvlib.serve.__main__ import build_engine, parse_options
+    from kvlib.serve.engine_loop import EngineLoop, EngineSnapshot
+    from kvlib.serve.metrics import ServerMetrics, metric_value, parse_metrics
+
+    options = ["--num-blocks", "60", "--speculative-config", '{"num_speculative_tokens": 2}']
+    served = SimpleNamespace(model=course, max_model_len=1024)
+    engine = build_engine(served, parse_options(options, environ={}))
+    assert engine.config.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    engine.generate(repetitive_prompts(3), SamplingParams(max_tokens=16), use_tqdm=False)
+    spec = engine.stats.spec_decoding
+    loop = EngineLoop(engine).start()
+    try:
+        loop.call(lambda _: None)
+        loop.call(lambda _: None)  # the snapshot after the first call's commands is published
+        samples = parse_metrics(
+            ServerMetrics("course", lambda: loop.snapshot).exposition().decode()
+        )
+    finally:
+        loop.stop()
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        value = metric_value(samples, f"vllm:spec_decode_{name}_total", model_name="course")
+        assert value == getattr(spec, name) > 0, name
+    for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+        value = metric_value(
+            samples,
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+            model_name="course",
+            position=str(position),
+        )
+        assert value == count
+    plain = build_engine(served, parse_options(["--num-blocks", "60"], environ={}))
+    assert plain.stats.spec_decoding is None
+    assert b"spec_decode" not in ServerMetrics("course", EngineSnapshot).exposition()  # off
