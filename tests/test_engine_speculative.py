@@ -75,6 +75,12 @@ def plain_outputs(course, prompts, params, **config):
     return [o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
 
 
+def plain_engine_summary(course, prompts, params, **config):
+    engine = LLMEngine(course, **config)
+    engine.generate(prompts, params, use_tqdm=False)
+    return engine.summary()
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
@@ -98,6 +104,13 @@ def test_greedy_outputs_equal_the_engine_without_speculation(course, batch_size,
     assert len(per_pos) == k and all(a >= b for a, b in zip(per_pos, per_pos[1:]))
     assert len(engine.stats) < sum(len(e) for e in expected) // batch_size + 16  # fewer steps
     assert engine.manager.pool.num_free_blocks == free and not engine.manager.block_tables
+    # tokens computed: the plain engine's decode tokens, plus the rejected drafts (computed and
+    # given back); an accepted draft counts once, in the step that verified it
+    plain = plain_engine_summary(course, prompts, params, **config)
+    summary = engine.summary()
+    rejected = spec.num_draft_tokens - spec.num_accepted_tokens
+    assert summary["decode_tokens"] == plain["decode_tokens"] + rejected
+    assert summary["prefill_tokens"] == plain["prefill_tokens"]
     if prefix_caching:  # the same prompts again hit the blocks cached: their hashes are right
         again = run_checked(engine, prompts, params)
         assert [o.output_token_ids for o in again] == expected
@@ -152,6 +165,33 @@ def test_greedy_and_sampled_requests_share_the_steps(course):
     outputs = run_checked(engine, prompts, params)
     assert [o.output_token_ids for o in outputs] == expected  # the same draws, the same argmax
     assert len(outputs[1].logprobs) == 1 and outputs[1].logprobs[0].token_id == expected[1][-1]
+    assert engine.stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_parallel_requests_forked_from_one_prompt_speculate(course):
+    prompt = repetitive_prompts(3, seed=2)[2]
+    ids = ["a", "b", "c"]
+    params = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=12)]
+    params.append(SamplingParams(temperature=0.7, seed=4, max_tokens=20))
+    outputs = {}
+    for speculative_config in (None, SpeculativeConfig(num_speculative_tokens=4)):
+        engine = LLMEngine(
+            course,
+            num_blocks=60,
+            block_size=8,
+            enable_prefix_caching=True,
+            speculative_config=speculative_config,
+        )
+        engine.add_parallel_requests(ids, prompt, params)
+        final = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out.output_token_ids
+            engine.manager.check_invariants()
+        assert engine.manager.pool.num_free_blocks == 60
+        outputs[speculative_config is None] = final
+    assert outputs[False] == outputs[True]
     assert engine.stats.spec_decoding.num_accepted_tokens > 0
 
 
