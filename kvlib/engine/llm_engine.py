@@ -346,10 +346,8 @@ class LLMEngine:
         if self.speculator is None:
             appended, num_new = self.scheduler.record_sampled(plan, sampled), {}
         else:
-            appended, num_new = (
-                self.speculator.record(plan, sampled),
-                self.speculator.num_new_tokens,
-            )
+            appended = self.speculator.record(plan, sampled)
+            num_new = self.speculator.num_new_tokens  # tokens each speculating request appended
         seconds = self._unattributed_s + time.perf_counter() - start + self._charged_seconds()
         self._unattributed_s = 0.0
         self.clock += seconds
