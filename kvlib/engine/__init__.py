@@ -14,6 +14,8 @@ Modules, named as vLLM v1 and nano-vllm name theirs:
   plan step n + 1 while step n runs (`async_scheduling`);
 - `llm_engine`: `LLMEngine` (`add_request`, `step`, `generate`), which holds the parts above and
   feeds its statistics (`stats`: `EngineStats`, `StepStats`: the latest steps and running totals);
+- `speculative`: speculative decoding of greedy requests with n-gram drafts (chapter 16,
+  `speculative_config`), verified as chunks of the mixed batch, rejected slots rolled back;
 - `workload`: a synthetic serving workload and the configurations chapter 12 compares
   (`python -m kvlib.experiments.serving` records the comparison, `results/serving.csv`).
 
@@ -23,7 +25,8 @@ The block allocator itself is chapter 7's `kvlib.cache.block_pool`.
 from kvlib.engine.llm_engine import EngineConfig, LLMEngine
 from kvlib.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from kvlib.engine.scheduler import Scheduler, SchedulerConfig, StreamingEviction
-from kvlib.engine.stats import EngineStats, StepStats
+from kvlib.engine.speculative import SpeculativeConfig
+from kvlib.engine.stats import EngineStats, SpecDecodingStats, StepStats
 
 __all__ = [
     "EngineConfig",
@@ -35,6 +38,8 @@ __all__ = [
     "SamplingParams",
     "Scheduler",
     "SchedulerConfig",
+    "SpecDecodingStats",
+    "SpeculativeConfig",
     "StepStats",
     "StreamingEviction",
 ]

@@ -34,6 +34,11 @@ step launched by the call before, the first call returns none, and a request tha
 already been launched once more (that extra token is dropped, the extra step is counted in
 `stats`). Not with static batching or eviction, which decide from tokens a step late.
 
+**Speculative decoding** (`speculative_config=SpeculativeConfig(num_speculative_tokens=k)`,
+chapter 16, `kvlib.engine.speculative`): greedy requests verify up to k n-gram draft tokens per
+step and emit 1 to k + 1 tokens (`RequestOutput.new_token_ids`), token-identical to the engine
+without it; counters in `stats.spec_decoding`. Off (None, the default), nothing changes.
+
 Sampling seeds: `SamplingParams(seed=None)` seeds a request's generator with 0, so two requests
 with the same prompt and no seed sample the same tokens, and a rerun repeats a run exactly. vLLM
 differs: there, no seed means fresh randomness per request; pass distinct seeds to get that here.
@@ -56,11 +61,12 @@ from kvlib.engine.overlap import StepHandle
 from kvlib.engine.request import Request, RequestOutput, SamplingParams
 from kvlib.engine.runner import ModelRunner
 from kvlib.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kvlib.engine.speculative import SpeculativeConfig, Speculator, check_engine_config
 from kvlib.engine.stats import EngineStats, StepStats, request_metrics, summary
 from kvlib.errors import OutOfBlocksError
 from kvlib.quant import QuantScheme
 
-__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "StepStats"]
+__all__ = ["EngineConfig", "EngineStats", "LLMEngine", "SpeculativeConfig", "StepStats"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,6 +83,8 @@ class EngineConfig(SchedulerConfig):
         plan and launch a step before the previous one's tokens are back.
     max_recorded_steps: `StepStats` records the engine's `stats` keeps (the latest; its totals
         count every step).
+    speculative_config: a `kvlib.engine.speculative.SpeculativeConfig` (or a dict of its
+        fields) to decode greedy requests speculatively; None: off.
     """
 
     num_blocks: int
@@ -85,6 +93,7 @@ class EngineConfig(SchedulerConfig):
     kv_scheme: QuantScheme | None = None
     async_scheduling: bool = False
     max_recorded_steps: int = 10_000
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -101,6 +110,8 @@ class EngineConfig(SchedulerConfig):
                 f"kv_scheme: expected a kvlib.quant.QuantScheme or None, got "
                 f"{type(self.kv_scheme).__name__}"
             )
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", check_engine_config(self))
 
 
 class _LaunchedStep(NamedTuple):
@@ -169,6 +180,12 @@ class LLMEngine:
         self.clock = 0.0
         self._in_flight: deque[_LaunchedStep] = deque()  # launched, tokens not collected yet
         self._unattributed_s = 0.0  # wall time of calls since the last collected step
+        self.speculator = None
+        if self.config.speculative_config is not None:
+            self.speculator = Speculator(
+                self.config.speculative_config, self.scheduler, self.runner, self.stats
+            )
+            self.stats.spec_decoding = self.speculator.stats
 
     @property
     def block_bytes(self) -> int:
@@ -309,9 +326,13 @@ class LLMEngine:
         its requests (placeholders for the tokens it samples)."""
         counts = self.stats.count_tokens(plan.scheduled)  # before the step advances them
         copies, self.manager.copies = self.manager.copies, []
-        handle = self.runner.submit(
-            plan.scheduled, copies, non_blocking=self.config.async_scheduling
-        )
+        if self.speculator is None:
+            handle = self.runner.submit(
+                plan.scheduled, copies, non_blocking=self.config.async_scheduling
+            )
+        else:  # drafts verified in the step: its decode tokens too
+            handle = self.speculator.submit(plan.scheduled, copies)
+            counts = (counts[0], counts[1] + self.speculator.num_drafted, counts[2])
         for child in self.scheduler.fork_children(plan):  # parallel sampling
             self.stats.set_computed(child.request_id, child.num_computed_tokens)
         self.scheduler.advance(plan)
@@ -322,7 +343,11 @@ class LLMEngine:
         account the step: its time is the calls' since the last collected step."""
         plan = launched.plan
         sampled, logprobs = launched.handle.result()
-        appended = self.scheduler.record_sampled(plan, sampled)
+        if self.speculator is None:
+            appended, num_new = self.scheduler.record_sampled(plan, sampled), {}
+        else:
+            appended = self.speculator.record(plan, sampled)
+            num_new = self.speculator.num_new_tokens  # tokens each speculating request appended
         seconds = self._unattributed_s + time.perf_counter() - start + self._charged_seconds()
         self._unattributed_s = 0.0
         self.clock += seconds
@@ -341,7 +366,7 @@ class LLMEngine:
                     request.request_id,
                     request.prompt_token_ids,
                     list(request.output_token_ids),
-                    request.output_token_ids[-1:],
+                    request.output_token_ids[-num_new.get(request.request_id, 1) :],
                     finished,
                     request.finish_reason,
                     None if entry is None else [entry],

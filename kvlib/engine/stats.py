@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from kvlib._validate import check_positive_int
 
-__all__ = ["EngineStats", "StepStats", "request_metrics", "summary"]
+__all__ = ["EngineStats", "SpecDecodingStats", "StepStats", "request_metrics", "summary"]
 
 # Totals kept over every step: the StepStats fields that a run's summary sums.
 SUMMED = (
@@ -58,6 +58,45 @@ class StepStats:
     scheduled: tuple[tuple[str, int], ...] = ()
 
 
+@dataclasses.dataclass
+class SpecDecodingStats:
+    """Speculative decoding's counters over a run (`kvlib.engine.speculative`), named as vLLM
+    v1's `SpecDecodingStats` (`vllm/v1/spec_decode/metrics.py`): drafts verified (one per
+    speculating request and step), draft tokens proposed, of them accepted, and accepted per
+    draft position (position i counts the drafts whose first i + 1 tokens were accepted; a list
+    of `num_spec_tokens` counts)."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        check_positive_int("num_spec_tokens", self.num_spec_tokens)
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Count one verified draft of `num_draft_tokens` tokens, its first `num_accepted_tokens`
+        accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for position in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per draft token, in [0, 1] (0 before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verified draft's step emits, on average: 1 + accepted per draft (vLLM's)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 class EngineStats:
     """Every step's `StepStats`, as far as memory allows: the last `max_recorded_steps` records,
     and totals (`totals[field]` for the fields in `SUMMED`, `peak_blocks`) over all of them.
@@ -68,7 +107,9 @@ class EngineStats:
 
     It also classifies a step's tokens before the step runs (`count_tokens`), for which it keeps,
     per unfinished request, the most tokens the request ever had computed (`forget` drops a
-    finished or aborted request's entry).
+    finished or aborted request's entry). With speculative decoding on, `spec_decoding` holds its
+    counters (`SpecDecodingStats`; None when off); a step's draft tokens count among its decode
+    tokens (computed, accepted or not), and an accepted one is not counted again later.
 
     Args:
         max_recorded_steps: records kept (vLLM keeps none: its loggers aggregate as it goes).
@@ -84,6 +125,7 @@ class EngineStats:
         self.totals = dict.fromkeys(SUMMED, 0)
         self.peak_blocks = 0
         self.computed_before: dict[str, int] = {}  # request id -> most tokens it ever computed
+        self.spec_decoding: SpecDecodingStats | None = None
 
     # --- feeding ---------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """`python -m kvlib.serve --model {course,smollm2} [--host 127.0.0.1] [--port 8000]
 [--api-key KEY] [--allow-no-auth] [--max-queued-requests 256] [--max-body-bytes 2097152]` and
 the engine's options: serve a model with an
-OpenAI-compatible API (chapter 13).
+OpenAI-compatible API (chapter 13). `--speculative-config '{"method": "ngram",
+"num_speculative_tokens": 3}'` (JSON, as vLLM's) decodes greedy requests speculatively.
 
 `--api-key` (or the environment variable `KVLIB_API_KEY`, as vLLM reads `VLLM_API_KEY`) makes every
 `/v1/*` request need `Authorization: Bearer KEY`; `/health` and `/metrics` stay open. Without a
@@ -10,6 +11,7 @@ key the server refuses a host beyond loopback (e.g. `--host 0.0.0.0`) unless `--
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from kvlib.serve.models import MODEL_NAMES
@@ -34,6 +36,7 @@ def build_engine(served, args):
         policy=args.policy,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_scheme=kv_scheme,
+        speculative_config=args.speculative_config,
     )
 
 
@@ -50,6 +53,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=("continuous", "static"), default="continuous")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--kv-scheme", choices=("none", "int8"), default="none")
+    p.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (default: off)',
+    )
     p.add_argument("--max-queued-requests", type=int, default=256, help="429 beyond this")
     p.add_argument(
         "--max-body-bytes", type=int, default=2**21, help="413 for a request body beyond this"

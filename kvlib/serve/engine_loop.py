@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvlib.engine import LLMEngine, SamplingParams
+from kvlib.engine import LLMEngine, SamplingParams, SpecDecodingStats
 
 __all__ = [
     "EngineDeadError",
@@ -77,7 +77,8 @@ class EngineSnapshot:
     requests running and waiting in the scheduler, KV blocks in use of `num_blocks` (blocks no
     request holds count as free, cached for prefix hits or not: vLLM's `kv_cache_usage_perc`),
     preemptions since the start, and the prefix cache's lookups since the start (tokens looked
-    up and tokens found, of requests admitted for the first time: vLLM's queries and hits)."""
+    up and tokens found, of requests admitted for the first time: vLLM's queries and hits);
+    with speculative decoding on, a copy of the engine's `SpecDecodingStats` (None: off)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -86,6 +87,7 @@ class EngineSnapshot:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def kv_cache_usage(self) -> float:
@@ -236,6 +238,11 @@ class EngineLoop:
         """Replace `snapshot` (one reference assignment: readers see the old or the new one),
         adding the counts of `record`, the step's `StepStats` (None: no step ran)."""
         scheduler, old = self.engine.scheduler, self.snapshot
+        spec = self.engine.stats.spec_decoding  # copied: the engine's thread goes on counting
+        if spec is not None:
+            spec = dataclasses.replace(
+                spec, num_accepted_tokens_per_pos=list(spec.num_accepted_tokens_per_pos)
+            )
         self.snapshot = EngineSnapshot(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -245,6 +252,7 @@ class EngineLoop:
             prefix_cache_queries=old.prefix_cache_queries
             + (record.prefix_query_tokens if record else 0),
             prefix_cache_hits=old.prefix_cache_hits + (record.prefix_hit_tokens if record else 0),
+            spec_decoding=spec,
         )
 
     def _fail_everything(self, error: EngineDeadError) -> None:

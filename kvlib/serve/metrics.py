@@ -12,7 +12,11 @@ dashboard written for vLLM reads it:
   `vllm:prompt_tokens_total` (prefilled), `vllm:generation_tokens_total` (generated);
   `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (tokens looked up in the
   prefix cache and tokens found, for requests admitted for the first time; their ratio is the
-  hit rate, 0 without `--enable-prefix-caching`);
+  hit rate, 0 without `--enable-prefix-caching`); with speculative decoding on
+  (`--speculative-config`), `vllm:spec_decode_num_drafts_total`,
+  `vllm:spec_decode_num_draft_tokens_total`, `vllm:spec_decode_num_accepted_tokens_total` and
+  `vllm:spec_decode_num_accepted_tokens_per_pos_total` by `position` (0 .. k - 1: drafts whose
+  token there was accepted), vLLM's names, from the engine's `SpecDecodingStats`;
 - histograms (seconds): `vllm:time_to_first_token_seconds` (the request's arrival at the server
   to its first token), `vllm:inter_token_latency_seconds` (each gap between two tokens of a
   request), `vllm:request_time_per_output_token_seconds` (per request: (last - first token) /
@@ -40,7 +44,7 @@ engine (which only the loop's thread may touch).
 Reading: `parse_metrics(text)` and `scrape_metrics(url)` return the samples; `metric_value(samples,
 name, **labels)` sums those of one name whose labels match (as PromQL's `sum(name{...})`).
 What it deliberately does not do: multiprocess collection, or vLLM's metrics of features this
-server lacks (speculative decoding, LoRA, prefix-cache counters per tier).
+server lacks (LoRA, prefix-cache counters per tier).
 """
 
 from __future__ import annotations
@@ -260,6 +264,30 @@ class _EngineCollector:
             family = CounterMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric(label, value)
             yield family
+        if s.spec_decoding is not None:
+            yield from _spec_decode_families(s.spec_decoding, label)
+
+
+def _spec_decode_families(spec, label: list[str]):
+    """vLLM's speculative decoding counters from a `SpecDecodingStats`."""
+    for name, documentation, value in (
+        ("num_drafts", "Drafts verified.", spec.num_drafts),
+        ("num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+        ("num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens),
+    ):
+        family = CounterMetricFamily(
+            f"vllm:spec_decode_{name}", documentation, labels=["model_name"]
+        )
+        family.add_metric(label, value)
+        yield family
+    family = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft.",
+        labels=["model_name", "position"],
+    )
+    for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+        family.add_metric([*label, str(position)], value)
+    yield family
 
 
 def parse_metrics(text: str) -> list[Sample]:

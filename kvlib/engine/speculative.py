@@ -1,0 +1,300 @@
+"""Speculative decoding inside the serving engine (chapter 16, "speculation in the engine"): for
+each running **greedy** request, an n-gram prompt-lookup drafter (`kvlib.speculative.ngram`,
+vLLM's `ngram` method) proposes up to k tokens from the request's own tokens; the step computes
+the request's newest token and its draft together, k + 1 query tokens, as one chunk of the mixed
+batch; `kvlib.speculative.verify.greedy_accept` keeps the longest prefix of the draft that equals
+the target's argmax, plus the target's own next token (the bonus); the rejected tokens' slots are
+rolled back (`BlockManager.truncate`). Greedy output is token-identical to the engine without
+speculation (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative
+Decoding", ICML; vLLM v1's `spec_decode/ngram_proposer.py` and its rejection sampler, whose
+greedy branch this is).
+
+How a step goes (`Speculator.submit`, then `Speculator.record`):
+
+1. The scheduler plans the step as always (a decoding request computes 1 token). Drafts are
+   planned after it, from the **token budget and free blocks the plan leaves**: a request gets
+   min(k, its tokens still to generate - 1, what the free blocks and budget hold) draft slots,
+   appended with unknown ids (`append_slot(request, None)`), so no block holding a draft token
+   is ever hashed for the prefix cache; with no room it decodes plainly. A draft never preempts
+   another request: it is a guess, and preempting a request for it costs a recomputation.
+2. A step with no draft at all runs through `ModelRunner.submit`, exactly as without
+   speculation. A step with drafts is built here (`verify_input`, the readable loop of
+   `kvlib.engine.batch.prepare_inputs` with the drafts appended) and run by
+   `ModelRunner.forward` with logits at every row of each draft chunk.
+3. The accepted draft tokens get their ids (`set_token`, which hashes the blocks they complete),
+   the rejected ones their slots back (`truncate`); the K/V written to the freed slots is never
+   read (the block tables and sequence lengths say what is) and is overwritten by the next token
+   stored there. Tokens are appended in order, each checked against `max_tokens` and the stop
+   tokens, so nothing is emitted past a stop.
+
+What it does not do: sample (a request with temperature > 0, or asking for logprobs, decodes
+normally in the same steps), overlap (`async_scheduling`), static batching or eviction (refused
+by `check_engine_config`), or draft with a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kvlib._validate import check_positive_int
+from kvlib.engine.batch import ModelInput
+from kvlib.engine.overlap import InlineDevice, StepHandle
+from kvlib.engine.request import Request
+from kvlib.engine.sampler import device_tensor, is_greedy, sample_step
+from kvlib.engine.stats import SpecDecodingStats
+from kvlib.speculative.ngram import ngram_draft
+from kvlib.speculative.verify import greedy_accept
+
+__all__ = ["SpeculativeConfig", "Speculator", "check_engine_config", "verify_input"]
+
+METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """The engine's speculative decoding, named as vLLM's `SpeculativeConfig`.
+
+    Args:
+        method: "ngram" (prompt lookup, `kvlib.speculative.ngram.ngram_draft`).
+        num_speculative_tokens: k >= 1, draft tokens per request and step, at most.
+        prompt_lookup_max: the longest n-gram looked up (>= 1).
+        prompt_lookup_min: the shortest n-gram looked up (1 .. prompt_lookup_max).
+
+    Raises:
+        ValueError: a value outside those ranges, naming the argument.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
+        check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        check_positive_int("prompt_lookup_max", self.prompt_lookup_max)
+        check_positive_int("prompt_lookup_min", self.prompt_lookup_min)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min: expected at most prompt_lookup_max = "
+                f"{self.prompt_lookup_max}, got {self.prompt_lookup_min}"
+            )
+
+
+def check_engine_config(config) -> SpeculativeConfig:
+    """The `EngineConfig`'s `speculative_config` as a `SpeculativeConfig` (a dict of its fields
+    is accepted, as vLLM accepts one).
+
+    Raises:
+        TypeError: neither a `SpeculativeConfig` nor a dict.
+        ValueError: a bad field; combined with `async_scheduling` (a draft is made from the
+            request's newest token, which the overlapped engine does not have when it plans),
+            with policy="static" or with eviction.
+    """
+    spec = config.speculative_config
+    if isinstance(spec, dict):
+        spec = SpeculativeConfig(**spec)
+    if not isinstance(spec, SpeculativeConfig):
+        raise TypeError(
+            "speculative_config: expected a SpeculativeConfig, a dict of its fields or None, "
+            f"got {type(spec).__name__}"
+        )
+    if config.async_scheduling:
+        raise ValueError(
+            "speculative_config and async_scheduling: speculation drafts from each request's "
+            "newest token, which an overlapped step is planned without; use one of them"
+        )
+    if config.policy == "static" or config.eviction is not None:
+        raise ValueError(
+            "speculative_config: expected policy='continuous' without eviction, got "
+            f"policy={config.policy!r}, eviction={config.eviction!r}"
+        )
+    return spec
+
+
+def verify_input(
+    scheduled: list[tuple[Request, int]], drafts: dict[str, list[int]], manager, device
+) -> tuple[ModelInput, dict[str, tuple[int, int]], list[Request]]:
+    """The flattened batch of a step with drafts (as `kvlib.engine.batch.prepare_inputs`, after
+    the draft slots were appended): a request with a draft of k' tokens computes its planned
+    token and the draft, k' + 1 rows, every one of them sampled (logits for verification).
+
+    Returns:
+        (the `ModelInput`, {request id: (first, end) of its draft chunk's rows among the sampled
+        rows}, the requests sampled normally, in the order of their rows after the chunks').
+    """
+    ids, positions, slots, starts, seq_lens, tables = [], [], [], [0], [], []
+    spec_rows, plain_rows, chunks, plain = [], [], {}, []
+    for request, num_new in scheduled:
+        request_id, start = request.request_id, request.num_computed_tokens
+        draft = drafts.get(request_id, [])
+        q = num_new + len(draft)  # query tokens
+        held = manager.num_tokens(request_id)  # with the draft's slots
+        ids += request.token_ids(start, start + num_new) + draft
+        positions += range(start, start + q)
+        slots += [manager.slot(request_id, held - q + t) for t in range(q)]
+        starts.append(starts[-1] + q)
+        seq_lens.append(held)
+        tables.append(manager.block_tables[request_id])
+        if draft:
+            chunks[request_id] = (len(spec_rows), len(spec_rows) + q)
+            spec_rows += range(starts[-2], starts[-1])
+        elif start + num_new == request.num_tokens:  # its last token: logits for the next one
+            plain_rows.append(starts[-1] - 1)
+            plain.append(request)
+    width = max(len(t) for t in tables)
+
+    def tensor(values):
+        return device_tensor(values, torch.int64, device)
+
+    query_lens = [q1 - q0 for q0, q1 in zip(starts, starts[1:])]
+    batch = ModelInput(
+        input_ids=tensor(ids),  # (N,)
+        positions=tensor(positions),  # (N,)
+        slot_mapping=tensor(slots),  # (N,)
+        query_start_loc=tensor(starts),  # (n + 1,)
+        seq_lens=tensor(seq_lens),  # (n,)
+        block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),  # (n, width)
+        sample_indices=tensor(spec_rows + plain_rows),  # (m,): the chunks' rows first
+        sample_requests=plain,
+        query_lens=query_lens,
+        seq_lens_host=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return batch, chunks, plain
+
+
+class Speculator:
+    """Drafts, verifies and commits the engine's speculative steps (see the module docstring);
+    `LLMEngine` calls `submit` in place of `ModelRunner.submit` and `record` in place of
+    `Scheduler.record_sampled`. `stats` counts as vLLM's `SpecDecodingStats` does;
+    `num_new_tokens` holds the tokens each speculating request appended in the last step."""
+
+    def __init__(self, config: SpeculativeConfig, scheduler, runner, engine_stats):
+        self.config, self.scheduler, self.runner = config, scheduler, runner
+        self.manager = scheduler.manager
+        self.engine_stats = engine_stats  # `set_computed` for the accepted tokens
+        self.stats = SpecDecodingStats(config.num_speculative_tokens)
+        self.verified: dict[str, tuple[list[int], int, int]] = {}  # id -> (draft, accepted, next)
+        self.num_new_tokens: dict[str, int] = {}
+        self.num_drafted = 0  # draft tokens of the last step submitted (decode tokens computed)
+
+    def propose(self, scheduled: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Draft for the plan's greedy decoding requests and append the drafts' slots (ids
+        unknown: never hashed), within the token budget and the free blocks the plan left.
+        Returns {request id: draft} for the requests that got one (k' >= 1 tokens)."""
+        config, manager = self.config, self.manager
+        block_size = manager.block_size
+        budget = self.scheduler.config.max_num_batched_tokens - sum(n for _, n in scheduled)
+        drafts = {}
+        for request, num_new in scheduled:
+            params = request.sampling_params
+            if (
+                budget <= 0
+                or num_new != 1
+                or not request.output_token_ids
+                or not is_greedy(params)
+                or params.logprobs is not None
+                or request.num_computed_tokens + 1 != request.num_tokens
+            ):
+                continue
+            request_id = request.request_id
+            held = manager.num_tokens(request_id)
+            free_slots = (
+                len(manager.block_tables[request_id]) + manager.pool.num_free_blocks
+            ) * block_size - held
+            left = params.max_tokens - len(request.output_token_ids) - 1  # + the bonus token
+            room = min(config.num_speculative_tokens, left, budget, free_slots)
+            if room <= 0:
+                continue
+            draft = ngram_draft(
+                request.all_token_ids,
+                room,
+                max_ngram=config.prompt_lookup_max,
+                min_ngram=config.prompt_lookup_min,
+            )
+            if not draft:
+                continue
+            for _ in draft:
+                manager.append_slot(request_id, None)  # a private block: no copy-on-write
+            drafts[request_id] = draft
+            budget -= len(draft)
+        return drafts
+
+    def submit(self, scheduled: list[tuple[Request, int]], block_copies) -> StepHandle:
+        """Run a planned step with drafts where there are any (`propose`); without any, it is
+        `ModelRunner.submit`'s step, unchanged. Verifies each draft (`greedy_accept`: one argmax
+        per chunk, a host sync per speculating request) and samples the other requests with the
+        runner's arithmetic (`sample_step`). Returns the handle of the normally sampled tokens;
+        the verified drafts wait in `verified` for `record`."""
+        drafts = self.propose(scheduled)
+        self.num_drafted = sum(len(draft) for draft in drafts.values())
+        if not drafts:
+            return self.runner.submit(scheduled, block_copies)
+        copies = list(block_copies) + self.manager.copies  # (none: drafts fill private blocks)
+        self.manager.copies = []
+        self.runner.submit([], copies).result()  # copy-on-write's copies, before any write
+        runner = self.runner
+        batch, chunks, plain = verify_input(scheduled, drafts, self.manager, runner.device)
+        with torch.no_grad():
+            logits = runner.forward(batch, sample_only=True)
+            if logits.shape[0] != len(batch.sample_indices):  # a graph runner's: every row
+                logits = logits.index_select(0, batch.sample_indices)  # (m, V)
+            for request_id, (first, end) in chunks.items():
+                draft = drafts[request_id]
+                accepted, next_token = greedy_accept(draft, logits[first:end])  # (k' + 1, V)
+                self.verified[request_id] = (draft, accepted, next_token)
+            if not plain:
+                return StepHandle(None, [])
+            params = [request.sampling_params for request in plain]
+            generators = [
+                request.generator_for(runner.device) if p.temperature else None
+                for request, p in zip(plain, params)
+            ]
+            step = sample_step(logits[len(logits) - len(plain) :], params, generators)
+        return StepHandle(
+            InlineDevice().submit(lambda: (step, None)), [r.request_id for r in plain]
+        )
+
+    def record(self, out, sampled: dict[str, int]) -> list[Request]:
+        """Commit a step (`Scheduler.advance` has run): each verified request keeps its accepted
+        draft tokens' slots (their ids set: `set_token`), gives the rejected ones back
+        (`truncate`) and appends the accepted tokens and the target's next one in order, until
+        one finishes it; then `Scheduler.record_sampled` records the other requests' tokens.
+        Returns the requests that appended tokens, in plan order."""
+        verified, self.verified = self.verified, {}
+        self.num_new_tokens = {}
+        scheduler, manager = self.scheduler, self.manager
+        appended, finished = [], []
+        for request, _ in out.scheduled:
+            if request.request_id not in verified:
+                continue
+            request_id = request.request_id
+            draft, accepted, next_token = verified[request_id]
+            request.num_output_placeholders -= 1  # `advance` counted the step's token
+            held = manager.num_tokens(request_id) - len(draft)  # through the planned token
+            manager.truncate(request_id, held + accepted)  # the rejected tokens' slots
+            for i, token in enumerate(draft[:accepted]):
+                manager.set_token(request_id, held + i, token)
+            request.num_computed_tokens += accepted
+            self.engine_stats.set_computed(request_id, request.num_computed_tokens)
+            self.stats.observe_draft(len(draft), accepted)
+            new = 0
+            for token in [*draft[:accepted], next_token]:
+                request.append_output(token)
+                new += 1
+                if request.is_finished:  # a stop token or max_tokens: nothing after it
+                    finished.append(request)
+                    break
+            self.num_new_tokens[request_id] = new
+            appended.append(request)
+        appended += scheduler.record_sampled(out, sampled)  # the others (drafts: no entry)
+        for request in finished:
+            scheduler.running.remove(request)
+            manager.free(request.request_id)
+        order = {request.request_id: i for i, (request, _) in enumerate(out.scheduled)}
+        return sorted(appended, key=lambda request: order[request.request_id])

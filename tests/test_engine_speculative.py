@@ -1,0 +1,297 @@
+"""kvlib.engine.speculative: speculative decoding inside the serving engine (issue 59). The oracle
+is the same engine without speculation: greedy outputs token-identical across batch sizes, k,
+prefix caching, stop tokens, max_tokens, a pool too small for the drafts, and beside sampled
+requests; the block pool's invariants after every step, no block leaked, and no prefix-cache hash
+on a block that holds a rejected token."""
+
+import pytest
+import torch
+
+from kvlib.cache.block_manager import BlockManager
+from kvlib.cache.block_pool import BlockPool, hash_block_tokens
+from kvlib.engine import LLMEngine, SamplingParams, SpeculativeConfig, StreamingEviction
+from kvlib.engine.request import FinishReason
+from kvlib.loaders.course_model import load_course_model
+
+
+@pytest.fixture(scope="module")
+def course():
+    return load_course_model()
+
+
+def repetitive_prompts(batch_size, seed=0, vocab=120):
+    """Prompts that repeat a short random phrase (so prompt lookup finds n-grams), of varied
+    lengths, some with a noisy tail (so some drafts are rejected)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(batch_size):
+        phrase = torch.randint(0, vocab, (4 + i % 4,), generator=g).tolist()
+        noise = torch.randint(0, vocab, (i % 3,), generator=g).tolist()
+        prompts.append((phrase * 8)[: 18 + 5 * i] + noise)
+    return prompts
+
+
+def chained_hashes(tokens, block_size):
+    """The prefix-cache hashes of `tokens`' full blocks: what a correct sequence's blocks carry."""
+    hashes = []
+    for i in range(len(tokens) // block_size):
+        block = tokens[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block))
+    return hashes
+
+
+def run_checked(engine, prompts, params):
+    """Serve `prompts` step by step, checking the block manager after every step: its
+    invariants, and that every running request's hashes are those of its own tokens (never a
+    draft's); returns the final outputs and checks the streamed tokens add up to them."""
+    ids = [f"r{len(engine.requests) + i}" for i in range(len(prompts))]
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for request_id, prompt, p in zip(ids, prompts, params):
+        engine.add_request(request_id, prompt, p)
+    streamed, final = {i: [] for i in ids}, {}
+    manager = engine.manager
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed[out.request_id] += out.new_token_ids
+            assert out.output_token_ids == streamed[out.request_id]
+            if out.finished:
+                final[out.request_id] = out
+        manager.check_invariants()
+        for request in engine.scheduler.running:
+            request_id = request.request_id
+            assert (
+                manager.token_ids[request_id]
+                == request.all_token_ids[: request.num_computed_tokens]
+            )
+            expected = chained_hashes(manager.token_ids[request_id], manager.block_size)
+            hashes = manager.block_hashes[request_id]
+            if engine.config.enable_prefix_caching:
+                assert hashes == expected[: len(hashes)] and len(hashes) == len(expected)
+    return [final[i] for i in ids]
+
+
+def plain_outputs(course, prompts, params, **config):
+    engine = LLMEngine(course, **config)
+    return [o.output_token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+
+
+def plain_engine_summary(course, prompts, params, **config):
+    engine = LLMEngine(course, **config)
+    engine.generate(prompts, params, use_tqdm=False)
+    return engine.summary()
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_greedy_outputs_equal_the_engine_without_speculation(course, batch_size, k, prefix_caching):
+    prompts = repetitive_prompts(batch_size, seed=batch_size)
+    params = SamplingParams(max_tokens=24)
+    config = dict(num_blocks=120, block_size=8, enable_prefix_caching=prefix_caching)
+    expected = plain_outputs(course, prompts, params, **config)
+    engine = LLMEngine(
+        course, **config, speculative_config=SpeculativeConfig(num_speculative_tokens=k)
+    )
+    free = engine.manager.pool.num_free_blocks
+    outputs = run_checked(engine, prompts, params)
+    assert [o.output_token_ids for o in outputs] == expected
+    assert all(o.finish_reason is FinishReason.LENGTH for o in outputs)
+    spec = engine.stats.spec_decoding
+    assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0  # drafts accepted ...
+    assert spec.num_accepted_tokens < spec.num_draft_tokens  # ... and rejected
+    assert sum(spec.num_accepted_tokens_per_pos) == spec.num_accepted_tokens
+    per_pos = spec.num_accepted_tokens_per_pos
+    assert len(per_pos) == k and all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    assert len(engine.stats) < sum(len(e) for e in expected) // batch_size + 16  # fewer steps
+    assert engine.manager.pool.num_free_blocks == free and not engine.manager.block_tables
+    # tokens computed: the plain engine's decode tokens, plus the rejected drafts (computed and
+    # given back); an accepted draft counts once, in the step that verified it
+    plain = plain_engine_summary(course, prompts, params, **config)
+    summary = engine.summary()
+    rejected = spec.num_draft_tokens - spec.num_accepted_tokens
+    assert summary["decode_tokens"] == plain["decode_tokens"] + rejected
+    assert summary["prefill_tokens"] == plain["prefill_tokens"]
+    if prefix_caching:  # the same prompts again hit the blocks cached: their hashes are right
+        again = run_checked(engine, prompts, params)
+        assert [o.output_token_ids for o in again] == expected
+        assert engine.summary()["prefix_hit_rate"] > 0.3
+
+
+def test_stop_tokens_and_max_tokens_are_exact(course):
+    prompts = repetitive_prompts(4, seed=7)
+    greedy = plain_outputs(course, prompts, SamplingParams(max_tokens=30), num_blocks=100)
+    spec = SpeculativeConfig(num_speculative_tokens=5)
+    params = []
+    for i, tokens in enumerate(greedy):  # a stop token from the repeating part of the output
+        params.append(SamplingParams(max_tokens=30, stop_token_ids=(tokens[12 + i],)))
+    expected = [
+        tokens[: tokens.index(p.stop_token_ids[0]) + 1] for tokens, p in zip(greedy, params)
+    ]
+    engine = LLMEngine(course, num_blocks=100, speculative_config=spec)
+    outputs = run_checked(engine, prompts, params)
+    assert [o.output_token_ids for o in outputs] == expected
+    assert all(o.finish_reason is FinishReason.STOP for o in outputs)
+    for max_tokens in (1, 2, 3, 7, 13):
+        engine = LLMEngine(course, num_blocks=100, speculative_config=spec)
+        outputs = run_checked(engine, prompts, SamplingParams(max_tokens=max_tokens))
+        assert [o.output_token_ids for o in outputs] == [t[:max_tokens] for t in greedy]
+        assert engine.manager.pool.num_free_blocks == 100
+
+
+def test_a_pool_too_small_for_the_drafts_gives_the_same_tokens(course):
+    prompts = repetitive_prompts(6, seed=3)
+    params = SamplingParams(max_tokens=24)
+    config = dict(num_blocks=12, block_size=8, max_num_batched_tokens=32)
+    expected = plain_outputs(course, prompts, params, **config)
+    engine = LLMEngine(course, **config, speculative_config={"num_speculative_tokens": 5})
+    outputs = run_checked(engine, prompts, params)
+    assert [o.output_token_ids for o in outputs] == expected
+    assert engine.summary()["preemptions"] >= 1  # the pool was short
+    assert engine.stats.spec_decoding.num_accepted_tokens > 0
+    assert engine.manager.pool.num_free_blocks == 12
+
+
+def test_greedy_and_sampled_requests_share_the_steps(course):
+    prompts = repetitive_prompts(6, seed=5)
+    params = [
+        SamplingParams(max_tokens=20)
+        if i % 2
+        else SamplingParams(temperature=0.8, top_k=30, seed=i, max_tokens=20)
+        for i in range(len(prompts))
+    ]
+    params[1] = SamplingParams(max_tokens=20, logprobs=2)  # asks for logprobs: decodes normally
+    expected = plain_outputs(course, prompts, params, num_blocks=100)
+    engine = LLMEngine(course, num_blocks=100, speculative_config=SpeculativeConfig())
+    outputs = run_checked(engine, prompts, params)
+    assert [o.output_token_ids for o in outputs] == expected  # the same draws, the same argmax
+    assert len(outputs[1].logprobs) == 1 and outputs[1].logprobs[0].token_id == expected[1][-1]
+    assert engine.stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_parallel_requests_forked_from_one_prompt_speculate(course):
+    prompt = repetitive_prompts(3, seed=2)[2]
+    ids = ["a", "b", "c"]
+    params = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=12)]
+    params.append(SamplingParams(temperature=0.7, seed=4, max_tokens=20))
+    outputs = {}
+    for speculative_config in (None, SpeculativeConfig(num_speculative_tokens=4)):
+        engine = LLMEngine(
+            course,
+            num_blocks=60,
+            block_size=8,
+            enable_prefix_caching=True,
+            speculative_config=speculative_config,
+        )
+        engine.add_parallel_requests(ids, prompt, params)
+        final = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out.output_token_ids
+            engine.manager.check_invariants()
+        assert engine.manager.pool.num_free_blocks == 60
+        outputs[speculative_config is None] = final
+    assert outputs[False] == outputs[True]
+    assert engine.stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_draft_slots_never_leave_a_hash_on_a_rejected_token():
+    pool = BlockPool(12, 4, enable_prefix_caching=True)
+    manager = BlockManager(pool)
+    manager.allocate("s", [1, 2, 3, 4, 5, 6])  # one full block, hashed
+    manager.append_slot("s", 7)  # the token the step computes
+    for _ in range(5):  # its draft, ids unknown: blocks 1 and 2 are never hashed
+        manager.append_slot("s", None)
+    assert len(manager.block_hashes["s"]) == 1
+    manager.truncate("s", 9)  # 2 draft tokens accepted, 3 rejected
+    manager.set_token("s", 7, 8)
+    manager.set_token("s", 8, 9)
+    manager.check_invariants()
+    assert manager.block_hashes["s"] == chained_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert set(pool.cached_blocks.values()) == set(manager.block_tables["s"][:2])
+    # drafts appended with their ids (what the engine avoids): truncate still drops the hashes
+    manager.append_slot("s", 10)
+    manager.append_slot("s", 11)
+    manager.append_slot("s", 12)  # blocks 2 and 3 full: hashed with draft tokens 10, 11, 12
+    for token in (13, 14, 15, 16):
+        manager.append_slot("s", token)
+    assert len(manager.block_hashes["s"]) == 4
+    manager.truncate("s", 10)  # keeps 9 and 10: block 2 partly filled, block 3 dropped
+    manager.check_invariants()
+    assert set(pool.cached_blocks.values()) == set(manager.block_tables["s"][:2])
+    manager.free("s")
+    assert pool.num_free_blocks == 12
+
+
+def test_bad_options_are_refused_naming_the_argument(course):
+    for kwargs, name in [
+        (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+        (dict(method="eagle"), "method"),
+        (dict(prompt_lookup_max=0), "prompt_lookup_max"),
+        (dict(prompt_lookup_min=4, prompt_lookup_max=2), "prompt_lookup_min"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            SpeculativeConfig(**kwargs)
+    with pytest.raises(TypeError, match="num_speculative_tokens: expected an int"):
+        SpeculativeConfig(num_speculative_tokens=2.5)
+    with pytest.raises(TypeError, match="speculative_config"):
+        LLMEngine(course, num_blocks=10, speculative_config=3)
+    with pytest.raises(ValueError, match="speculative_config and async_scheduling"):
+        LLMEngine(course, num_blocks=10, speculative_config={}, async_scheduling=True)
+    with pytest.raises(ValueError, match="speculative_config: expected policy='continuous'"):
+        LLMEngine(course, num_blocks=40, speculative_config={}, policy="static", max_model_len=64)
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLMEngine(course, num_blocks=10, speculative_config={}, eviction=StreamingEviction())
+    with pytest.raises(TypeError, match="num_speculative_token"):
+        LLMEngine(course, num_blocks=10, speculative_config={"num_speculative_token": 3})
+
+
+def test_smollm2_greedy_outputs_equal_the_engine_without_speculation(smollm2):
+    model, tokenizer = smollm2
+    text = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):"
+    prompts = [tokenizer.encode(text), tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8, 9,")]
+    params = SamplingParams(max_tokens=16)
+    expected = plain_outputs(model, prompts, params, num_blocks=40)
+    spec = SpeculativeConfig(num_speculative_tokens=4)
+    engine = LLMEngine(model, num_blocks=40, speculative_config=spec)
+    outputs = run_checked(engine, prompts, params)
+    assert [o.output_token_ids for o in outputs] == expected
+    assert engine.stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_the_server_exports_the_counters_with_vllms_names(course):
+    from types import SimpleNamespace
+
+    from kvlib.serve.__main__ import build_engine, parse_options
+    from kvlib.serve.engine_loop import EngineLoop, EngineSnapshot
+    from kvlib.serve.metrics import ServerMetrics, metric_value, parse_metrics
+
+    options = ["--num-blocks", "60", "--speculative-config", '{"num_speculative_tokens": 2}']
+    served = SimpleNamespace(model=course, max_model_len=1024)
+    engine = build_engine(served, parse_options(options, environ={}))
+    assert engine.config.speculative_config == SpeculativeConfig(num_speculative_tokens=2)
+    engine.generate(repetitive_prompts(3), SamplingParams(max_tokens=16), use_tqdm=False)
+    spec = engine.stats.spec_decoding
+    loop = EngineLoop(engine).start()
+    try:
+        loop.call(lambda _: None)
+        loop.call(lambda _: None)  # the snapshot after the first call's commands is published
+        samples = parse_metrics(
+            ServerMetrics("course", lambda: loop.snapshot).exposition().decode()
+        )
+    finally:
+        loop.stop()
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        value = metric_value(samples, f"vllm:spec_decode_{name}_total", model_name="course")
+        assert value == getattr(spec, name) > 0, name
+    for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+        value = metric_value(
+            samples,
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+            model_name="course",
+            position=str(position),
+        )
+        assert value == count
+    plain = build_engine(served, parse_options(["--num-blocks", "60"], environ={}))
+    assert plain.stats.spec_decoding is None
+    assert b"spec_decode" not in ServerMetrics("course", EngineSnapshot).exposition()  # off
