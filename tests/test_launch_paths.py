@@ -47,6 +47,7 @@ def test_every_notebook_starts_with_the_rendered_install_lines():
             "14_offload",
             "15_sparse_attention",
             "16_speculative",
+            "17_windows",
         )
     ]
 

@@ -1,13 +1,14 @@
 """Speculative decoding inside the serving engine (chapter 16, "speculation in the engine"): for
 each running **greedy** request, an n-gram prompt-lookup drafter (`kvlib.speculative.ngram`,
-vLLM's `ngram` method) proposes up to k tokens from the request's own tokens; the step computes
-the request's newest token and its draft together, k + 1 query tokens, as one chunk of the mixed
-batch; `kvlib.speculative.verify.greedy_accept` keeps the longest prefix of the draft that equals
-the target's argmax, plus the target's own next token (the bonus); the rejected tokens' slots are
-rolled back (`BlockManager.truncate`). Greedy output is token-identical to the engine without
-speculation (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative
-Decoding", ICML; vLLM v1's `spec_decode/ngram_proposer.py` and its rejection sampler, whose
-greedy branch this is).
+after vLLM's `ngram` method: the same idea and field names, other defaults, and the latest match
+where vLLM takes the earliest) proposes up to k tokens from the request's own tokens; the step
+computes the request's newest token and its draft together, k + 1 query tokens, as one chunk of
+the mixed batch; `kvlib.speculative.verify.greedy_accept` keeps the longest prefix of the draft
+that equals the target's argmax, plus the target's own next token (the bonus); the rejected
+tokens' slots are rolled back (`BlockManager.truncate`). Greedy output is token-identical to
+the engine without speculation (Leviathan et al., 2023, "Fast Inference from Transformers via
+Speculative Decoding", ICML; vLLM v1's `spec_decode/ngram_proposer.py` and its rejection
+sampler, whose greedy branch this is).
 
 How a step goes (`Speculator.submit`, then `Speculator.record`):
 
@@ -16,7 +17,10 @@ How a step goes (`Speculator.submit`, then `Speculator.record`):
    min(k, its tokens still to generate - 1, what the free blocks and budget hold) draft slots,
    appended with unknown ids (`append_slot(request, None)`), so no block holding a draft token
    is ever hashed for the prefix cache; with no room it decodes plainly. A draft never preempts
-   another request: it is a guess, and preempting a request for it costs a recomputation.
+   another request: it is a guess, and preempting a request for it costs a recomputation. Its
+   blocks still come off the free queue, so they can evict cached prefix blocks, which costs
+   recomputation later too (vLLM instead schedules the draft tokens with the step and preempts
+   when they do not fit).
 2. A step with no draft at all runs through `ModelRunner.submit`, exactly as without
    speculation. A step with drafts is built here (`verify_input`, the readable loop of
    `kvlib.engine.batch.prepare_inputs` with the drafts appended) and run by
@@ -54,7 +58,8 @@ METHODS = ("ngram",)
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """The engine's speculative decoding, named as vLLM's `SpeculativeConfig`.
+    """The engine's speculative decoding, with vLLM's `SpeculativeConfig` field names (its
+    defaults differ: vLLM sets both lookup bounds to 5 when neither is given).
 
     Args:
         method: "ngram" (prompt lookup, `kvlib.speculative.ngram.ngram_draft`).
@@ -96,6 +101,12 @@ def check_engine_config(config) -> SpeculativeConfig:
     """
     spec = config.speculative_config
     if isinstance(spec, dict):
+        fields = [f.name for f in dataclasses.fields(SpeculativeConfig)]
+        unknown = sorted(set(spec) - set(fields))
+        if unknown:
+            raise ValueError(
+                f"speculative_config: expected fields among {fields}, got unknown {unknown}"
+            )
         spec = SpeculativeConfig(**spec)
     if not isinstance(spec, SpeculativeConfig):
         raise TypeError(
@@ -235,9 +246,8 @@ class Speculator:
         self.num_drafted = sum(len(draft) for draft in drafts.values())
         if not drafts:
             return self.runner.submit(scheduled, block_copies)
-        copies = list(block_copies) + self.manager.copies  # (none: drafts fill private blocks)
-        self.manager.copies = []
-        self.runner.submit([], copies).result()  # copy-on-write's copies, before any write
+        assert not self.manager.copies  # drafts append into private blocks: nothing to copy
+        self.runner.submit([], block_copies).result()  # copy-on-write's copies, before any write
         runner = self.runner
         batch, chunks, plain = verify_input(scheduled, drafts, self.manager, runner.device)
         with torch.no_grad():

@@ -39,7 +39,8 @@ class StepStats:
     docstring; they sum to the step's tokens), KV blocks in use, preemptions, the prefix-cache
     lookups of the requests admitted for the first time (tokens hit, tokens looked up) and those
     of the requests readmitted after a preemption; `scheduled`: (request id, tokens computed) for
-    each request in the step, in batch order."""
+    each request in the step, in batch order, as the scheduler planned them (a speculating
+    request's draft tokens are counted in `num_decode_tokens`, not in `scheduled`)."""
 
     step: int
     seconds: float

@@ -11,6 +11,7 @@ key the server refuses a host beyond loopback (e.g. `--host 0.0.0.0`) unless `--
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -40,6 +41,23 @@ def build_engine(served, args):
     )
 
 
+def speculative_config(text: str):
+    """`--speculative-config`'s value: a JSON object of `SpeculativeConfig`'s fields, checked
+    here so that a bad one stops the command line before any model loads."""
+    from kvlib.engine.speculative import SpeculativeConfig
+
+    fields = [f.name for f in dataclasses.fields(SpeculativeConfig)]
+    try:
+        spec = json.loads(text)
+        if not isinstance(spec, dict):
+            raise TypeError(f"a JSON {type(spec).__name__}")
+        return SpeculativeConfig(**spec)
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object with fields among {fields}, got {text!r} ({error})"
+        ) from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvlib.serve", description=__doc__)
     p.add_argument("--model", choices=MODEL_NAMES, default="course")
@@ -55,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-scheme", choices=("none", "int8"), default="none")
     p.add_argument(
         "--speculative-config",
-        type=json.loads,
+        type=speculative_config,
         default=None,
         help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (default: off)',
     )
