@@ -81,8 +81,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate x (B, H, T, D) by the angles of cos, sin (B, T, D): x·cos + rotate_half(x)·sin,
     computed in float32 for 16-bit and float32 inputs and in float64 for float64 ones (never
     rounding a float64 x to float32), returned in x's dtype."""
-    wide = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (wide * cos[:, None] + rotate_half(wide) * sin[:, None]).to(x.dtype)
+    if x.dtype == torch.float64:
+        return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    return (x.float() * cos[:, None] + rotate_half(x.float()) * sin[:, None]).to(x.dtype)
 
 
 class Attention(nn.Module):
