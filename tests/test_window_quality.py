@@ -35,7 +35,7 @@ def test_recorded_window_quality_spot_check(tmp_path):
     }
     assert set(fresh) == set(recorded) == {"0", "4"}
     for sinks, row in fresh.items():
-        for name in ("mean_kl", "perplexity", "top1_agreement"):
+        for name in ("mean_kl", "perplexity", "top1_agreement", "full_perplexity"):
             assert float(row[name]) == pytest.approx(
                 float(recorded[sinks][name]), rel=1e-3, abs=2e-3
             )

@@ -14,7 +14,8 @@ divergence (nats), the negative log-likelihood of the essay's next token, and wh
 token agrees; one row per (window, sinks) with their means, the perplexity, and a paired
 moving-block bootstrap interval (blocks of 32 positions: positions of one text are not
 independent) for the mean KL and, for sinks > 0, for the KL saved against no sinks at the same
-window. `--quick`: one window, for the spot check.
+window; `full_perplexity`, on every row, is full attention's own on the same text (the reference
+the windows are measured against). `--quick`: one window, for the spot check.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ def window_mask(num_tokens: int, window: int, sinks: int = 0) -> torch.Tensor:
 
 def per_position(model, ids: torch.Tensor, windows=WINDOWS, sinks=SINKS) -> dict:
     """{(window, sinks): (kl, nll, agree)} per predicted position (T - 1 each), against the full
-    forward's distributions; ids (1, T)."""
+    forward's distributions, and {"full": nll} for full attention itself; ids (1, T)."""
     num_tokens = ids.shape[1]
     with torch.no_grad():
         full = model(ids)[0, :-1].log_softmax(-1)  # (T - 1, V)
-        out = {}
+        out = {"full": -full.gather(-1, ids[0, 1:, None])[:, 0].double().numpy()}
         for window in windows:
             for s in sinks:
                 mask = window_mask(num_tokens, window, s)
@@ -75,6 +76,7 @@ def measure(quick: bool = False) -> list[dict]:
     ids = torch.tensor([tokenizer.encode(course_text())])
     windows = WINDOWS[-1:] if quick else WINDOWS
     values = per_position(model, ids, windows)
+    full_perplexity = round(float(np.exp(values.pop("full").mean())), 3)  # the reference's
     rows = []
     for (window, s), (kl, nll, agree) in values.items():
         _, low, high = paired_block_bootstrap(kl, block=BLOCK)
@@ -92,6 +94,7 @@ def measure(quick: bool = False) -> list[dict]:
                 kl_low=round(low, 5),
                 kl_high=round(high, 5),
                 perplexity=round(float(np.exp(nll.mean())), 3),
+                full_perplexity=full_perplexity,
                 top1_agreement=round(float(agree.mean()), 5),
                 kl_saved_by_sinks=round(saved[0], 5),
                 saved_low=round(saved[1], 5),
