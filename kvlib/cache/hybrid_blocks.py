@@ -142,10 +142,6 @@ class HybridBlockManager:
     def num_tokens(self, seq_id) -> int:
         return self.managers[0].num_tokens(seq_id)
 
-    def blocks_held(self, seq_id) -> int:
-        """The blocks the sequence's tables name, the null block not counted."""
-        return sum(b != self.null_block for t in self.tables(seq_id) for b in t)
-
     # --- prefix hits ----------------------------------------------------------------------------
 
     def _chain(self, group: int, token_ids: Sequence[int], num_blocks: int) -> list[bytes]:
@@ -178,25 +174,31 @@ class HybridBlockManager:
         )
         return all(cached[r.stop] - cached[r.start] == len(r) for r in live)
 
-    def longest_hit(self, token_ids: Sequence[int]) -> int:
-        """Tokens of `token_ids` whose K/V every group holds for a request starting after them:
-        the largest multiple of `block_size` below len(token_ids) that every group accepts (module
-        docstring). 0 with prefix caching off."""
-        token_ids = [int(t) for t in token_ids]
-        if not self.pool.enable_prefix_caching or not token_ids:
-            return 0
-        limit = (len(token_ids) - 1) // self.block_size  # never the whole prompt
-        cached = []
-        for g in range(len(self.groups)):
-            flags = [self.pool.lookup(h) is not None for h in self._chain(g, token_ids, limit)]
-            cached.append([0, *accumulate(flags)])
-        hit, changed = limit, True
+    def _chains(self, token_ids: list[int]) -> list[list[bytes]]:
+        """Each group's hash chain over the full blocks a hit may cover (never the block of the
+        last token); empty with prefix caching off."""
+        limit = (len(token_ids) - 1) // self.block_size if self.pool.enable_prefix_caching else 0
+        return [self._chain(g, token_ids, limit) for g in range(len(self.groups))]
+
+    def _hit_blocks(self, chains: list[list[bytes]]) -> int:
+        """The longest hit, in blocks, given each group's chain (`longest_hit`)."""
+        cached = [[0, *accumulate(self.pool.lookup(h) is not None for h in c)] for c in chains]
+        hit, changed = len(chains[0]), True
         while changed:  # each group shortens the candidate until none does
             changed = False
             for g in range(len(self.groups)):
                 while hit > 0 and not self._accepts(g, hit, cached[g]):
                     hit, changed = hit - 1, True
-        return hit * self.block_size
+        return hit
+
+    def longest_hit(self, token_ids: Sequence[int]) -> int:
+        """Tokens of `token_ids` whose K/V every group holds for a request starting after them:
+        the largest multiple of `block_size` below len(token_ids) that every group accepts (module
+        docstring). 0 with prefix caching off."""
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            return 0
+        return self._hit_blocks(self._chains(token_ids)) * self.block_size
 
     # --- allocation -----------------------------------------------------------------------------
 
@@ -205,17 +207,21 @@ class HybridBlockManager:
 
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
         """Whether `allocate` would succeed now."""
-        return self._plan(token_ids)[2] <= self.pool.num_free_blocks
+        return self._plan([int(t) for t in token_ids])[3] <= self.pool.num_free_blocks
 
-    def _plan(self, token_ids):
-        hit_blocks = self.longest_hit(token_ids) // self.block_size
-        hits = []  # per group: {logical index: physical block} of the hit
-        for g in range(len(self.groups)):
-            chain = self._chain(g, token_ids, hit_blocks)
-            hits.append({i: self.pool.lookup(chain[i]) for i in self._needed(g, hit_blocks)})
+    def _plan(self, token_ids: list[int]):
+        """(hit blocks, each group's chain over them, each group's {logical index: physical
+        block} of the hit, blocks the allocation takes from the free queue); hashed once."""
+        chains = self._chains(token_ids)
+        hit_blocks = self._hit_blocks(chains)
+        chains = [chain[:hit_blocks] for chain in chains]
+        hits = [
+            {i: self.pool.lookup(chains[g][i]) for i in self._needed(g, hit_blocks)}
+            for g in range(len(self.groups))
+        ]
         fresh = len(self.groups) * self._new_blocks(hit_blocks * self.block_size, len(token_ids))
         revived = {b for h in hits for b in h.values() if self.pool.blocks[b].ref_cnt == 0}
-        return hit_blocks, hits, fresh + len(revived)
+        return hit_blocks, chains, hits, fresh + len(revived)
 
     def allocate(self, seq_id, token_ids: Sequence[int]) -> int:
         """Give a new sequence, in every group, blocks for its prompt `token_ids`, reusing the
@@ -232,7 +238,7 @@ class HybridBlockManager:
         token_ids = [int(t) for t in token_ids]
         if not token_ids:
             raise ValueError("token_ids: expected at least one token")
-        hit_blocks, hits, needed = self._plan(token_ids)
+        hit_blocks, chains, hits, needed = self._plan(token_ids)
         if needed > self.pool.num_free_blocks:
             raise OutOfBlocksError(
                 f"allocate: sequence {seq_id!r} needs {needed} blocks across "
@@ -249,7 +255,7 @@ class HybridBlockManager:
         for g, manager in enumerate(self.managers):
             manager.block_tables[seq_id] = tables[g] + self.pool.allocate(fresh)
             manager.token_ids[seq_id] = list(token_ids)
-            manager.block_hashes[seq_id] = self._chain(g, token_ids, hit_blocks)
+            manager.block_hashes[seq_id] = chains[g]
             manager.hash_full_blocks(seq_id)
             manager.prefix_hits += hit_blocks * self.block_size
         return hit_blocks * self.block_size
