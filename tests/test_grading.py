@@ -34,6 +34,14 @@ def names_the_rule(phrase: str, message: str) -> bool:
     return ISOLATED and any(h in message for h in hidden)
 
 
+class Flagged(str):
+    """The expectation of an answer that scores full marks with a flag naming this phrase: how it
+    computed, by its own process's word, which is said but never scored (issue 57)."""
+
+
+FLAG = "flag (reported by your process, not scored)"
+
+
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
 EXERCISES = sorted((ROOT / "exercises").glob("[0-9][0-9]_*.ipynb"))
 TIMEOUT_S = 30
@@ -555,7 +563,7 @@ def grouped_attention(q, k, v, mask):  # hands the exercise to PyTorch
     sdpa = torch.nn.functional.scaled_dot_product_attention
     return sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
 """,
-        "scaled_dot_product_attention",
+        Flagged("scaled_dot_product_attention"),
     ),
     (
         "05_gqa_mqa.ipynb",
@@ -2851,27 +2859,6 @@ BLOCKED_ANSWERS = [
     ),
     (
         "05_gqa_mqa.ipynb",
-        "grouped_attention",
-        "def grouped_attention(q, k, v, mask):\n"
-        "    g = q.shape[1] // k.shape[1]\n"
-        "    with torch._C.DisableTorchFunction():\n"
-        "        return torch.nn.functional.scaled_dot_product_attention(\n"
-        "            q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask\n"
-        "        )\n",
-        "scaled_dot_product_attention",
-    ),
-    (
-        "05_gqa_mqa.ipynb",
-        "grouped_attention",
-        "def grouped_attention(q, k, v, mask):\n"
-        "    g = q.shape[1] // k.shape[1]\n"
-        "    return torch.ops.aten._scaled_dot_product_attention_math(\n"
-        "        q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask\n"
-        "    )[0]\n",
-        "scaled_dot_product_attention",
-    ),
-    (
-        "05_gqa_mqa.ipynb",
         "kv_heads_for_budget",
         "from kvlib.memory import cache_report\n\n"
         "def kv_heads_for_budget(config, seq_len, batch_size, budget_bytes):\n"
@@ -3026,6 +3013,49 @@ BLOCKED_ANSWERS = [
         "unavailable",
     ),
 ]
+
+
+# Issue 57: how an answer computed (the torch operators it ran, a view or a copy returned, memory
+# swapped in, a kernel that is not Triton's) is what the learner's process reports about itself;
+# learner code can make it report anything, so it is flagged for the instructor with the verdict
+# and never scored: an answer is scored by its values and the memory measured from outside. The
+# first two call PyTorch's attention and fail on memory (K/V repeated) and values, flagged too; the
+# copy computes the right values: full marks, flagged (MEASURED_OUTSIDE has the same copy forged
+# to look like a view: full marks too, its flag gone, which is why a flag is never scored).
+FLAGGED_ANSWERS = [
+    (
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        "def grouped_attention(q, k, v, mask):\n"
+        "    g = q.shape[1] // k.shape[1]\n"
+        "    with torch._C.DisableTorchFunction():\n"
+        "        return torch.nn.functional.scaled_dot_product_attention(\n"
+        "            q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask\n"
+        "        )\n",
+        "fold each group's query heads",
+    ),
+    (
+        "05_gqa_mqa.ipynb",
+        "grouped_attention",
+        "def grouped_attention(q, k, v, mask):\n"
+        "    g = q.shape[1] // k.shape[1]\n"
+        "    return torch.ops.aten._scaled_dot_product_attention_math(\n"
+        "        q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=mask\n"
+        "    )[0]\n",
+        "max abs difference",
+    ),
+    (
+        "02_cache_in_a_transformer.ipynb",
+        "static_cache_insert",
+        "def static_cache_insert(buffer, length, k_new):  # a copy, not a view\n"
+        "    end = length + k_new.shape[2]\n"
+        "    if end > buffer.shape[2]:\n"
+        "        raise ValueError(f'{end} > {buffer.shape[2]}')\n"
+        "    buffer[:, :, length:end] = k_new\n"
+        "    return buffer[:, :, :end].clone()\n",
+        Flagged("return a view of the buffer"),
+    ),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -3213,9 +3243,11 @@ def test_every_allowed_name_resolves():
     assert not missing, missing
 
 
-# Class 4: a Triton question needs a real @triton.jit kernel, run under the interpreter.
-def test_triton_questions_require_a_jit_kernel(tmp_path):
-    source = (
+# Class 4: whether a Triton question's answer is a @triton.jit kernel run by the interpreter is
+# its process's word (issue 57): a launch that raises says what was expected and scores zero; one
+# that returns is scored by its values and flagged.
+def test_triton_questions_flag_what_is_not_a_jit_kernel(tmp_path):
+    crafted = (
         "class reduce_kernel:  # indexing returns a torch function, not a Triton launch\n"
         "    def __class_getitem__(cls, grid):\n"
         "        def run(partial_out, partial_lse, out, num_splits, **meta):\n"
@@ -3223,12 +3255,17 @@ def test_triton_questions_require_a_jit_kernel(tmp_path):
         "            out.copy_((w[..., None] * partial_out).sum(1))\n"
         "        return run\n"
     )
-    path = with_cell_replaced(
-        ROOT / "solutions" / "11_triton_decode.ipynb", "reduce_kernel", source, tmp_path
+    plain = (
+        "def reduce_kernel(partial_out, partial_lse, out, num_splits, **meta):  # no kernel\n"
+        "    w = torch.softmax(partial_lse, -1)\n"
+        "    out.copy_((w[..., None] * partial_out).sum(1))\n"
     )
-    report = grade_notebook(path, timeout_s=TIMEOUT_S, only=["reduce_kernel"])
-    (result,) = report.questions
-    assert not result.passed and "@triton.jit kernel" in result.message, report.table()
+    flagged, refused = grade_answers(
+        "11_triton_decode.ipynb", "reduce_kernel", [crafted, plain], tmp_path
+    )
+    assert flagged.passed and FLAG in flagged.message, flagged
+    assert "not a kernel run by Triton's interpreter" in flagged.message, flagged
+    assert not refused.passed and "should be a @triton.jit kernel" in refused.message, refused
 
 
 # Class 5: allocation limits count peak bytes, numpy's included, and say what they measured.
@@ -3334,7 +3371,7 @@ AGREEMENT_TABLE = [
     ),
     BLOCKED_ANSWERS[1][:3],  # a default argument
     BLOCKED_ANSWERS[7][:3],  # a check module's oracle
-    BLOCKED_ANSWERS[9][:3],  # SDPA with torch functions disabled
+    FLAGGED_ANSWERS[0][:3],  # SDPA with torch functions disabled: passes, flagged
     ("05_gqa_mqa.ipynb", "mean_pool_kv", None),
     ("01_naive_vs_cached.ipynb", "stable_softmax", SOURCE_COPIES[0]),  # kvlib's source, exec'd
     TWIN_ANSWERS[0][:3],  # a twin: the paged cache's slot lookup
@@ -3860,7 +3897,7 @@ MEASURED_OUTSIDE = [
      "    original = torch.Tensor.untyped_storage\n"
      "    torch.Tensor.untyped_storage = lambda t: original(buffer if t is out else t)\n"
      "    return out\n",
-     "return a view of the buffer"),
+     None),  # the verdict of the honest copy (FLAGGED_ANSWERS): full marks; its flag forged away
     (N04, "tiled_attention",  # valid: rows read as k[a:b, :], a loop over len(k)
      "def tiled_attention(q, k, v, tile_size):\n"
      "    m, l = np.full(len(q), -np.inf), np.zeros(len(q))\n"
@@ -4301,7 +4338,7 @@ MEMORY_RULES = [
      "    moved = int((survivors != torch.arange(len(survivors))).sum())\n"
      "    slots.data = torch.cat([slots[survivors], slots[len(survivors):]])\n"
      "    return moved\n",
-     "new memory"),
+     Flagged("new memory")),
     (N09, "repack",  # valid: a gather, then a copy into the same memory
      "def repack(slots, live):\n"
      "    survivors = live.nonzero()[:, 0]\n"
@@ -4408,6 +4445,7 @@ ANSWER_TABLES = {
     "valid-variants": VALID_VARIANTS,
     "memory-rules": MEMORY_RULES,
     "kernel-counted": KERNEL_COUNTED,
+    "flagged": FLAGGED_ANSWERS,
 }
 ANSWER_GROUPS: dict[tuple[str, str], list] = {}
 for table, rows in ANSWER_TABLES.items():
@@ -4419,13 +4457,17 @@ for table, rows in ANSWER_TABLES.items():
 @pytest.mark.parametrize("group", sorted(ANSWER_GROUPS), ids=lambda g: f"{g[0][:2]}-{g[1]}")
 def test_answers_get_the_verdict_they_deserve(group, tmp_path):
     """Every answer of the tables for one question, graded against one child process: a wrong one
-    scores 0 and its feedback names the rule (`phrase`), a valid one scores full marks."""
+    scores 0 and its feedback names the rule (`phrase`), a valid one scores full marks, a
+    `Flagged` one full marks with its flag."""
     notebook, question = group
     rows = ANSWER_GROUPS[group]
     results = grade_answers(notebook, question, [source for _, source, _ in rows], tmp_path)
     wrong = []
     for (label, _, phrase), result in zip(rows, results):
-        if phrase is None and not result.passed:
+        if isinstance(phrase, Flagged):
+            if not (result.passed and FLAG in result.message and phrase in result.message):
+                wrong.append(f"{label}: expected full marks flagged {phrase!r}, got {result}")
+        elif phrase is None and not result.passed:
             wrong.append(f"{label}: a valid answer failed: {result.message}")
         elif phrase is not None and (result.passed or not names_the_rule(phrase, result.message)):
             wrong.append(f"{label}: expected a failure naming {phrase!r}, got {result}")

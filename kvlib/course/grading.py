@@ -130,6 +130,13 @@ class Submission:
         self.seed_used = False
         self.violations: list[str] = []  # inputs changed or returned, found by Remote.call
         self.notes: list[str] = []  # said whether the question passes or not
+        self.flags: list[str] = []  # how the answer computed, by its process's word: not scored
+
+    def flag(self, text: str) -> None:
+        """Say how the answer computed, by its process's word (which learner code can rewrite):
+        beside the verdict, never part of it (book/grader_guarantees.md)."""
+        if text not in self.flags:
+            self.flags.append(text)
 
     def fixed(self, cases) -> list:
         """`cases`, or none when only the random cases are run."""
@@ -209,7 +216,8 @@ def run_question(
 
 
 def _with_notes(message: str, submission: Submission) -> str:
-    return " ".join([message, *submission.notes]).strip()
+    flags = [f"flag (reported by your process, not scored): {f}" for f in submission.flags]
+    return " ".join([message, *submission.notes, *flags]).strip()
 
 
 def _shorten(text: str, limit: int = MESSAGE_CHARS) -> str:

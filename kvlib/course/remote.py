@@ -45,12 +45,14 @@ class ProcessEnded(Exception):
 @dataclasses.dataclass
 class Call:
     """One call of the learner's function, seen from the grader: what it returned, its arguments
-    after the call (to see mutation), and what was measured."""
+    after the call (to see mutation), and what was measured. `views` come from memory addresses
+    the learner's process reported: flagged, never scored (book/grader_guarantees.md)."""
 
     result: object
     args: list
-    aliases: list[int]  # indices of the arguments the result is or shares memory with
+    aliases: list[int]  # indices of the arguments the result is, or contains, on the wire
     info: dict
+    views: list[int] = dataclasses.field(default_factory=list)  # ... or shares memory with
 
 
 class Remote:
@@ -129,7 +131,7 @@ class Remote:
         if reply[0] == "raised":
             _, type_name, message, info, mro, args_after = reply
             refused = "kvlib.course.guards.GradingError" in mro  # a rule's message says it all
-            if refused or message.startswith("expected a @triton.jit"):
+            if refused:
                 raise AssertionError(message)
             with contextlib.suppress(ValueError, TypeError, RecursionError):
                 args_after = None if args_after is None else decode(args_after)
@@ -145,8 +147,13 @@ class Remote:
                 f"`{self.name}` returned a value the grader cannot read: {exc}"
             ) from None
         info = reply[3]
-        call = Call(result, args_after, _aliases(result, args_after, info), info)
-        mutates = set(options.get("mutates", ()))
+        inside = {id(part) for part in held(result)}  # the same object on the wire (no numbers)
+        call = Call(
+            result, args_after, [i for i, a in enumerate(args_after) if id(a) in inside], info
+        )
+        mutates, flag = set(options.get("mutates", ())), self._submission.flag
+        views, moved = _reported_memory(info, mutates)
+        call.views = [i for i in views if i not in call.aliases]
 
         def violation(verb: str, index: int, then: str) -> None:  # failed once the checks pass
             argument = f"its argument {index + 1} ({_kind(args[index])})"
@@ -155,30 +162,31 @@ class Remote:
         for index, (before, after) in enumerate(zip(args, call.args)):
             if index not in mutates and not _same_value(before, after):
                 violation("changed", index, "in place: leave its inputs as they were")
-        was, spans = info.get("extents_before", []), info.get("extents", {}).get("args", [])
-        for index in sorted(mutates):
-            if index < min(len(was), len(spans)) and was[index] and was[index] != spans[index]:
-                new = "new memory (`x.data = ...` or `x.set_(...)`)"
-                violation("gave", index, f"{new}: write into its own memory, in place")
-        if call.aliases and not options.get("may_alias") and not options.get("grid"):
-            violation("returned", call.aliases[0], "itself or a view of it: return a new object")
+        for index in moved:
+            flag(f"`{self.name}` gave its argument {index + 1} new memory (`x.data = ...`): "
+                 "write into its own memory, in place")  # fmt: skip
+        if not options.get("may_alias") and not options.get("grid"):
+            if call.aliases:
+                violation("returned", call.aliases[0], "itself: return a new object")
+            elif call.views:
+                flag(f"`{self.name}` returned a view of its argument {call.views[0] + 1}: "
+                     "return a new object")  # fmt: skip
         return call
 
     def launch(self, grid: tuple, *args, _mutates=(), **kwargs) -> Call:
         """Launch a Triton kernel `kernel[grid](*args, **kwargs)` in the learner's process, under
-        Triton's interpreter (CPU tensors)."""
-        if not self.description.get("jit"):
-            raise AssertionError(
-                f"`{self.name}` should be a @triton.jit kernel (a triton JITFunction), got a "
-                f"{self.description.get('type', '?')}"
-            )
-        call = self.call(*args, _options={"grid": tuple(grid), "mutates": _mutates}, **kwargs)
-        if not call.info.get("interpreter"):
-            raise AssertionError(
-                "the kernel did not run under Triton's interpreter: the grader launches it on CPU "
-                "tensors, which need TRITON_INTERPRET=1 set before @triton.jit runs (import "
-                "kvlib.kernels first), on a GPU machine too"
-            )
+        Triton's interpreter (CPU tensors). That it is one is the process's word: it words a
+        failed launch's message and flags a launch that returned, never the verdict."""
+        jit = self.description.get("jit")
+        try:
+            call = self.call(*args, _options={"grid": tuple(grid), "mutates": _mutates}, **kwargs)
+        except LearnerRaised:
+            if jit:
+                raise
+            what = f"`{self.name}` should be a @triton.jit kernel, got a {self.description['type']}"
+            raise AssertionError(what) from None
+        if not (jit and call.info.get("interpreter")):
+            self._submission.flag(f"`{self.name}` is not a kernel run by Triton's interpreter")
         return call
 
 
@@ -193,19 +201,18 @@ def _rows_asked(args, ask: tuple) -> tuple:
     return ("error", "no such rows")
 
 
-def _aliases(result, args_after: list, info: dict) -> list[int]:
-    """Indices of the arguments that the result is, contains, or shares memory with: the same
-    object on the wire (the learner's side sends an object once), or overlapping memory."""
-    inside = {id(part) for part in held(result)}
-    spans = info.get("extents", {})
-    result_spans, args_spans = spans.get("result", []), spans.get("args", [])
-    hits = []
-    for index, arg in enumerate(args_after):
-        arg_spans = args_spans[index] if index < len(args_spans) else []
-        overlap = any(a0 < b1 and b0 < a1 for a0, a1 in result_spans for b0, b1 in arg_spans)
-        if overlap or id(arg) in inside:  # the same object (never a number: held skips them)
-            hits.append(index)
-    return hits
+def _reported_memory(info: dict, mutates: set[int]) -> tuple[list[int], list[int]]:
+    """By the memory extents the learner's process reported (malformed: none), the arguments the
+    result overlaps and those in `mutates` whose memory moved during the call."""
+    with contextlib.suppress(TypeError, ValueError, AttributeError, KeyError, IndexError):
+        was, spans = info.get("extents_before", []), info["extents"]
+        now, out = spans["args"], spans["result"]
+        views = [
+            i for i, arg in enumerate(now) if any(a < d and c < b for a, b in out for c, d in arg)
+        ]
+        moved = [i for i in sorted(mutates) if i < min(len(was), len(now)) and was[i] != now[i]]
+        return views, [i for i in moved if was[i]]
+    return [], []
 
 
 def expect_list(got, item_ok: Callable[[object], bool], should: str) -> None:

@@ -112,10 +112,10 @@ def test_static_cache_insert(submission: Submission) -> None:
     cases = submission.fixed([((2, 3, 4), 10, (4, 1, 1, 3))])
     cases.append((shape, sum(writes), tuple(writes)))  # fills the buffer exactly
     for (batch, heads, dim), capacity, writes in cases:
-        _check_inserts(insert, batch, heads, dim, capacity, writes)
+        _check_inserts(submission, insert, batch, heads, dim, capacity, writes)
 
 
-def _check_inserts(insert, batch, heads, dim, capacity, writes) -> None:
+def _check_inserts(submission, insert, batch, heads, dim, capacity, writes) -> None:
     generator = torch.Generator().manual_seed(3)
     buffer = torch.zeros(batch, heads, capacity, dim)
     expected = torch.zeros(batch, heads, capacity, dim)
@@ -139,9 +139,11 @@ def _check_inserts(insert, batch, heads, dim, capacity, writes) -> None:
                 f"the buffer should hold the new rows at positions {length}..{length + t - 1}: it "
                 "does not"
             )
-        assert 0 in call.aliases, (
-            "return a view of the buffer (no copy): the point of a static cache"
-        )
+        if 0 not in call.aliases + call.views:
+            submission.flag(
+                "static_cache_insert returned a copy: return a view of the buffer (no copy), the "
+                "point of a static cache"
+            )
         length += t
     overflow = capacity - length + 1  # one token more than the room left
     k_new = torch.randn(batch, heads, overflow, dim, generator=generator) + 1.0

@@ -61,11 +61,13 @@ def test_grouped_attention(submission: Submission) -> None:
         )
         call = attend.call(q, k, v, mask, _options={"torch_ops": submission.fixed_cases})
         got = call.result
-        assert not any("scaled_dot_product" in op for op in call.info.get("torch_ops", ())), (
-            "grouped_attention calls PyTorch's scaled_dot_product_attention, whose enable_gqa does "
-            "the whole exercise: write the scores, the mask, the softmax and the weighted sum "
-            "yourself"
-        )
+        ops = call.info.get("torch_ops", ())
+        if isinstance(ops, list) and any("scaled_dot_product" in str(op) for op in ops):
+            submission.flag(
+                "grouped_attention calls PyTorch's scaled_dot_product_attention, whose enable_gqa "
+                "does the whole exercise: write the scores, the mask, the softmax and the "
+                "weighted sum yourself"
+            )
         expected = grouped_attention(q, (k, v), mask[None])
         what = (
             f"grouped_attention with B={batch}, H={heads}, H_kv={kv_heads}, T={queries}, S={keys}"
