@@ -2,16 +2,26 @@
 is the same engine without speculation: greedy outputs token-identical across batch sizes, k,
 prefix caching, stop tokens, max_tokens, a pool too small for the drafts, and beside sampled
 requests; the block pool's invariants after every step, no block leaked, and no prefix-cache hash
-on a block that holds a rejected token."""
+on a block that holds a rejected token. Sampled requests (speculative sampling): the joint
+distribution of their first tokens against the exact one of the engine's sampler, on a stub model
+whose logits are a table (a chi-square fit, whose power three wrong rules injected into the engine
+show), and a seeded request's tokens whatever its batch."""
+
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import kvlib.engine.speculative as speculative_module
 from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.block_pool import BlockPool, hash_block_tokens
-from kvlib.engine import LLMEngine, SamplingParams, SpeculativeConfig, StreamingEviction
+from kvlib.engine import LLMEngine, SamplingParams, SpeculativeConfig, StreamingEviction, sampler
 from kvlib.engine.request import FinishReason
+from kvlib.engine.sampler import sampling_distribution
+from kvlib.engine.speculative import verify_sampled
 from kvlib.loaders.course_model import load_course_model
+from kvlib.speculative.verify import speculative_accept
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +174,9 @@ def test_greedy_and_sampled_requests_share_the_steps(course):
     expected = plain_outputs(course, prompts, params, num_blocks=100)
     engine = LLMEngine(course, num_blocks=100, speculative_config=SpeculativeConfig())
     outputs = run_checked(engine, prompts, params)
-    assert [o.output_token_ids for o in outputs] == expected  # the same draws, the same argmax
+    for i in (1, 3, 5):  # greedy: the same argmax (the sampled ones draw from another stream)
+        assert outputs[i].output_token_ids == expected[i], i
+    assert all(len(o.output_token_ids) == 20 for o in outputs)
     assert len(outputs[1].logprobs) == 1 and outputs[1].logprobs[0].token_id == expected[1][-1]
     assert engine.stats.spec_decoding.num_accepted_tokens > 0
 
@@ -192,7 +204,9 @@ def test_parallel_requests_forked_from_one_prompt_speculate(course):
             engine.manager.check_invariants()
         assert engine.manager.pool.num_free_blocks == 60
         outputs[speculative_config is None] = final
-    assert outputs[False] == outputs[True]
+    for request_id in ("a", "b"):  # greedy: the same tokens
+        assert outputs[False][request_id] == outputs[True][request_id], request_id
+    assert len(outputs[False]["c"]) == 20  # sampled: another random stream, as many tokens
     assert engine.stats.spec_decoding.num_accepted_tokens > 0
 
 
@@ -310,3 +324,279 @@ def test_the_server_exports_the_counters_with_vllms_names(course):
     plain = build_engine(served, parse_options(["--num-blocks", "60"], environ={}))
     assert plain.stats.spec_decoding is None
     assert b"spec_decode" not in ServerMetrics("course", EngineSnapshot).exposition()  # off
+
+
+# --- sampled requests: speculative sampling ------------------------------------------------------
+
+
+class TableModel(torch.nn.Module):
+    """A stub model the engine serves (as `kvlib.experiments.engine_overhead.LogitsStub`): the
+    logits at a position are row `input id` of a fixed `table (V, V)`, so the next token depends
+    on the last one only and the exact distribution of a request's tokens is a Markov chain's.
+    Nothing is computed and no K/V written: the engine's blocks are bookkeeping only."""
+
+    def __init__(self, table):
+        super().__init__()
+        vocab = table.shape[0]
+        self.config = SimpleNamespace(
+            is_mla=False,
+            sliding_window=None,
+            num_hidden_layers=1,
+            num_key_value_heads=1,
+            num_attention_heads=1,
+            head_dim=4,
+            vocab_size=vocab,
+        )
+        self.lm_head = torch.nn.Linear(4, vocab, bias=False)
+        self.table = table
+
+    def forward(self, input_ids, *, logits_indices=None, **_):
+        logits = self.table[input_ids[0]]  # (N, V)
+        if logits_indices is not None:
+            logits = logits.index_select(0, logits_indices)  # (m, V)
+        return logits[None]  # (1, N or m, V)
+
+
+VOCAB = 8
+CHAIN_PROMPT = list(range(VOCAB)) * 2  # each token once a cycle: prompt lookup drafts successors
+FIT_LEVEL = 1e-3  # a fit test fails below this p-value
+
+
+def chain_table(seed=0):
+    """Random logits `(V, V)` that favour each token's successor (what prompt lookup drafts on
+    `CHAIN_PROMPT`), so that drafts are both accepted and rejected often."""
+    table = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed))
+    table[torch.arange(VOCAB), (torch.arange(VOCAB) + 1) % VOCAB] += 1.5
+    return table
+
+
+def exact_joint(table, params, length=3):
+    """P(a request's first `length` tokens) after `CHAIN_PROMPT`, `(V,) * length` float64: the
+    chain of the engine's own sampling distributions (`sampling_distribution`, what
+    `sample_step` draws from)."""
+    step = sampling_distribution(table, [params] * VOCAB).double()  # (V, V): P(next | last)
+    joint = step[CHAIN_PROMPT[-1]]  # (V,)
+    for _ in range(length - 1):
+        joint = joint[..., None] * step  # (..., V, 1) * (V, V) -> (..., V, V)
+    return joint
+
+
+def fit_test(counts, probs, min_expected=5.0):
+    """Pearson's chi-square of `counts` against `probs` (any shape, flattened), the cells
+    expected fewer than `min_expected` times pooled into one: (statistic, degrees of freedom,
+    p-value). A count in a cell of probability 0 gives p-value 0."""
+    observed, expected = counts.flatten().double(), probs.flatten() * counts.sum()
+    if observed[expected == 0].sum() > 0:
+        return float("inf"), 0, 0.0
+    small = expected < min_expected
+    observed = torch.cat([observed[~small], observed[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    if expected[-1] == 0:  # nothing pooled
+        observed, expected = observed[:-1], expected[:-1]
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    dof = len(expected) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+    return stat, dof, p_value
+
+
+def chain_counts(params, num_requests=3_000, batch=1_000):
+    """Serve `num_requests` requests of `CHAIN_PROMPT` with `params` (seeds 0, 1, ...), up to
+    `batch` at once, with speculation on `TableModel(chain_table())`: the counts `(V, V, V)` of
+    their first 3 tokens, and the engine's `SpecDecodingStats`."""
+    engine = LLMEngine(
+        TableModel(chain_table()),
+        num_blocks=batch + 8,
+        block_size=32,
+        max_num_seqs=batch,
+        max_num_batched_tokens=64 * batch,
+        speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+    )
+    requests = [dataclasses.replace(params, seed=i) for i in range(num_requests)]
+    outputs = engine.generate([CHAIN_PROMPT] * num_requests, requests, use_tqdm=False)
+    counts = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
+    for output in outputs:
+        assert len(output.output_token_ids) == params.max_tokens
+        counts[tuple(output.output_token_ids[:3])] += 1
+    assert engine.manager.pool.num_free_blocks == batch + 8 and not engine.manager.block_tables
+    return counts, engine.stats.spec_decoding
+
+
+CHAIN_PARAMS = {
+    "temperature": SamplingParams(temperature=1.0, max_tokens=4),
+    "top-k and top-p": SamplingParams(temperature=0.8, top_k=6, top_p=0.85, max_tokens=4),
+}
+
+
+@pytest.mark.parametrize("name", list(CHAIN_PARAMS))
+def test_sampled_speculation_keeps_the_engines_distribution(name):
+    """3,000 requests (max_tokens = 4: a draft of 2 after the first token) through speculative
+    sampling: the joint counts of their first 3 tokens fit the exact chain distribution of the
+    engine's sampler (chi-square p-value above `FIT_LEVEL`; never a token of probability 0), with
+    drafts accepted at both positions and rejected in the same runs."""
+    params = CHAIN_PARAMS[name]
+    counts, spec = chain_counts(params)
+    stat, dof, p_value = fit_test(counts, exact_joint(chain_table(), params))
+    assert p_value > FIT_LEVEL, (name, stat, dof, p_value)
+    assert spec.num_drafts >= 3_000  # every request drafted (after its first token) ...
+    rejected = spec.num_draft_tokens - spec.num_accepted_tokens
+    assert spec.num_accepted_tokens_per_pos[1] > 300 and rejected > 1_000, spec  # ... both ways
+
+
+def always_accept(draft, draft_probs, target_probs, generator):
+    """A wrong rule: every draft token stands, then the bonus from p."""
+    bonus = torch.multinomial(target_probs[len(draft)].double(), 1, generator=generator)
+    return len(draft), int(bonus)
+
+
+def resample_from_p(draft, draft_probs, target_probs, generator):
+    """A wrong rule: the right acceptance, then the token at a rejection drawn from p, not from
+    the residual (the drafted token comes out too often)."""
+    accepted, _ = speculative_accept(draft, draft_probs, target_probs, generator)
+    return accepted, int(torch.multinomial(target_probs[accepted].double(), 1, generator=generator))
+
+
+def unnormalised(logits, params):
+    """A wrong p: `sample_step`'s filtered rows before normalisation (top-p's nucleus sums below
+    1), so a draft token is accepted too rarely."""
+    return sampler._probs(logits, params)
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [("speculative_accept", always_accept), ("speculative_accept", resample_from_p)]
+    + [("sampling_distribution", unnormalised)],
+    ids=["always accept", "resample from p", "unnormalised p"],
+)
+def test_the_fit_test_rejects_a_wrong_rule_inside_the_engine(monkeypatch, wrong):
+    """The power of the test above: the same 3,000 requests with a wrong rule injected into the
+    engine's verification give a p-value below `FIT_LEVEL`."""
+    name, rule = wrong
+    monkeypatch.setattr(speculative_module, name, rule)
+    params = CHAIN_PARAMS["top-k and top-p"]
+    counts, _ = chain_counts(params)
+    stat, dof, p_value = fit_test(counts, exact_joint(chain_table(), params))
+    assert p_value < FIT_LEVEL, (rule.__name__, stat, dof, p_value)
+
+
+def test_verify_sampled_accepts_with_p_and_rejects_into_the_residual():
+    """Per seed: a token after a rejection is never the rejected draft token and never one that
+    top-k or top-p removed; over 4,000 seeds, the first draft token is accepted with frequency
+    p_0(x_0) (normalised after top-p) within 4 standard deviations."""
+    logits = chain_table()[[2, 3, 4]]  # (3, V): the rows after [2, 3]
+    draft = [3, 4]
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.85)
+    probs = sampling_distribution(logits, [params] * 3)  # (3, V)
+    num_seeds, first = 4_000, 0
+    for seed in range(num_seeds):
+        generator = torch.Generator().manual_seed(seed)
+        accepted, token = verify_sampled(draft, logits, params, generator)
+        first += accepted >= 1
+        assert probs[accepted, token] > 0
+        if accepted < len(draft):
+            assert token != draft[accepted]
+    p = float(probs[0, draft[0]])
+    assert 0.2 < p < 0.9 and float(sampler._probs(logits, [params])[0].sum()) < 0.95
+    assert abs(first / num_seeds - p) < 4 * (p * (1 - p) / num_seeds) ** 0.5, (first, p)
+
+
+def spy_on_sampled_verification(monkeypatch):
+    """Wrap the engine's `verify_sampled`: returns the list of (draft length, accepted) each call
+    appends."""
+    calls = []
+
+    def spy(draft, logits, params, generator):
+        accepted, token = verify_sampled(draft, logits, params, generator)
+        calls.append((len(draft), accepted))
+        return accepted, token
+
+    monkeypatch.setattr(speculative_module, "verify_sampled", spy)
+    return calls
+
+
+def test_sampled_and_greedy_requests_speculate_in_a_pool_too_small(course, monkeypatch):
+    """Greedy and sampled requests (temperature, top-p) share the steps of a pool that preempts:
+    invariants and hashes hold after every step, no block is leaked, the greedy requests' tokens
+    are the plain engine's, and the sampled requests' drafts were verified, accepted and
+    rejected."""
+    calls = spy_on_sampled_verification(monkeypatch)
+    prompts = repetitive_prompts(6, seed=3)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=24)
+        if i % 2
+        else SamplingParams(max_tokens=24)
+        for i in range(len(prompts))
+    ]
+    config = dict(num_blocks=12, block_size=8, max_num_batched_tokens=32)
+    expected = plain_outputs(course, prompts, params, **config)
+    engine = LLMEngine(course, **config, speculative_config={"num_speculative_tokens": 4})
+    outputs = run_checked(engine, prompts, params)
+    assert engine.summary()["preemptions"] >= 1  # the pool was short
+    for i, output in enumerate(outputs):
+        if i % 2:
+            assert len(output.output_token_ids) == 24
+        else:
+            assert output.output_token_ids == expected[i], i
+    assert engine.manager.pool.num_free_blocks == 12 and not engine.manager.block_tables
+    assert sum(accepted for _, accepted in calls) > 0
+    assert sum(num - accepted for num, accepted in calls) > 0
+
+
+def test_a_seeded_sampled_request_gives_the_same_tokens_in_any_batch(monkeypatch):
+    """With speculation on and room for every draft, a sampled request's tokens depend on its
+    seed, not on the batch: alone, or among 30 greedy and sampled requests of other prompts, it
+    emits the same 40 tokens (its drafts verified with its own generator); another seed gives
+    others."""
+    calls = spy_on_sampled_verification(monkeypatch)
+    params = SamplingParams(temperature=0.9, top_k=7, seed=11, max_tokens=40)
+    g = torch.Generator().manual_seed(1)
+    others = [torch.randint(0, VOCAB, (5 + i,), generator=g).tolist() for i in range(30)]
+    other_params = [
+        SamplingParams(temperature=0.7, seed=100 + i, max_tokens=30 + i % 7)
+        if i % 3
+        else SamplingParams(max_tokens=25)
+        for i in range(len(others))
+    ]
+    outputs = []
+    for prompts, batch_params in [
+        ([CHAIN_PROMPT], [params]),
+        (
+            [*others[:15], CHAIN_PROMPT, *others[15:]],
+            [*other_params[:15], params, *other_params[15:]],
+        ),
+        ([CHAIN_PROMPT], [dataclasses.replace(params, seed=12)]),
+    ]:
+        engine = LLMEngine(
+            TableModel(chain_table()),
+            num_blocks=256,
+            block_size=16,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,  # every draft fits the budget
+            speculative_config=SpeculativeConfig(num_speculative_tokens=3),
+        )
+        results = run_checked(engine, prompts, batch_params)
+        outputs.append(results[prompts.index(CHAIN_PROMPT)].output_token_ids)
+        assert engine.summary()["preemptions"] == 0
+        assert engine.manager.pool.num_free_blocks == 256
+    alone, in_batch, other_seed = outputs
+    assert alone == in_batch and alone != other_seed
+    assert sum(accepted for _, accepted in calls) > 0 and len(calls) > 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampled_requests_speculate_on_a_gpu(monkeypatch):
+    """On CUDA the requests' generators are CUDA generators: sampled drafts are verified with
+    them (accepted and rejected), every block comes back, and each request emits its tokens."""
+    calls = spy_on_sampled_verification(monkeypatch)
+    model = load_course_model(device="cuda")
+    prompts = repetitive_prompts(6, seed=3)
+    params = [
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=i, max_tokens=24)
+        for i in range(len(prompts))
+    ]
+    engine = LLMEngine(model, num_blocks=100, speculative_config=SpeculativeConfig())
+    outputs = run_checked(engine, prompts, params)
+    assert all(len(o.output_token_ids) == 24 for o in outputs)
+    assert engine.manager.pool.num_free_blocks == 100 and not engine.manager.block_tables
+    assert sum(accepted for _, accepted in calls) > 0
+    assert sum(num - accepted for num, accepted in calls) > 0

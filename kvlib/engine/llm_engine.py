@@ -35,9 +35,11 @@ already been launched once more (that extra token is dropped, the extra step is 
 `stats`). Not with static batching or eviction, which decide from tokens a step late.
 
 **Speculative decoding** (`speculative_config=SpeculativeConfig(num_speculative_tokens=k)`,
-chapter 16, `kvlib.engine.speculative`): greedy requests verify up to k n-gram draft tokens per
-step and emit 1 to k + 1 tokens (`RequestOutput.new_token_ids`), token-identical to the engine
-without it; counters in `stats.spec_decoding`. Off (None, the default), nothing changes.
+chapter 16, `kvlib.engine.speculative`): requests verify up to k n-gram draft tokens per step
+and emit 1 to k + 1 tokens (`RequestOutput.new_token_ids`); greedy ones token-identical to the
+engine without it, sampled ones (speculative sampling) equal to it in distribution, from another
+random stream; a request asking for logprobs decodes normally. Counters in
+`stats.spec_decoding`. Off (None, the default), nothing changes.
 
 Sampling seeds: `SamplingParams(seed=None)` seeds a request's generator with 0, so two requests
 with the same prompt and no seed sample the same tokens, and a rerun repeats a run exactly. vLLM
@@ -84,7 +86,7 @@ class EngineConfig(SchedulerConfig):
     max_recorded_steps: `StepStats` records the engine's `stats` keeps (the latest; its totals
         count every step).
     speculative_config: a `kvlib.engine.speculative.SpeculativeConfig` (or a dict of its
-        fields) to decode greedy requests speculatively; None: off.
+        fields) to decode requests speculatively (not those asking for logprobs); None: off.
     """
 
     num_blocks: int

@@ -31,6 +31,7 @@ __all__ = [
     "is_greedy",
     "sample",
     "sample_step",
+    "sampling_distribution",
     "to_host",
     "token_logprobs",
 ]
@@ -103,6 +104,16 @@ def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         sorted_probs = sorted_probs.masked_fill(outside, 0)
         probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
     return probs
+
+
+def sampling_distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution `sample_step` draws row i of `logits (r, V)` from with `params[i]` (a
+    temperature above `GREEDY_TEMPERATURE`): softmax(logits / temperature) restricted to the top k
+    and the top-p nucleus, normalised, `(r, V)` fp32 rows summing to 1. `sample_step` draws from
+    the same rows unnormalised (a draw needs no normalisation); a rule that compares a
+    probability with a uniform (speculative sampling's acceptance) needs it."""
+    probs = _probs(logits, params)  # (r, V), the nucleus not renormalised
+    return probs / probs.sum(dim=-1, keepdim=True)  # (r, V)
 
 
 def sample_step(

@@ -1,14 +1,35 @@
 """Speculative decoding inside the serving engine (chapter 16, "speculation in the engine"): for
-each running **greedy** request, an n-gram prompt-lookup drafter (`kvlib.speculative.ngram`,
-after vLLM's `ngram` method: the same idea and field names, other defaults, and the latest match
-where vLLM takes the earliest) proposes up to k tokens from the request's own tokens; the step
-computes the request's newest token and its draft together, k + 1 query tokens, as one chunk of
-the mixed batch; `kvlib.speculative.verify.greedy_accept` keeps the longest prefix of the draft
-that equals the target's argmax, plus the target's own next token (the bonus); the rejected
-tokens' slots are rolled back (`BlockManager.truncate`). Greedy output is token-identical to
-the engine without speculation (Leviathan et al., 2023, "Fast Inference from Transformers via
-Speculative Decoding", ICML; vLLM v1's `spec_decode/ngram_proposer.py` and its rejection
-sampler, whose greedy branch this is).
+each running request, an n-gram prompt-lookup drafter (`kvlib.speculative.ngram`, after vLLM's
+`ngram` method: the same idea and field names, other defaults, and the latest match where vLLM
+takes the earliest) proposes up to k tokens from the request's own tokens; the step computes the
+request's newest token and its draft together, k + 1 query tokens, as one chunk of the mixed
+batch; verification keeps a prefix of the draft plus one token of the target's (at the first
+rejection, or the bonus after the last draft token); the rejected tokens' slots are rolled back
+(`BlockManager.truncate`). vLLM v1's `spec_decode/ngram_proposer.py` and its rejection sampler,
+whose greedy and random branches these are (Leviathan et al., 2023, "Fast Inference from
+Transformers via Speculative Decoding", ICML, Algorithm 1; Chen et al., 2023, "Accelerating Large
+Language Model Decoding with Speculative Sampling").
+
+- A **greedy** request (`is_greedy`): `kvlib.speculative.verify.greedy_accept` keeps the longest
+  prefix of the draft that equals the target's argmax, then the argmax after it. Its output is
+  token-identical to the engine without speculation.
+- A **sampled** request (temperature > 0, with its top_k and top_p): speculative sampling,
+  `verify_sampled`. p_i is the request's own sampling distribution at row i
+  (`kvlib.engine.sampler.sampling_distribution`, `sample_step`'s arithmetic), and the drafter,
+  being deterministic, has q_i = a point mass on draft token x_i, so
+  `kvlib.speculative.verify.speculative_accept` with one-hot rows accepts x_i with probability
+  min(1, p_i(x_i) / 1) = p_i(x_i), draws the token at the first rejection from max(0, p_i - q_i)
+  normalised (p_i with x_i zeroed), and the bonus from p_k. Every emitted token is distributed
+  exactly as the engine's plain sampling draws it; the draws come from the request's own
+  generator (`Request.generator_for`), so, given its drafts, a request's tokens do not depend on
+  the other requests in its batch. They are **equal in distribution, not token-identical**, to
+  the engine's without speculation: verification draws uniforms and a multinomial where plain
+  sampling draws one exponential per token of the vocabulary, so the request's random stream,
+  and with it the tokens a seed gives, differ. A draft's length depends on the token budget and
+  the free blocks the step leaves (below), so a seed gives the same tokens whatever the batch
+  when those hold every draft (without preemption, as without speculation).
+- A request **asking for logprobs** decodes normally in the same steps: the logprobs of the
+  accepted tokens are not computed here.
 
 How a step goes (`Speculator.submit`, then `Speculator.record`):
 
@@ -31,9 +52,10 @@ How a step goes (`Speculator.submit`, then `Speculator.record`):
    stored there. Tokens are appended in order, each checked against `max_tokens` and the stop
    tokens, so nothing is emitted past a stop.
 
-What it does not do: sample (a request with temperature > 0, or asking for logprobs, decodes
-normally in the same steps), overlap (`async_scheduling`), static batching or eviction (refused
-by `check_engine_config`), or draft with a model.
+What it does not do: logprobs of speculated tokens (such a request decodes normally), overlap
+(`async_scheduling`), static batching or eviction (refused by `check_engine_config`), or draft
+with a model (a drafter with its own distribution q would pass its rows to `speculative_accept`
+in place of the point masses).
 """
 
 from __future__ import annotations
@@ -45,13 +67,19 @@ import torch
 from kvlib._validate import check_positive_int
 from kvlib.engine.batch import ModelInput
 from kvlib.engine.overlap import InlineDevice, StepHandle
-from kvlib.engine.request import Request
-from kvlib.engine.sampler import device_tensor, is_greedy, sample_step
+from kvlib.engine.request import Request, SamplingParams
+from kvlib.engine.sampler import device_tensor, is_greedy, sample_step, sampling_distribution
 from kvlib.engine.stats import SpecDecodingStats
 from kvlib.speculative.ngram import ngram_draft
-from kvlib.speculative.verify import greedy_accept
+from kvlib.speculative.verify import greedy_accept, speculative_accept
 
-__all__ = ["SpeculativeConfig", "Speculator", "check_engine_config", "verify_input"]
+__all__ = [
+    "SpeculativeConfig",
+    "Speculator",
+    "check_engine_config",
+    "verify_input",
+    "verify_sampled",
+]
 
 METHODS = ("ngram",)
 
@@ -179,6 +207,29 @@ def verify_input(
     return batch, chunks, plain
 
 
+def verify_sampled(
+    draft: list[int],
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[int, int]:
+    """Speculative sampling of a prompt-lookup draft: the k' draft tokens against `logits
+    (k' + 1, V)`, the target's at `[planned token, *draft]`, under the request's `params` (a
+    temperature above `GREEDY_TEMPERATURE`), drawn with its `generator`. p_i is
+    `sampling_distribution` (the engine's sampling arithmetic, normalised); q_i, the
+    deterministic drafter's, is a point mass on x_i, so `speculative_accept` accepts x_i with
+    probability p_i(x_i), draws the token at the first rejection from p_i with x_i zeroed,
+    renormalised, and else the bonus from p_k'.
+
+    Returns:
+        (accepted, next_token), as `speculative_accept`.
+    """
+    probs = sampling_distribution(logits, [params] * len(logits))  # (k' + 1, V)
+    ids = torch.tensor(draft, dtype=torch.int64, device=probs.device)  # (k',)
+    point_mass = torch.nn.functional.one_hot(ids, probs.shape[-1]).to(probs.dtype)  # (k', V)
+    return speculative_accept(draft, point_mass, probs, generator)
+
+
 class Speculator:
     """Drafts, verifies and commits the engine's speculative steps (see the module docstring);
     `LLMEngine` calls `submit` in place of `ModelRunner.submit` and `record` in place of
@@ -195,9 +246,10 @@ class Speculator:
         self.num_drafted = 0  # draft tokens of the last step submitted (decode tokens computed)
 
     def propose(self, scheduled: list[tuple[Request, int]]) -> dict[str, list[int]]:
-        """Draft for the plan's greedy decoding requests and append the drafts' slots (ids
-        unknown: never hashed), within the token budget and the free blocks the plan left.
-        Returns {request id: draft} for the requests that got one (k' >= 1 tokens)."""
+        """Draft for the plan's decoding requests (greedy or sampled; not those asking for
+        logprobs) and append the drafts' slots (ids unknown: never hashed), within the token
+        budget and the free blocks the plan left. Returns {request id: draft} for the requests
+        that got one (k' >= 1 tokens)."""
         config, manager = self.config, self.manager
         block_size = manager.block_size
         budget = self.scheduler.config.max_num_batched_tokens - sum(n for _, n in scheduled)
@@ -208,7 +260,6 @@ class Speculator:
                 budget <= 0
                 or num_new != 1
                 or not request.output_token_ids
-                or not is_greedy(params)
                 or params.logprobs is not None
                 or request.num_computed_tokens + 1 != request.num_tokens
             ):
@@ -239,9 +290,10 @@ class Speculator:
     def submit(self, scheduled: list[tuple[Request, int]], block_copies) -> StepHandle:
         """Run a planned step with drafts where there are any (`propose`); without any, it is
         `ModelRunner.submit`'s step, unchanged. Verifies each draft (`greedy_accept`: one argmax
-        per chunk, a host sync per speculating request) and samples the other requests with the
-        runner's arithmetic (`sample_step`). Returns the handle of the normally sampled tokens;
-        the verified drafts wait in `verified` for `record`."""
+        per chunk; `verify_sampled` for a sampled request, with its own generator; a host sync
+        per speculating request) and samples the other requests with the runner's arithmetic
+        (`sample_step`). Returns the handle of the normally sampled tokens; the verified drafts
+        wait in `verified` for `record`."""
         drafts = self.propose(scheduled)
         self.num_drafted = sum(len(draft) for draft in drafts.values())
         if not drafts:
@@ -254,9 +306,17 @@ class Speculator:
             logits = runner.forward(batch, sample_only=True)
             if logits.shape[0] != len(batch.sample_indices):  # a graph runner's: every row
                 logits = logits.index_select(0, batch.sample_indices)  # (m, V)
+            requests = {request.request_id: request for request, _ in scheduled}
             for request_id, (first, end) in chunks.items():
-                draft = drafts[request_id]
-                accepted, next_token = greedy_accept(draft, logits[first:end])  # (k' + 1, V)
+                draft, request = drafts[request_id], requests[request_id]
+                rows = logits[first:end]  # (k' + 1, V)
+                if is_greedy(request.sampling_params):
+                    accepted, next_token = greedy_accept(draft, rows)
+                else:
+                    generator = request.generator_for(runner.device)
+                    accepted, next_token = verify_sampled(
+                        draft, rows, request.sampling_params, generator
+                    )
                 self.verified[request_id] = (draft, accepted, next_token)
             if not plain:
                 return StepHandle(None, [])

@@ -2,7 +2,8 @@
 [--api-key KEY] [--allow-no-auth] [--max-queued-requests 256] [--max-body-bytes 2097152]` and
 the engine's options: serve a model with an
 OpenAI-compatible API (chapter 13). `--speculative-config '{"method": "ngram",
-"num_speculative_tokens": 3}'` (JSON, as vLLM's) decodes greedy requests speculatively.
+"num_speculative_tokens": 3}'` (JSON, as vLLM's) decodes requests speculatively (greedy and
+sampled; not those asking for logprobs).
 
 `--api-key` (or the environment variable `KVLIB_API_KEY`, as vLLM reads `VLLM_API_KEY`) makes every
 `/v1/*` request need `Authorization: Bearer KEY`; `/health` and `/metrics` stay open. Without a

@@ -77,12 +77,16 @@ def speculative_accept(
 
     Args:
         draft: the k drafted token ids, token i sampled from `draft_probs[i]`.
-        draft_probs: (k, V) float, the drafter's distributions q_i (after its temperature).
+        draft_probs: (k, V) float, the drafter's distributions q_i (after its temperature); a
+            deterministic drafter's (prompt lookup) are one-hot rows, a point mass on x_i:
+            x_i is then accepted with probability p_i(x_i), and the residual is p_i with x_i
+            zeroed, renormalised.
         target_probs: (k + 1, V) float, the target's distributions p_i at the positions of
             `[last token, *draft]`, after the target's temperature: the draft must have been
             sampled at the same temperature rule the target uses, or the output is not p's.
         generator: the request's own generator (one per request keeps a request's draws
-            independent of the batch it runs in).
+            independent of the batch it runs in); the draws run on its device (the CPU for
+            None), the rows are moved there.
 
     Returns:
         (accepted, next_token): the number of leading draft tokens accepted (0..k) and the token
@@ -100,8 +104,10 @@ def speculative_accept(
             f"draft_probs: expected V = {target_probs.shape[1]} columns (the target's), got "
             f"{draft_probs.shape[1]}"
         )
-    # a few rows of V: drawn on the CPU, where a CPU generator draws, whatever the model's device
-    target_probs, draft_probs = target_probs.double().cpu(), draft_probs.double().cpu()
+    # a few rows of V, drawn where the generator draws: on the CPU for a CPU generator (or none),
+    # whatever the model's device; on a GPU for the engine's requests there (`generator_for`)
+    device = torch.device("cpu") if generator is None else generator.device
+    target_probs, draft_probs = target_probs.double().to(device), draft_probs.double().to(device)
     if any(
         not 0 <= t < target_probs.shape[1] or draft_probs[i, t] <= 0 for i, t in enumerate(draft)
     ):
@@ -111,7 +117,7 @@ def speculative_accept(
         )
     for i, token in enumerate(draft):
         p, q = target_probs[i, token], draft_probs[i, token]
-        r = torch.rand((), generator=generator, dtype=torch.float64)
+        r = torch.rand((), generator=generator, dtype=torch.float64, device=device)
         if r * q > p:  # rejected: r >= p / q, written without dividing (q > 0 for a sampled token)
             residual = residual_distribution(target_probs[i], draft_probs[i])
             return i, int(torch.multinomial(residual, 1, generator=generator))
