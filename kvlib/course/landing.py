@@ -43,6 +43,7 @@ WHAT = {
     "serving_steps.csv": "the serving runs' per-step trace",
     "smollm2_steps_gpu.csv": "SmolLM2's cached and uncached step times on a GPU",
     "spec_acceptance.csv": "speculative decoding: acceptance and reads per token by drafter and k",
+    "spec_engine.csv": "speculation in the serving engine: wall-clock speed-up by batch size",
     "sparse_bench.csv": "Quest's decode step against the dense kernel on a GPU",
     "sparse_sweep.csv": "sparse page selection's quality against pages read",
     "sparse_long.csv": "sparse page selection at 2,000 and 4,096 tokens (passkey, prose KL)",
