@@ -237,8 +237,9 @@ def test_bad_arguments_are_named(draft, target):
 
 
 def test_the_shipped_draft_model_and_its_log_are_what_the_recording_says(draft):
-    """The shipped weights have `DRAFT_CONFIG`'s layout and parameters, and the held-out loss, copy
-    and recall accuracy of both training logs' last evaluation are the CSV's columns."""
+    """The shipped weights have `DRAFT_CONFIG`'s layout and parameters; the held-out loss, copy
+    and recall accuracy of both training logs' last evaluation are the CSV's columns, and the
+    draft's loss is the one the experiment's docstring states."""
     assert draft.config == DRAFT_CONFIG and draft.num_parameters == 117_056
     with RESULTS.open() as f:
         rows = list(csv.DictReader(f))
@@ -255,6 +256,11 @@ def test_the_shipped_draft_model_and_its_log_are_what_the_recording_says(draft):
         ]:
             assert {float(r[f"{who}_{column}"]) for r in rows} == {round(value, 4)}, column
     assert {float(r["target_heldout_loss"]) for r in rows} == {2.0431}
+    from kvlib.experiments import draft_model as experiment
+
+    prose = " ".join(experiment.__doc__.split())
+    losses = {float(r["draft_heldout_loss"]) for r in rows}
+    assert f"held-out loss {round(losses.pop(), 3)} nats/token" in prose
 
 
 @pytest.mark.recorded
