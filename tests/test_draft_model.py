@@ -15,14 +15,8 @@ import torch
 from kvlib import data
 from kvlib.cache import DynamicCache
 from kvlib.generation import generate
-from kvlib.loaders.course_model import (
-    COURSE_CONFIG,
-    COURSE_MODEL_DIR,
-    DRAFT_CONFIG,
-    DRAFT_MODEL_DIR,
-    load_course_draft_model,
-    load_course_model,
-)
+from kvlib.loaders.course_draft import DRAFT_CONFIG, DRAFT_MODEL_DIR, load_course_draft_model
+from kvlib.loaders.course_model import COURSE_CONFIG, COURSE_MODEL_DIR, load_course_model
 from kvlib.model import LlamaModel
 from kvlib.speculative import Draft, DraftModelDrafter, speculative_generate
 

@@ -3,7 +3,7 @@ how often the course model accepts its drafts; writes `kvlib/weights/course-mode
 `results/draft_model.csv` (CPU; training with 2 threads took 9.6 min on a shared 2-core
 machine, the measurement under a minute; `--skip-training` re-measures the shipped weights).
 
-The draft (`kvlib.loaders.course_model.DRAFT_CONFIG`: 2 layers, d_model 64, 2 heads of 32, MLP
+The draft (`kvlib.loaders.course_draft.DRAFT_CONFIG`: 2 layers, d_model 64, 2 heads of 32, MLP
 176; 117,056 parameters against the course model's 836,736) is trained from scratch exactly as
 the course model was: `train_course_model.train` with the same corpus, the full curriculum (no
 scaling), optimizer, learning rate, warm-up, seed and thread count; only the config differs.
@@ -52,6 +52,7 @@ PROVENANCE_SOURCES = (
     "kvlib/experiments/train_course_model.py",
     "kvlib/generation.py",
     "kvlib/layers/llama.py",
+    "kvlib/loaders/course_draft.py",
     "kvlib/loaders/course_model.py",
     "kvlib/model.py",
     "kvlib/speculative/decode.py",
@@ -66,7 +67,7 @@ def train_draft(weights: Path, *, threads: int = 2, scale: float = 1.0):
     corpus, curriculum scaled by `scale`, optimizer, learning rate, warm-up, seed and threads);
     its loss curve is titled as the draft's."""
     from kvlib.experiments.train_course_model import plot_loss_curve, train
-    from kvlib.loaders.course_model import DRAFT_CONFIG
+    from kvlib.loaders.course_draft import DRAFT_CONFIG
     from kvlib.training import scaled_curriculum
 
     model = train(
@@ -152,7 +153,8 @@ def record(
     with one thread (as `spec_acceptance`) and write every row to `out_csv`."""
     from kvlib.experiments.cli import write_rows
     from kvlib.experiments.timing import cpu_facts
-    from kvlib.loaders.course_model import COURSE_MODEL_DIR, DRAFT_MODEL_DIR, load_course_model
+    from kvlib.loaders.course_draft import DRAFT_MODEL_DIR
+    from kvlib.loaders.course_model import COURSE_MODEL_DIR, load_course_model
     from kvlib.loaders.hf import load_hf_checkpoint
 
     weights = Path(DRAFT_MODEL_DIR if weights is None else weights)

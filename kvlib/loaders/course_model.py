@@ -3,10 +3,7 @@
 variant (`kvlib/weights/course-model-mla/`, written by `python -m
 kvlib.experiments.mla_uptraining`) and the hybrid course model (`kvlib/weights/
 course-model-hybrid/`: the same size, layers of three kinds, trained the same way by `python -m
-kvlib.experiments.hybrid_course_model`) and the draft course model (`kvlib/weights/
-course-model-draft/`: 2 layers, d_model 64, chapter 16's drafter for the course model, trained the
-same way by `python -m kvlib.experiments.draft_model`), all loaded as Hugging Face-format
-checkpoints.
+kvlib.experiments.hybrid_course_model`), all loaded as Hugging Face-format checkpoints.
 """
 
 from __future__ import annotations
@@ -103,32 +100,3 @@ def load_course_hybrid_model() -> LlamaModel:
             kvlib.experiments.hybrid_course_model`).
     """
     return load_hf_checkpoint(HYBRID_MODEL_DIR)
-
-
-DRAFT_MODEL_DIR = Path(__file__).parents[1] / "weights" / "course-model-draft"
-# Chapter 16's draft model for the course model: the same vocabulary, RoPE and head dimension
-# (32), half the width (d_model 64, 2 heads, an MLP of 176: the course model's ratio) and half
-# the depth. Two layers, not one: copying and recalling a fact (an induction head) needs one
-# layer to note each token's predecessor and a later one to look it up.
-DRAFT_CONFIG = dataclasses.replace(
-    COURSE_CONFIG,
-    hidden_size=64,
-    intermediate_size=176,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=32,
-)
-
-
-def load_course_draft_model() -> LlamaModel:
-    """The draft course model trained by `python -m kvlib.experiments.draft_model` and shipped in
-    `kvlib/weights/course-model-draft` (`DRAFT_CONFIG`: 2 layers, 2 heads of 32, d_model 64;
-    117,056 parameters, about 1/7 of the course model's), in eval mode, float32 on the CPU. It
-    drafts for the course model in `kvlib.speculative.DraftModelDrafter`.
-
-    Raises:
-        FileNotFoundError: the weights are missing (re-train with `python -m
-            kvlib.experiments.draft_model`).
-    """
-    return load_hf_checkpoint(DRAFT_MODEL_DIR)

@@ -1,7 +1,7 @@
 """Drafting with a small model: a draft model with the target's vocabulary guesses k tokens, one
 cheap decode step each, over its own KV cache (Leviathan et al., ICML 2023; Chen et al., 2023;
 vLLM's `draft_model` speculative method). For the course model the draft is `kvlib.loaders.
-course_model.load_course_draft_model()`: 2 layers of d_model 64, about 1/7 of the target's
+course_draft.load_course_draft_model()`: 2 layers of d_model 64, about 1/7 of the target's
 parameters.
 
 The draft model keeps a cache of its own (a `kvlib.cache.DynamicCache`), which must follow the
