@@ -27,6 +27,7 @@ END = "<!-- end of recorded-results table -->"
 WHAT = {
     "decode_bench.csv": "the decode kernel's time and bandwidth, against SDPA and a copy",
     "decode_tuning.csv": "the kernel's launch sweep (splits, tile, warps, stages)",
+    "draft_model.csv": "a small draft course model's acceptance by the course model, by k",
     "engine_overhead.csv": "the serving engine's host time per decode step",
     "eviction_sweep.csv": "eviction policies' quality against their token budget",
     "gpu_check.csv": "every test, notebook and benchmark run on a GPU (`make gpu-check`)",

@@ -10,6 +10,8 @@ al., 2023, "Accelerating Large Language Model Decoding with Speculative Sampling
   distribution exactly.
 - `ngram`: a drafter that needs no model: prompt lookup (the tokens that followed the latest earlier
   occurrence of the text's last n-gram; vLLM's `ngram` method takes the earliest).
+- `draft_model`: a small draft model with the target's vocabulary (the course draft model: 2
+  layers, d_model 64), over a cache of its own rolled back to the tokens the target emitted.
 - `self_draft`: self-speculation: the target drafts over a few pages of its own cache (chapter
   15's sparse view; sinks and a window when the budget is just those), verified densely.
 - `quant_draft`: self-speculation over an int4 copy of the target's cache (chapter 10's KIVI;
@@ -30,6 +32,7 @@ saying why.
 """
 
 from kvlib.speculative.decode import Draft, SpeculationStats, speculative_generate
+from kvlib.speculative.draft_model import DraftModelDrafter
 from kvlib.speculative.ngram import ngram_draft
 from kvlib.speculative.quant_draft import QuantizedSelfDrafter
 from kvlib.speculative.self_draft import SparseSelfDrafter
@@ -37,6 +40,7 @@ from kvlib.speculative.verify import greedy_accept, residual_distribution, specu
 
 __all__ = [
     "Draft",
+    "DraftModelDrafter",
     "QuantizedSelfDrafter",
     "SparseSelfDrafter",
     "SpeculationStats",
