@@ -238,6 +238,33 @@ def test_draft_slots_never_leave_a_hash_on_a_rejected_token():
     assert pool.num_free_blocks == 12
 
 
+def test_no_drafts_while_a_step_schedules_more_requests_than_disable_by_batch_size(course):
+    """Requests of different lengths finish one by one: no step drafts while more than 2 are
+    scheduled, every step with at most 2 drafts when it can, and the tokens stay the plain
+    engine's."""
+    prompts = repetitive_prompts(5, seed=3)
+    params = [SamplingParams(max_tokens=8 + 6 * i) for i in range(5)]
+    config = dict(num_blocks=120, block_size=8)
+    spec = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=2)
+    engine = LLMEngine(course, **config, speculative_config=spec)
+    drafted_at = []  # (requests scheduled, drafts) of every step
+    propose = engine.speculator.propose
+
+    def spy(scheduled):
+        drafts = propose(scheduled)
+        drafted_at.append((len(scheduled), len(drafts)))
+        return drafts
+
+    engine.speculator.propose = spy
+    outputs = run_checked(engine, prompts, params)
+    assert [o.output_token_ids for o in outputs] == plain_outputs(course, prompts, params, **config)
+    assert all(drafts == 0 for n, drafts in drafted_at if n > 2)
+    assert any(n > 2 for n, _ in drafted_at)  # the limit was reached
+    assert sum(drafts for n, drafts in drafted_at if n <= 2) > 0  # and drafts came below it
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig(disable_by_batch_size=0)
+
+
 def test_bad_options_are_refused_naming_the_argument(course):
     for kwargs, name in [
         (dict(num_speculative_tokens=0), "num_speculative_tokens"),

@@ -94,6 +94,10 @@ class SpeculativeConfig:
         num_speculative_tokens: k >= 1, draft tokens per request and step, at most.
         prompt_lookup_max: the longest n-gram looked up (>= 1).
         prompt_lookup_min: the shortest n-gram looked up (1 .. prompt_lookup_max).
+        disable_by_batch_size: no drafts in a step that schedules more requests than this (>= 1;
+            None: always draft). A large batch's step is costlier per extra query token and
+            saves fewer steps (chapter 16, Measure); vLLM's field of that name counts the
+            requests enqueued rather than those scheduled.
 
     Raises:
         ValueError: a value outside those ranges, naming the argument.
@@ -103,6 +107,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -110,6 +115,8 @@ class SpeculativeConfig:
         check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
         check_positive_int("prompt_lookup_max", self.prompt_lookup_max)
         check_positive_int("prompt_lookup_min", self.prompt_lookup_min)
+        if self.disable_by_batch_size is not None:
+            check_positive_int("disable_by_batch_size", self.disable_by_batch_size)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min: expected at most prompt_lookup_max = "
@@ -251,6 +258,9 @@ class Speculator:
         budget and the free blocks the plan left. Returns {request id: draft} for the requests
         that got one (k' >= 1 tokens)."""
         config, manager = self.config, self.manager
+        limit = config.disable_by_batch_size
+        if limit is not None and len(scheduled) > limit:
+            return {}
         block_size = manager.block_size
         budget = self.scheduler.config.max_num_batched_tokens - sum(n for _, n in scheduled)
         drafts = {}
