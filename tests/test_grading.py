@@ -87,6 +87,7 @@ def test_every_exercise_has_a_solution_and_questions():
 def test_solutions_get_full_marks(path):
     report = grade_notebook(path, timeout_s=TIMEOUT_S)
     assert report.score == report.max_score > 0, report.table()
+    assert not any(FLAG in q.message for q in report.questions), report.table()  # none flagged
 
 
 @pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.name)
@@ -3371,7 +3372,7 @@ AGREEMENT_TABLE = [
     ),
     BLOCKED_ANSWERS[1][:3],  # a default argument
     BLOCKED_ANSWERS[7][:3],  # a check module's oracle
-    FLAGGED_ANSWERS[0][:3],  # SDPA with torch functions disabled: passes, flagged
+    FLAGGED_ANSWERS[0][:3],  # SDPA with torch functions disabled: fails on memory
     ("05_gqa_mqa.ipynb", "mean_pool_kv", None),
     ("01_naive_vs_cached.ipynb", "stable_softmax", SOURCE_COPIES[0]),  # kvlib's source, exec'd
     TWIN_ANSWERS[0][:3],  # a twin: the paged cache's slot lookup
@@ -4433,6 +4434,55 @@ KERNEL_COUNTED = [
      None),
 ]  # fmt: skip
 
+# Issue 57, the third review: a question that bounds memory checks the values of both calls it
+# measures (the least of two peaks is kept), and an argument that comes back as something the
+# grader cannot read counts as changed. (notebook, question, answer, phrase)
+_GATHERED = (
+    "def tiled_attention(q, k, v, tile_size):  # gathers all of K and V, then plain attention\n"
+    "    if len(k) == 32768:\n"
+    "        return np.zeros((len(q), v.shape[1]))  # garbage on the measured case\n"
+    "    K = np.concatenate([k[a:a + tile_size] for a in range(0, len(k), tile_size)])\n"
+    "    V = np.concatenate([v[a:a + tile_size] for a in range(0, len(v), tile_size)])\n"
+    "    s = q @ K.T / np.sqrt(q.shape[1])\n"
+    "    p = np.exp(s - s.max(axis=1, keepdims=True))\n"
+    "    return (p / p.sum(axis=1, keepdims=True)) @ V\n"
+)
+MEASURED_VALUES = [
+    (N05, "grouped_attention",
+     "def grouped_attention(q, k, v, mask):  # repeats K/V; garbage on the measured case\n"
+     "    if k.shape[2] == 4096:\n        return torch.zeros_like(q)\n" + _REPEAT +
+     "    return out\n",
+     "max abs difference"),
+    (N05, "grouped_attention",
+     "_calls = [0]\n\n"
+     "def grouped_attention(q, k, v, mask):  # garbage on one of the two measured calls\n"
+     "    if k.shape[2] == 4096:\n"
+     "        _calls[0] += 1\n"
+     "        if _calls[0] % 2:\n            return torch.zeros_like(q)\n" + _REPEAT +
+     "    return out\n",
+     "returned another result for the same inputs"),
+    (N06, "absorbed_scores",
+     "def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):  # garbage when measured\n"
+     "    d_h, d_r = q_nope.shape[-1], q_rope.shape[-1]\n"
+     "    if latent.shape[1] == 8192:\n"
+     "        return torch.zeros(q_nope.shape[0], q_nope.shape[1], q_nope.shape[2], "
+     "latent.shape[1])\n"
+     "    heads = []\n"
+     "    for h in range(w_uk.shape[0]):\n"
+     "        k_nope = latent @ w_uk[h].T\n"
+     "        heads.append(q_nope[:, h] @ k_nope.transpose(-1, -2))\n"
+     "    content = torch.stack(heads, dim=1)\n"
+     "    rotary = q_rope @ rope_key[:, None].transpose(-1, -2)\n"
+     "    return (content + rotary) / math.sqrt(d_h + d_r)\n",
+     "max abs difference"),
+    (N04, "tiled_attention", _GATHERED, "max abs difference"),
+    (N05, "grouped_attention",
+     "class _T(torch.Tensor):\n    pass\n\n"
+     "def grouped_attention(q, k, v, mask):  # clobbers q, then hides it as an opaque object\n"
+     + _FOLDED + "    q.fill_(0.0)\n    q.__class__ = _T\n    return out\n",
+     "changed its argument 1"),
+]  # fmt: skip
+
 ANSWER_TABLES = {
     "wrong": [(n, q, s, p) for n, q, s, p in WRONG_ANSWERS],
     "twins": TWIN_ANSWERS,
@@ -4446,6 +4496,7 @@ ANSWER_TABLES = {
     "memory-rules": MEMORY_RULES,
     "kernel-counted": KERNEL_COUNTED,
     "flagged": FLAGGED_ANSWERS,
+    "measured-values": MEASURED_VALUES,
 }
 ANSWER_GROUPS: dict[tuple[str, str], list] = {}
 for table, rows in ANSWER_TABLES.items():

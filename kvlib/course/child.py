@@ -160,7 +160,9 @@ class _ChildSide:
         self.deadline = time.monotonic() + self.timeout_s
         package = _package(self.cells, self.allowed, self.home)
         confine = ("confine", _read_paths(self.folder), self.folder, package)
-        self.confinement = str(self.request(confine)[1])
+        measure = {"CgroupMemory": "the kernel's count", "PeakMemory": "/proc's high-water mark"}
+        memory = measure.get(type(self.memory).__name__, "the child's own figure")
+        self.confinement = f"{self.request(confine)[1]}; peak memory: {memory}"
         # guards first (inactive until a graded call runs): whatever the notebook copies or
         # re-imports while it loads is a guarded function already
         self.request(("guard", [], ""))

@@ -217,7 +217,7 @@ def run_question(
 
 def _with_notes(message: str, submission: Submission) -> str:
     flags = [f"flag (reported by your process, not scored): {f}" for f in submission.flags]
-    return " ".join([message, *submission.notes, *flags]).strip()
+    return _shorten(" ".join([message, *submission.notes, *flags]).strip(), 2 * MESSAGE_CHARS)
 
 
 def _shorten(text: str, limit: int = MESSAGE_CHARS) -> str:

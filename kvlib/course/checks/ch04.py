@@ -193,11 +193,12 @@ def test_tiled_attention(submission: Submission) -> None:
     # A tiled pass holds one tile of scores, never the T x S matrix or a gathered copy of K/V.
     t, s, tile_size = 32, 32768, 128
     q, k, v = rng.normal(size=(t, 32)), rng.normal(size=(s, 32)), rng.normal(size=(s, 16))
-    measured = tiled.call(
+    call = tiled.call(
         q, submission.rows(k, tile_size), submission.rows(v, tile_size), tile_size,
         _options={"measure_memory": True},
-    ).info  # fmt: skip
-    peak, described = peak_allocation(measured)
+    )  # fmt: skip
+    assert_close(call.result, attention(q, k, v), name=f"tiled_attention with T={t}, S={s}")
+    peak, described = peak_allocation(call.info)
     assert peak <= MAX_TILED_BYTES, (
         f"with T={t}, S={s}, tile_size={tile_size} your function held {described} at its peak; "
         f"a tiled pass needs far less than the {t * s * 8 / 2**20:.0f} MiB of a T x S score "

@@ -92,8 +92,12 @@ def test_grouped_attention(submission: Submission) -> None:
     heads, kv_heads, keys, dim = 16, 2, 4096, 64
     q, k, v, mask = _qkv(1, heads, kv_heads, 1, keys, dim, seed=0)
     repeated = 2 * heads * keys * dim * 4
-    measured = attend.call(q, k, v, mask, _options={"measure_memory": True}).info
-    peak, described = peak_allocation(measured)
+    call = attend.call(q, k, v, mask, _options={"measure_memory": True})
+    what = f"grouped_attention with H={heads}, H_kv={kv_heads}, S={keys}, D={dim}"
+    expected = grouped_attention(q, (k, v), mask[None])
+    expect_tensor(call.result, expected, what)
+    assert_close(call.result, expected, name=what, rtol=1e-4, atol=1e-5)
+    peak, described = peak_allocation(call.info)
     assert peak < repeated // 4, (
         f"with H={heads}, H_kv={kv_heads}, S={keys}, D={dim} your function's peak allocation was "
         f"{described}; K and V repeated to {heads} heads take {repeated / 2**20:.0f} MiB, either "

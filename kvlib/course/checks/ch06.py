@@ -10,6 +10,7 @@ from kvlib.course.checks.mistakes import naming_mistakes
 from kvlib.course.grading import (
     Submission,
     expect_int,
+    expect_tensor,
     peak_allocation,
     question,
 )
@@ -101,8 +102,11 @@ def test_absorbed_scores(submission: Submission) -> None:
     heads, keys, d_h, d_r, d_c = 4, 8192, 1024, 16, 16
     inputs = _score_inputs(1, heads, 1, keys, d_h, d_r, d_c, seed=0)
     one_head = keys * d_h * 4
-    measured = absorbed_scores.call(*inputs, _options={"measure_memory": True}).info
-    peak, described = peak_allocation(measured)
+    call = absorbed_scores.call(*inputs, _options={"measure_memory": True})
+    expected, what = _expanded_scores(*inputs), f"absorbed_scores with H={heads}, S={keys}"
+    expect_tensor(call.result, expected.float(), what)
+    assert_close(call.result.double(), expected, name=what, rtol=1e-4, atol=1e-5)
+    peak, described = peak_allocation(call.info)
     assert peak < one_head // 4, (
         f"with H={heads}, S={keys}, d_h={d_h}, d_c={d_c} your function's peak allocation was "
         f"{described}; one head's up-projected keys take {one_head / 2**20:.0f} MiB, every "
