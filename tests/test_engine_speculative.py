@@ -451,22 +451,27 @@ def chain_counts(params, num_requests=3_000, batch=1_000):
 CHAIN_PARAMS = {
     "temperature": SamplingParams(temperature=1.0, max_tokens=4),
     "top-k and top-p": SamplingParams(temperature=0.8, top_k=6, top_p=0.85, max_tokens=4),
+    # max_tokens = 3: a draft of 1 after the first token, so the third token counted is the
+    # verification's bonus whenever the guess stands
+    "bonus token": SamplingParams(temperature=1.0, max_tokens=3),
 }
 
 
 @pytest.mark.parametrize("name", list(CHAIN_PARAMS))
 def test_sampled_speculation_keeps_the_engines_distribution(name):
-    """3,000 requests (max_tokens = 4: a draft of 2 after the first token) through speculative
-    sampling: the joint counts of their first 3 tokens fit the exact chain distribution of the
-    engine's sampler (chi-square p-value above `FIT_LEVEL`; never a token of probability 0), with
-    drafts accepted at both positions and rejected in the same runs."""
+    """3,000 requests (max_tokens = 4: a draft of 2 after the first token; 3: a draft of 1 and
+    its bonus token) through speculative sampling: the joint counts of their first 3 tokens fit
+    the exact chain distribution of the engine's sampler (chi-square p-value above `FIT_LEVEL`;
+    never a token of probability 0), with drafts accepted at every position and rejected in the
+    same runs."""
     params = CHAIN_PARAMS[name]
     counts, spec = chain_counts(params)
     stat, dof, p_value = fit_test(counts, exact_joint(chain_table(), params))
     assert p_value > FIT_LEVEL, (name, stat, dof, p_value)
     assert spec.num_drafts >= 3_000  # every request drafted (after its first token) ...
     rejected = spec.num_draft_tokens - spec.num_accepted_tokens
-    assert spec.num_accepted_tokens_per_pos[1] > 300 and rejected > 1_000, spec  # ... both ways
+    last = params.max_tokens - 3  # the last draft position
+    assert spec.num_accepted_tokens_per_pos[last] > 300 and rejected > 1_000, spec  # both ways
 
 
 def always_accept(draft, draft_probs, target_probs, generator):
@@ -482,6 +487,16 @@ def resample_from_p(draft, draft_probs, target_probs, generator):
     return accepted, int(torch.multinomial(target_probs[accepted].double(), 1, generator=generator))
 
 
+def bonus_from_the_wrong_row(draft, draft_probs, target_probs, generator):
+    """A wrong rule: the right acceptance, but the bonus token (every guess accepted) drawn from
+    the last guess's row of p instead of the row after it."""
+    accepted, token = speculative_accept(draft, draft_probs, target_probs, generator)
+    if accepted == len(draft):
+        row = target_probs[len(draft) - 1].double()
+        token = int(torch.multinomial(row, 1, generator=generator))
+    return accepted, token
+
+
 def unnormalised(logits, params):
     """A wrong p: `sample_step`'s filtered rows before normalisation (top-p's nucleus sums below
     1), so a draft token is accepted too rarely."""
@@ -490,16 +505,20 @@ def unnormalised(logits, params):
 
 @pytest.mark.parametrize(
     "wrong",
-    [("speculative_accept", always_accept), ("speculative_accept", resample_from_p)]
-    + [("sampling_distribution", unnormalised)],
-    ids=["always accept", "resample from p", "unnormalised p"],
+    [
+        ("speculative_accept", always_accept, "top-k and top-p"),
+        ("speculative_accept", resample_from_p, "top-k and top-p"),
+        ("sampling_distribution", unnormalised, "top-k and top-p"),
+        ("speculative_accept", bonus_from_the_wrong_row, "bonus token"),
+    ],
+    ids=["always accept", "resample from p", "unnormalised p", "bonus from the wrong row"],
 )
 def test_the_fit_test_rejects_a_wrong_rule_inside_the_engine(monkeypatch, wrong):
     """The power of the test above: the same 3,000 requests with a wrong rule injected into the
     engine's verification give a p-value below `FIT_LEVEL`."""
-    name, rule = wrong
+    name, rule, params_name = wrong
     monkeypatch.setattr(speculative_module, name, rule)
-    params = CHAIN_PARAMS["top-k and top-p"]
+    params = CHAIN_PARAMS[params_name]
     counts, _ = chain_counts(params)
     stat, dof, p_value = fit_test(counts, exact_joint(chain_table(), params))
     assert p_value < FIT_LEVEL, (rule.__name__, stat, dof, p_value)

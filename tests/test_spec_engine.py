@@ -11,7 +11,7 @@ from kvlib.experiments import spec_engine
 from kvlib.loaders.course_model import load_course_model
 
 COUNTED = ("prompt_tokens", "output_tokens", "decode_steps", "decode_tokens", "drafts",
-           "draft_tokens", "accepted_tokens", "identical")  # fmt: skip
+           "draft_tokens", "accepted_tokens", "rejected_drafts", "identical")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,7 @@ def test_a_tiny_comparison_gives_a_plain_and_a_speculative_row(course):
     assert (plain["engine"], fast["engine"]) == ("plain", "speculative")
     assert plain["identical"] == fast["identical"] == 2  # token-identical, asserted in the run
     assert plain["drafts"] == 0 and fast["drafts"] > 0
+    assert 0 < fast["rejected_drafts"] <= fast["drafts"] and plain["rejected_drafts"] == 0
     assert plain["decode_steps"] == 11  # 12 tokens: the prefill samples the first
     assert plain["decode_tokens"] == 2 * 11
     rejected = fast["draft_tokens"] - fast["accepted_tokens"]

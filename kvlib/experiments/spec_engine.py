@@ -23,7 +23,13 @@ measures both sides of that trade on the engine itself:
   `decode_tokens` (tokens computed in them: the rejected drafts included) are exact counts, as are
   the drafts and the accepted draft tokens (vLLM's counters, `stats.spec_decoding`);
 - `identical`: requests whose tokens equal the plain engine's (greedy speculation is
-  token-identical by construction; the run asserts it).
+  token-identical by construction; the run asserts it);
+- `rejected_drafts`: verifications that rejected a guess (the rest accepted every guess), so
+  that `accepted_tokens / (accepted_tokens + rejected_drafts)` estimates the probability that a
+  guess stands once reached, the alpha of Leviathan et al.'s i.i.d. model;
+- `decode_median_s`, `decode_median_speedup`: the median round's decode time and the speed-up
+  from the medians, beside the fastest round's (`decode_s`, `decode_speedup`), to show how
+  much the ratio moves between rounds on a shared machine.
 
 So `decode_speedup` (plain decode_s / this decode_s) factors into the steps saved
 (`plain decode_steps / decode_steps`) over the cost of a step (`decode_s / decode_steps` against
@@ -111,8 +117,17 @@ def engine_runner(model, prompts: list[list[int]], max_tokens: int, speculative:
             max_model_len=max(map(len, prompts)) + max_tokens + K,
             speculative_config=spec,
         )
+        rejected = [0]  # verifications that rejected a guess (Leviathan's i.i.d. estimate)
+        if spec is not None:
+            observe = engine.speculator.stats.observe_draft
+
+            def counting(num_draft_tokens: int, num_accepted_tokens: int) -> None:
+                rejected[0] += num_accepted_tokens < num_draft_tokens
+                observe(num_draft_tokens, num_accepted_tokens)
+
+            engine.speculator.stats.observe_draft = counting
         outputs = engine.generate(prompts, params, use_tqdm=False)
-        return [list(o.output_token_ids) for o in outputs], engine.stats
+        return [list(o.output_token_ids) for o in outputs], engine.stats, rejected[0]
 
     return once
 
@@ -132,8 +147,10 @@ def compare(model, prompts, max_tokens: int, *, repeats: int = REPEATS) -> list[
     plain_tokens = runs["plain"][0][0]
     rows = []
     for name in ENGINES:
-        tokens, _ = runs[name][0]
+        tokens, _, rejected = runs[name][0]
         assert tokens == plain_tokens or name == "plain", "greedy speculation changed a token"
+        decode_s = [sum(s.seconds for s in stats if s.num_prefill_tokens == 0)
+                    for _, stats, _ in runs[name][1:]]  # fmt: skip
         fastest = min(range(repeats), key=seconds[name].__getitem__)
         stats = runs[name][1 + fastest][1]
         decode = [s for s in stats if s.num_prefill_tokens == 0]
@@ -152,15 +169,18 @@ def compare(model, prompts, max_tokens: int, *, repeats: int = REPEATS) -> list[
                 drafts=spec.num_drafts if spec else 0,
                 draft_tokens=spec.num_draft_tokens if spec else 0,
                 accepted_tokens=spec.num_accepted_tokens if spec else 0,
+                rejected_drafts=rejected,
                 identical=sum(a == b for a, b in zip(tokens, plain_tokens)),
                 best_s=round(min(seconds[name]), 4),
                 median_s=round(statistics.median(seconds[name]), 4),
                 decode_s=round(sum(s.seconds for s in decode), 4),
+                decode_median_s=round(statistics.median(decode_s), 4),
             )
         )
     plain = rows[0]
     for row in rows:
         row["decode_speedup"] = round(plain["decode_s"] / row["decode_s"], 3)
+        row["decode_median_speedup"] = round(plain["decode_median_s"] / row["decode_median_s"], 3)
         row["speedup"] = round(plain["best_s"] / row["best_s"], 3)
     return rows
 
