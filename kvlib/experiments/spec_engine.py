@@ -15,9 +15,10 @@ measures both sides of that trade on the engine itself:
   - SmolLM2-135M-Instruct: chat prompts over the course essay's long sentences
     (`kvlib.metrics.quality.course_text`), taken in turn from `ASKS` (copy it; say it in other
     words), 32 new tokens each, at 1, 4 and 16 requests;
-- each engine runs once to warm up, then `REPEATS` rounds interleaved (plain, speculative, plain,
-  ...), so that a busy spell of the machine slows both alike; a row keeps the fastest round and
-  the median;
+- each engine runs once to warm up, then `REPEATS[model]` rounds interleaved (plain, speculative,
+  plain, ...: 9 for the course model, whose steps of a few milliseconds a busy spell of the
+  machine moves most, 5 for SmolLM2), so that a busy spell slows both alike; a row keeps the
+  fastest round and the median;
 - `decode_s`: the fastest round's decode steps (every step after the first, which prefills every
   prompt), the engine's own per-step wall times (`StepStats.seconds`); `decode_steps` and
   `decode_tokens` (tokens computed in them: the rejected drafts included) are exact counts, as are
@@ -28,11 +29,11 @@ measures both sides of that trade on the engine itself:
   that `accepted_tokens / (accepted_tokens + rejected_drafts)` estimates the probability that a
   guess stands once reached, the alpha of Leviathan et al.'s i.i.d. model;
 - `decode_median_s`, `decode_median_speedup`: the median round's decode time and the speed-up
-  from the medians, beside the fastest round's (`decode_s`, `decode_speedup`), to show how
-  much the ratio moves between rounds on a shared machine.
+  from the medians (the figure to read), beside the fastest round's (`decode_s`,
+  `decode_speedup`), to show how much the ratio moves between rounds on a shared machine.
 
-So `decode_speedup` (plain decode_s / this decode_s) factors into the steps saved
-(`plain decode_steps / decode_steps`) over the cost of a step (`decode_s / decode_steps` against
+So a decode speed-up (plain decode time / this decode time) factors into the steps saved
+(`plain decode_steps / decode_steps`) over the cost of a step (decode time / `decode_steps` against
 the plain engine's), which chapter 16's Measure reads. float32, 2 threads. A spot check
 (`make spot-checks`) recomputes the course model's counted columns at 1 and 4 requests; the
 timings are this machine's. `--quick` runs the course model at 1 and 16 requests, one round,
@@ -51,7 +52,8 @@ import torch
 from kvlib.experiments import options
 from kvlib.experiments.cli import write_rows
 
-K, REPEATS = 4, 3
+K = 4
+REPEATS = {"course model": 9, "SmolLM2-135M-Instruct": 5}
 REQUESTS = {"course model": (1, 4, 16, 64), "SmolLM2-135M-Instruct": (1, 4, 16)}
 NEW_TOKENS = {"course model": 48, "SmolLM2-135M-Instruct": 32}
 ASKS = ("Copy this sentence exactly:", "Say this sentence again in other words:")
@@ -132,7 +134,7 @@ def engine_runner(model, prompts: list[list[int]], max_tokens: int, speculative:
     return once
 
 
-def compare(model, prompts, max_tokens: int, *, repeats: int = REPEATS) -> list[dict]:
+def compare(model, prompts, max_tokens: int, *, repeats: int = 3) -> list[dict]:
     """A row per engine (plain, speculative) serving `prompts`: the fastest and median of
     `repeats` interleaved rounds after a warm-up, its decode steps' time and counts (see the
     module docstring)."""
@@ -203,7 +205,9 @@ def record(out_csv: str | None, *, quick: bool = False) -> list[dict]:
         counts = (1, 16) if quick else REQUESTS[name]
         for n in tqdm(counts, desc=name, unit="batch"):
             prompts = prompts_for(n)
-            for row in compare(model, prompts, NEW_TOKENS[name], repeats=1 if quick else REPEATS):
+            for row in compare(
+                model, prompts, NEW_TOKENS[name], repeats=1 if quick else REPEATS[name]
+            ):
                 rows.append(dict(model=name, **row))
     facts = dict(cpu_facts(), date=datetime.date.today().isoformat())
     rows = [dict(row, **facts) for row in rows]
