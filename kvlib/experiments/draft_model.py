@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from kvlib.experiments import options
+from kvlib.experiments.options import run_training
 
 KS = (1, 2, 4, 8)  # draft tokens per step, as results/spec_acceptance.csv
 NEW_TOKENS = 48  # per prompt, as spec_acceptance's course model rows
@@ -66,16 +66,17 @@ def train_draft(weights: Path, *, threads: int = 2, scale: float = 1.0):
     """Train `DRAFT_CONFIG` into `weights` exactly as the course model was trained (the same
     corpus, curriculum scaled by `scale`, optimizer, learning rate, warm-up, seed and threads);
     its loss curve is titled as the draft's."""
-    from kvlib.experiments.train_course_model import plot_loss_curve, train
+    from kvlib.experiments.train_course_model import train
     from kvlib.loaders.course_draft import DRAFT_CONFIG
     from kvlib.training import scaled_curriculum
 
-    model = train(
-        config=DRAFT_CONFIG, curriculum=scaled_curriculum(scale), out_dir=weights, threads=threads
+    return train(
+        config=DRAFT_CONFIG,
+        curriculum=scaled_curriculum(scale),
+        out_dir=weights,
+        threads=threads,
+        name="draft course model",
     )
-    log = [json.loads(line) for line in (weights / "training_log.jsonl").read_text().splitlines()]
-    plot_loss_curve(log, weights / "loss_curve.png", "draft course model training")
-    return model
 
 
 def run_one(target, drafter_model, prompt: torch.Tensor, k: int) -> tuple[torch.Tensor, dict]:
@@ -176,38 +177,15 @@ def record(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = options.parser(
-        "python -m kvlib.experiments.draft_model",
+    return run_training(
+        "draft_model",
         "Train the draft course model and record how often the course model accepts its drafts "
         "(defaults reproduce the committed weights and results/draft_model.csv).",
-        {
-            "--out": {"default": "results/draft_model.csv", "help": "the CSV to write"},
-            "--weights": {
-                "type": Path,
-                "default": None,
-                "help": "the checkpoint folder to train into and measure (default: the shipped "
-                "kvlib/weights/course-model-draft)",
-            },
-            "--skip-training": "measure the checkpoint there instead of training it again",
-            "--threads": {"type": int, "default": 2, "help": "training threads (default 2)"},
-            "--scale": {
-                "type": float,
-                "default": 1.0,
-                "help": "multiply the curriculum's steps (0.05: a smoke run, with --weights "
-                "pointing elsewhere than the shipped checkpoint)",
-            },
-        },
+        "results/draft_model.csv",
+        "kvlib/weights/course-model-draft",
+        record,
+        argv,
     )
-    args = parser.parse_args(argv)
-    rows = record(
-        args.out,
-        weights=args.weights,
-        train_model=not args.skip_training,
-        threads=args.threads,
-        scale=args.scale,
-    )
-    print(f"wrote {len(rows)} rows to {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

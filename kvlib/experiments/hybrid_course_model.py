@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from kvlib.experiments import options
+from kvlib.experiments.options import run_training
 
 DOCUMENTS = 64  # recall documents per distance (up to 4 facts each), the same for every model
 CONTEXTS = (1, 16, 64, 256, 1024, 4096)  # tokens per sequence for the cache-bytes rows
@@ -276,38 +276,15 @@ def record(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = options.parser(
-        "python -m kvlib.experiments.hybrid_course_model",
+    return run_training(
+        "hybrid_course_model",
         "Train the hybrid course model and record its recall and cache bytes against the course "
         "model's (defaults reproduce the committed weights and results/hybrid_recall.csv).",
-        {
-            "--out": {"default": "results/hybrid_recall.csv", "help": "the CSV to write"},
-            "--weights": {
-                "type": Path,
-                "default": None,
-                "help": "the checkpoint folder to train into and measure (default: the shipped "
-                "kvlib/weights/course-model-hybrid)",
-            },
-            "--skip-training": "measure the checkpoint there instead of training it again",
-            "--threads": {"type": int, "default": 2, "help": "torch threads (default 2)"},
-            "--scale": {
-                "type": float,
-                "default": 1.0,
-                "help": "multiply the curriculum's steps (0.05: a smoke run, with --weights "
-                "pointing elsewhere than the shipped checkpoint)",
-            },
-        },
+        "results/hybrid_recall.csv",
+        "kvlib/weights/course-model-hybrid",
+        record,
+        argv,
     )
-    args = parser.parse_args(argv)
-    rows = record(
-        args.out,
-        weights=args.weights,
-        train_model=not args.skip_training,
-        threads=args.threads,
-        scale=args.scale,
-    )
-    print(f"wrote {len(rows)} rows to {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

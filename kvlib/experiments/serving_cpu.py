@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from kvlib.experiments import options
 from kvlib.experiments.cli import write_rows
+from kvlib.experiments.options import run_with_quick
 
 PROMPT_LEN, OUTPUT_LEN, SEED, REPEATS = (32, 96), 32, 0, 3
 REQUESTS = (16, 64)
@@ -192,21 +192,14 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = options.parser(
-        "python -m kvlib.experiments.serving_cpu",
+    return run_with_quick(
+        "serving_cpu",
         __doc__.split("\n")[0],
-        {
-            "--out": {"default": "results/serving_cpu.csv", "help": "CSV to write"},
-            "--quick": "SmolLM2 alone, 8 requests, 16 tokens, one round; print, write nothing",
-            "--threads": {"type": int, "default": 2, "help": "torch threads (default 2)"},
-        },
+        "results/serving_cpu.csv",
+        "SmolLM2 alone, 8 requests, 16 tokens, one round; print, write nothing",
+        record,
+        argv,
     )
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    rows = record(None if args.quick else args.out, quick=args.quick)
-    if not args.quick:
-        print(f"wrote {len(rows)} rows to {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

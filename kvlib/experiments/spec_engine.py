@@ -44,13 +44,10 @@ from __future__ import annotations
 
 import datetime
 import statistics
-import sys
 import time
 
-import torch
-
-from kvlib.experiments import options
 from kvlib.experiments.cli import write_rows
+from kvlib.experiments.options import run_with_quick
 
 K = 4
 REPEATS = {"course model": 9, "SmolLM2-135M-Instruct": 5}
@@ -237,21 +234,14 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = options.parser(
-        "python -m kvlib.experiments.spec_engine",
+    return run_with_quick(
+        "spec_engine",
         __doc__.split("\n")[0],
-        {
-            "--out": {"default": "results/spec_engine.csv", "help": "CSV to write"},
-            "--quick": "the course model at 1 and 16 requests, one round; print, write nothing",
-            "--threads": {"type": int, "default": 2, "help": "torch threads (default 2)"},
-        },
+        "results/spec_engine.csv",
+        "the course model at 1 and 16 requests, one round; print, write nothing",
+        record,
+        argv,
     )
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    rows = record(None if args.quick else args.out, quick=args.quick)
-    if not args.quick:
-        print(f"wrote {len(rows)} rows to {args.out}", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

@@ -30,10 +30,12 @@ def train(
     eval_every: int = 400,
     out_dir: Path = COURSE_MODEL_DIR,
     threads: int = 2,
+    name: str | None = None,
 ) -> LlamaModel:
-    """Train a model of `config` (the course model's by default; chapter 17's hybrid is another)
-    through `curriculum`; write the checkpoint, `training_log.jsonl` and `loss_curve.png` to
-    `out_dir`."""
+    """Train a model of `config` (the course model's by default; chapter 17's hybrid and chapter
+    16's draft are others) through `curriculum`; write the checkpoint, `training_log.jsonl` and
+    `loss_curve.png` (titled "`name` training"; None: the course model or the hybrid course
+    model, by `config`) to `out_dir`."""
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
     model = LlamaModel(config)
@@ -42,8 +44,9 @@ def train(
     out_dir.mkdir(parents=True, exist_ok=True)
     save_hf_checkpoint(model, out_dir)
     (out_dir / "training_log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in log))
-    title = "course model" if config.layer_types is None else "hybrid course model"
-    plot_loss_curve(log, out_dir / "loss_curve.png", f"{title} training")
+    if name is None:
+        name = "course model" if config.layer_types is None else "hybrid course model"
+    plot_loss_curve(log, out_dir / "loss_curve.png", f"{name} training")
     return model
 
 
