@@ -428,6 +428,26 @@ def second_token_counts(model, prompt, drafter, runs: int, seed: int = 0) -> tor
     return counts
 
 
+def second_token_distribution(model, prompt) -> torch.Tensor:
+    """The exact distribution of the second token sampled after `prompt` at temperature 1,
+    sum_x p(x) p(y | x), (V,) float64."""
+    with torch.no_grad():
+        first = torch.softmax(model(prompt)[0, -1].double(), -1)  # (V,)
+        vocab = first.shape[0]
+        both = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        second = torch.softmax(model(both)[:, -1].double(), -1)  # (V, V): row x is p(. | x)
+    return first @ second
+
+
+def pooled_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """`chi_square_p_value` of `counts` against `expected`, the cells expecting fewer than 5
+    pooled into one."""
+    big = expected * counts.sum() >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    probs = torch.cat([expected[big], expected[~big].sum()[None]])
+    return chi_square_p_value(observed, probs / probs.sum())
+
+
 def test_sampled_speculation_keeps_the_targets_distribution(course_model):
     """300 runs of three tokens at temperature 1, drafting one token (the last one again, a one-hot
     q): the second token's frequencies match the exact sum_x p(x) p(y | x) (chi-square over the
@@ -437,26 +457,16 @@ def test_sampled_speculation_keeps_the_targets_distribution(course_model):
     the fixed-row test's (test_speculative_sampling_emits_the_targets_distribution)."""
     model = course_model
     prompt = repetitive_prompt(model)[:, :12]
-    with torch.no_grad():
-        first = torch.softmax(model(prompt)[0, -1].double(), -1)  # (V,)
-        vocab = first.shape[0]
-        both = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
-        second = torch.softmax(model(both)[:, -1].double(), -1)  # (V, V): row x is p(. | x)
-    expected = first @ second  # (V,)
-
-    def pooled_p_value(counts):
-        big = expected * counts.sum() >= 5
-        observed = torch.cat([counts[big], counts[~big].sum()[None]])
-        probs = torch.cat([expected[big], expected[~big].sum()[None]])
-        return chi_square_p_value(observed, probs / probs.sum())
-
+    expected = second_token_distribution(model, prompt)
+    vocab = expected.shape[0]
     repeat_last = lambda tokens, k: [tokens[-1]]  # noqa: E731
-    assert pooled_p_value(second_token_counts(model, prompt, repeat_last, 300)) > 1e-3
+    counts = second_token_counts(model, prompt, repeat_last, 300)
+    assert pooled_p_value(counts, expected) > 1e-3
 
     def liar(tokens, k):
         return Draft([tokens[-1]], torch.full((1, vocab), 1.0 / vocab, dtype=torch.float64))
 
-    assert pooled_p_value(second_token_counts(model, prompt, liar, 300)) < 1e-6
+    assert pooled_p_value(second_token_counts(model, prompt, liar, 300), expected) < 1e-6
 
 
 def test_bad_drafts_and_caches_are_refused_by_name(course_model):
