@@ -160,8 +160,7 @@ class _ChildSide:
         self.deadline = time.monotonic() + self.timeout_s
         package = _package(self.cells, self.allowed, self.home)
         confine = ("confine", _read_paths(self.folder), self.folder, package)
-        measure = {"CgroupMemory": "the kernel's count", "PeakMemory": "/proc's high-water mark"}
-        memory = measure.get(type(self.memory).__name__, "the child's own figure")
+        memory = getattr(self.memory, "measure", "the child's own figure")  # None: no window
         self.confinement = f"{self.request(confine)[1]}; peak memory: {memory}"
         # guards first (inactive until a graded call runs): whatever the notebook copies or
         # re-imports while it loads is a guarded function already

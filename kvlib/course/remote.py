@@ -221,8 +221,10 @@ def _reported_memory(info: dict, mutates: set[int]) -> tuple[list[int], list[int
 
 
 def _spans(value) -> list:
-    pair = lambda p: type(p) in (list, tuple) and len(p) == 2 and all(type(x) is int for x in p)  # noqa: E731
-    return value if type(value) is list and len(value) <= 1024 and all(map(pair, value)) else []
+    def span(p) -> bool:
+        return type(p) in (list, tuple) and len(p) == 2 and all(type(x) is int for x in p)
+
+    return value if type(value) is list and len(value) <= 1024 and all(map(span, value)) else []
 
 
 def expect_list(got, item_ok: Callable[[object], bool], should: str) -> None:
