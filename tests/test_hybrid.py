@@ -306,7 +306,8 @@ def test_recorded_hybrid_recall_is_reproduced(shipped):
         row = recorded[(fresh["model"], str(fresh["distance"]))]
         assert int(row["facts"]) == fresh["facts"]
         assert abs(float(row["recall"]) - fresh["recall"]) <= 0.02, (row, fresh)
-        for end in ("recall_low", "recall_high", "minus_course_low", "minus_course_high"):
+        ends = ("recall_low", "recall_high", "minus_course_low", "minus_course_high")
+        for end in (*ends, "minus_hybrid_low", "minus_hybrid_high"):
             assert abs(float(row[end]) - fresh[end]) <= 0.03, (end, row, fresh)
     recorded = {(r["model"], r["context"]): r for r in rows if r["measure"] == "cache_bytes"}
     for name, model, context in (("hybrid", shipped, 1024), ("course model", course, 256)):

@@ -31,6 +31,8 @@
 - `hybrid.HybridCache`: a hybrid model's cache, per layer the one its kind needs (dense K/V for
   full attention, a ring for a sliding window, a recurrent state for gated linear attention),
   dispatched by layer index (chapter 17);
+- `shared.CrossLayerCache`: cross-layer KV sharing (CLA, Gemma 3n's `num_kv_shared_layers`), the
+  sharing layers reading the K/V an earlier layer stored in the same forward (chapter 17);
 - `hybrid_blocks.HybridBlockManager`: a hybrid model's allocator, one block table per group of
   layers of one kind over one shared pool, prefix hits that need only a window's blocks in a
   window group (chapter 17; an allocator, not a cache: it holds no K/V).
@@ -48,9 +50,11 @@ from kvlib.cache.paged import PagedCache
 from kvlib.cache.paged_window import PagedWindowCache
 from kvlib.cache.quantized import QuantizedCache, QuantizedPagedCache
 from kvlib.cache.ring import RingCache
+from kvlib.cache.shared import CrossLayerCache
 
 __all__ = [
     "CompactingPagedCache",
+    "CrossLayerCache",
     "DynamicCache",
     "EvictingCache",
     "HybridCache",

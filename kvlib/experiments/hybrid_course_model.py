@@ -24,8 +24,9 @@ Rows of `results/hybrid_recall.csv` (`measure` column):
   through each model's cache (the course model's `DynamicCache`, the hybrid's `HybridCache`).
   Per model and distance: facts recalled of facts asked, the rate with its 95% cluster bootstrap
   interval over documents (a document's facts are not independent: `cluster_bootstrap`), and the
-  paired differences, with their intervals, from the course model (`minus_course`) and from the
-  control below (`minus_control`) on the same documents (`paired_cluster_bootstrap`).
+  paired differences, with their intervals, from the course model (`minus_course`), from the
+  hybrid (`minus_hybrid`) and from the control below (`minus_control`) on the same documents
+  (`paired_cluster_bootstrap`).
   Four models: the course model, the hybrid, and two variants of the hybrid with its weights,
   never trained so: an ablation, its full layers windowed to W like layer 0, whose cache then
   stops growing (what the window and the recurrent state carry beyond W tokens), and its
@@ -60,6 +61,7 @@ DOCUMENTS = 64  # recall documents per distance (up to 4 facts each), the same f
 CONTEXTS = (1, 16, 64, 256, 1024, 4096)  # tokens per sequence for the cache-bytes rows
 PREFILL_CHUNK = 256  # tokens per forward when filling a cache for the bytes rows
 BOOTSTRAP = {"draws": 2000, "level": 0.95, "seed": 0}
+HYBRID = "hybrid"
 WINDOWED = "hybrid, full layers windowed (ablation)"
 WINDOWS_ONLY = "hybrid, full layers windowed, state reset every 16 tokens (control)"
 
@@ -136,7 +138,8 @@ def recall_rows(
 ) -> list[dict]:
     """`recall` rows for `models` ({name: model}), each streamed through its `cache_factory`,
     with paired differences from each model of `references` ({column prefix: name}; default:
-    "minus_course" from the first model, "minus_control" from `WINDOWS_ONLY` when present)."""
+    "minus_course" from the first model, "minus_hybrid" from `HYBRID` and "minus_control" from
+    `WINDOWS_ONLY` when present)."""
     from kvlib.metrics.bootstrap import cluster_bootstrap, paired_cluster_bootstrap
     from kvlib.metrics.recall import RECALL_DISTANCES, recall_hits
 
@@ -149,8 +152,9 @@ def recall_rows(
     }
     if references is None:
         references = {"minus_course": next(iter(models))}
-        if WINDOWS_ONLY in models:
-            references["minus_control"] = WINDOWS_ONLY
+        for prefix, reference in (("minus_hybrid", HYBRID), ("minus_control", WINDOWS_ONLY)):
+            if reference in models:
+                references[prefix] = reference
     rows = []
     for name in models:
         for d in distances:
@@ -266,7 +270,7 @@ def record(
         print(f"{name}: {model.num_parameters:,} parameters, layers {model.config.layer_types}")
     models = {
         "course model": course,
-        "hybrid": hybrid,
+        HYBRID: hybrid,
         WINDOWED: windowed(hybrid),
         WINDOWS_ONLY: reset_every(windowed(hybrid), HYBRID_CONFIG.sliding_window),
     }

@@ -77,6 +77,7 @@ class LayerSpec:
     token_cap: the most tokens the layer keeps (window or chunk size); None = unbounded.
     state_elements: constant elements per sequence (SSM convolution + SSM state); 0 for attention.
     description: how the numbers were derived, for reports.
+    reads: for a "shared" layer, the index of the layer whose cache it reads; None otherwise.
     """
 
     index: int
@@ -85,6 +86,7 @@ class LayerSpec:
     token_cap: int | None
     state_elements: int
     description: str
+    reads: int | None = None
 
     def tokens_held(self, seq_len: int) -> int:
         """Tokens this layer holds after `seq_len` tokens."""
@@ -218,7 +220,7 @@ def _shared(specs: list[LayerSpec], config: dict) -> list[LayerSpec]:
                 f"config: shared layer {spec.index} ({spec.kind}) has no earlier {spec.kind} layer"
             )
         how = f"reads layer {producers[-1]}'s {spec.kind} cache (cross-layer sharing)"
-        out.append(LayerSpec(spec.index, "shared", 0, None, 0, how))
+        out.append(LayerSpec(spec.index, "shared", 0, None, 0, how, reads=producers[-1]))
     return out
 
 
