@@ -3,12 +3,13 @@ drafting over a StreamingLLM view of its own paged cache (sink blocks + a recent
 verified over the full cache. The oracle is the engine without speculation: greedy outputs
 token-identical across batch sizes, k, view sizes (one larger than every context, where a greedy
 draft must be accepted whole), prefix caching, a pool that preempts and forked requests; the
-block pool's invariants after every step, no block leaked, no hash on a draft slot. A draft
-forward's logits against the model run densely over the same sinks and window (a key mask); the
-K/V slots read against a count of the views by brute force; sampled requests: the joint
-distribution of their first tokens against the exact one, on a stub model whose draft view has
-logits of its own (q != p), the same test failing with a wrong q, and q as a point mass (prompt
-lookup's rule: exact too) accepting less."""
+block pool's invariants after every step, no block leaked, no hash on a draft slot; over an
+int8 cache and through the decode graph runner (eager on a CPU). A draft forward's logits
+against the model run densely over the same sinks and window (a key mask); the K/V slots read
+against a count of the views by brute force; sampled requests: the joint distribution of their
+first tokens against the exact one, on a stub model whose draft view has logits of its own
+(q != p), the same test failing with a wrong q, and q as a point mass (prompt lookup's rule:
+exact too) accepting less."""
 
 import dataclasses
 
@@ -305,6 +306,51 @@ def test_parallel_requests_forked_from_one_prompt_self_speculate(course):
     for request_id in ("a", "b"):
         assert outputs[False][request_id] == outputs[True][request_id], request_id
     assert len(outputs[False]["c"]) == 20
+    assert engine.stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_self_speculation_over_a_quantized_cache(course):
+    """Over chapter 10's int8 cache the draft forwards write quantized K/V into the real slots,
+    and the verification overwrites them: the tokens are the plain quantized engine's."""
+    from kvlib.quant import QuantScheme
+
+    prompts = document_prompts(3, first=60)
+    params = SamplingParams(max_tokens=16)
+    config = dict(num_blocks=100, block_size=8, kv_scheme=QuantScheme("int8"))
+    expected = plain_outputs(course, prompts, params, **config)
+    engine = LLMEngine(course, **config, speculative_config=streaming(3, 1, 1))
+    outputs = run_checked(engine, prompts, params)
+    assert [o.output_token_ids for o in outputs] == expected
+    assert engine.stats.spec_decoding.num_accepted_tokens > 0
+    assert engine.manager.pool.num_free_blocks == 100
+
+
+def test_draft_forwards_run_through_the_decode_graph_runner(course):
+    """A draft forward is a decode-only batch: with `cuda_graphs` (static buffers, eager on a
+    CPU) the graph runner takes it, narrower block tables and all, and the tokens stay the plain
+    engine's."""
+    from kvlib.engine.cuda_graph import DecodeGraphRunner
+    from kvlib.engine.runner import ModelRunner
+
+    prompts = document_prompts(3)
+    params = SamplingParams(max_tokens=16)
+    expected = plain_outputs(course, prompts, params, num_blocks=100, block_size=8)
+    engine = LLMEngine(course, num_blocks=100, block_size=8, speculative_config=streaming(3, 1, 2))
+    runner = ModelRunner(course, engine.storage, engine.manager, cuda_graphs=True)
+    engine.runner = engine.speculator.runner = engine.speculator.drafter.runner = runner
+    draft_batches, through_graphs = [], []
+    spy_on_drafts(engine, lambda *args: draft_batches.append(args[-1]))
+    runner.graph_runner = DecodeGraphRunner.for_runner(runner)
+    run = runner.graph_runner.run
+
+    def graph_spy(batch):
+        through_graphs.append(batch)
+        return run(batch)
+
+    runner.graph_runner.run = graph_spy
+    outputs = run_checked(engine, prompts, params)
+    assert [o.output_token_ids for o in outputs] == expected
+    assert draft_batches and all(any(b is g for g in through_graphs) for b in draft_batches)
     assert engine.stats.spec_decoding.num_accepted_tokens > 0
 
 
