@@ -14,8 +14,9 @@ Modules, named as vLLM v1 and nano-vllm name theirs:
   plan step n + 1 while step n runs (`async_scheduling`);
 - `llm_engine`: `LLMEngine` (`add_request`, `step`, `generate`), which holds the parts above and
   feeds its statistics (`stats`: `EngineStats`, `StepStats`: the latest steps and running totals);
-- `speculative`: speculative decoding of greedy requests with n-gram drafts (chapter 16,
-  `speculative_config`), verified as chunks of the mixed batch, rejected slots rolled back;
+- `speculative`: speculative decoding (chapter 16, `speculative_config`) with n-gram drafts or
+  self-speculation over a StreamingLLM view of each request's cache (`streaming_draft`),
+  verified as chunks of the mixed batch, rejected slots rolled back;
 - `workload`: a synthetic serving workload and the configurations chapter 12 compares
   (`python -m kvlib.experiments.serving` records the comparison, `results/serving.csv`).
 

@@ -35,11 +35,13 @@ already been launched once more (that extra token is dropped, the extra step is 
 `stats`). Not with static batching or eviction, which decide from tokens a step late.
 
 **Speculative decoding** (`speculative_config=SpeculativeConfig(num_speculative_tokens=k)`,
-chapter 16, `kvlib.engine.speculative`): requests verify up to k n-gram draft tokens per step
-and emit 1 to k + 1 tokens (`RequestOutput.new_token_ids`); greedy ones token-identical to the
-engine without it, sampled ones (speculative sampling) equal to it in distribution, from another
-random stream; a request asking for logprobs decodes normally. Counters in
-`stats.spec_decoding`. Off (None, the default), nothing changes.
+chapter 16, `kvlib.engine.speculative`): requests verify up to k draft tokens per step (n-gram
+prompt lookup; with `method="streaming"`, the model itself over a StreamingLLM view of the
+request's cache, `kvlib.engine.streaming_draft`) and emit 1 to k + 1 tokens
+(`RequestOutput.new_token_ids`); greedy ones token-identical to the engine without it, sampled
+ones (speculative sampling) equal to it in distribution, from another random stream; a request
+asking for logprobs decodes normally. Counters in `stats.spec_decoding`. Off (None, the
+default), nothing changes.
 
 Sampling seeds: `SamplingParams(seed=None)` seeds a request's generator with 0, so two requests
 with the same prompt and no seed sample the same tokens, and a rerun repeats a run exactly. vLLM

@@ -1,7 +1,10 @@
 """Speculative decoding inside the serving engine (chapter 16, "speculation in the engine"): for
-each running request, an n-gram prompt-lookup drafter (`kvlib.speculative.ngram`, after vLLM's
-`ngram` method: the same idea and field names, other defaults, and the latest match where vLLM
-takes the earliest) proposes up to k tokens from the request's own tokens; the step computes the
+each running request, a drafter proposes up to k tokens: by default (method "ngram") an n-gram
+prompt-lookup drafter (`kvlib.speculative.ngram`, after vLLM's `ngram` method: the same idea and
+field names, other defaults, and the latest match where vLLM takes the earliest) from the
+request's own tokens; with method "streaming", the target model itself over a StreamingLLM view
+of the request's cache (sink blocks + a recent window: `kvlib.engine.streaming_draft`, after
+MagicDec), k one-token forwards before the verification. The step computes the
 request's newest token and its draft together, k + 1 query tokens, as one chunk of the mixed
 batch; verification keeps a prefix of the draft plus one token of the target's (at the first
 rejection, or the bonus after the last draft token); the rejected tokens' slots are rolled back
@@ -15,8 +18,10 @@ Language Model Decoding with Speculative Sampling").
   token-identical to the engine without speculation.
 - A **sampled** request (temperature > 0, with its top_k and top_p): speculative sampling,
   `verify_sampled`. p_i is the request's own sampling distribution at row i
-  (`kvlib.engine.sampler.sampling_distribution`, `sample_step`'s arithmetic), and the drafter,
-  being deterministic, has q_i = a point mass on draft token x_i, so
+  (`kvlib.engine.sampler.sampling_distribution`, `sample_step`'s arithmetic). The streaming
+  drafter draws x_i from its own q_i (that arithmetic over its view's logits), and
+  `speculative_accept` gets those rows. Prompt lookup, being deterministic, has q_i = a point
+  mass on draft token x_i, so
   `kvlib.speculative.verify.speculative_accept` with one-hot rows accepts x_i with probability
   min(1, p_i(x_i) / 1) = p_i(x_i), draws the token at the first rejection from max(0, p_i - q_i)
   normalised (p_i with x_i zeroed), and the bonus from p_k. Every emitted token is distributed
@@ -43,7 +48,9 @@ How a step goes (`Speculator.submit`, then `Speculator.record`):
    recomputation later too (vLLM instead schedules the draft tokens with the step and preempts
    when they do not fit).
 2. A step with no draft at all runs through `ModelRunner.submit`, exactly as without
-   speculation. A step with drafts is built here (`verify_input`, the readable loop of
+   speculation. With method "streaming", copy-on-write's copies run, then the drafter's forwards
+   (`StreamingDrafter.draft`) write the draft tokens into the slots appended. A step with
+   drafts is built here (`verify_input`, the readable loop of
    `kvlib.engine.batch.prepare_inputs` with the drafts appended) and run by
    `ModelRunner.forward` with logits at every row of each draft chunk.
 3. The accepted draft tokens get their ids (`set_token`, which hashes the blocks they complete),
@@ -54,8 +61,7 @@ How a step goes (`Speculator.submit`, then `Speculator.record`):
 
 What it does not do: logprobs of speculated tokens (such a request decodes normally), overlap
 (`async_scheduling`), static batching or eviction (refused by `check_engine_config`), or draft
-with a model (a drafter with its own distribution q would pass its rows to `speculative_accept`
-in place of the point masses).
+with a separate draft model (vLLM's `draft_model`, EAGLE, MTP).
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ from kvlib.engine.overlap import InlineDevice, StepHandle
 from kvlib.engine.request import Request, SamplingParams
 from kvlib.engine.sampler import device_tensor, is_greedy, sample_step, sampling_distribution
 from kvlib.engine.stats import SpecDecodingStats
+from kvlib.engine.streaming_draft import StreamingDrafter, check_streaming_fields
 from kvlib.speculative.ngram import ngram_draft
 from kvlib.speculative.verify import greedy_accept, speculative_accept
 
@@ -81,7 +88,7 @@ __all__ = [
     "verify_sampled",
 ]
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "streaming")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +97,9 @@ class SpeculativeConfig:
     defaults differ: vLLM sets both lookup bounds to 5 when neither is given).
 
     Args:
-        method: "ngram" (prompt lookup, `kvlib.speculative.ngram.ngram_draft`).
+        method: "ngram" (prompt lookup, `kvlib.speculative.ngram.ngram_draft`) or "streaming"
+            (self-speculation over a StreamingLLM view, `kvlib.engine.streaming_draft`; the
+            prompt lookup fields are then unused).
         num_speculative_tokens: k >= 1, draft tokens per request and step, at most.
         prompt_lookup_max: the longest n-gram looked up (>= 1).
         prompt_lookup_min: the shortest n-gram looked up (1 .. prompt_lookup_max).
@@ -98,6 +107,8 @@ class SpeculativeConfig:
             None: always draft). A large batch's step is costlier per extra query token and
             saves fewer steps (chapter 16, Measure); vLLM's field of that name counts the
             requests enqueued rather than those scheduled.
+        num_sink_blocks: "streaming" only: the view's first blocks (>= 0; None: 1).
+        num_window_blocks: "streaming" only: the view's last blocks (>= 1; None: 4).
 
     Raises:
         ValueError: a value outside those ranges, naming the argument.
@@ -108,6 +119,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
     disable_by_batch_size: int | None = None
+    num_sink_blocks: int | None = None
+    num_window_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -122,6 +135,9 @@ class SpeculativeConfig:
                 f"prompt_lookup_min: expected at most prompt_lookup_max = "
                 f"{self.prompt_lookup_max}, got {self.prompt_lookup_min}"
             )
+        view = check_streaming_fields(self.method, self.num_sink_blocks, self.num_window_blocks)
+        object.__setattr__(self, "num_sink_blocks", view[0])
+        object.__setattr__(self, "num_window_blocks", view[1])
 
 
 def check_engine_config(config) -> SpeculativeConfig:
@@ -219,22 +235,26 @@ def verify_sampled(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator,
+    draft_probs: torch.Tensor | None = None,
 ) -> tuple[int, int]:
-    """Speculative sampling of a prompt-lookup draft: the k' draft tokens against `logits
-    (k' + 1, V)`, the target's at `[planned token, *draft]`, under the request's `params` (a
-    temperature above `GREEDY_TEMPERATURE`), drawn with its `generator`. p_i is
-    `sampling_distribution` (the engine's sampling arithmetic, normalised); q_i, the
-    deterministic drafter's, is a point mass on x_i, so `speculative_accept` accepts x_i with
-    probability p_i(x_i), draws the token at the first rejection from p_i with x_i zeroed,
-    renormalised, and else the bonus from p_k'.
+    """Speculative sampling of a draft: the k' draft tokens against `logits (k' + 1, V)`, the
+    target's at `[planned token, *draft]`, under the request's `params` (a temperature above
+    `GREEDY_TEMPERATURE`), drawn with its `generator`. p_i is `sampling_distribution` (the
+    engine's sampling arithmetic, normalised); q_i is `draft_probs (k', V)`, the drafter's own
+    distributions (x_i accepted with probability min(1, p_i(x_i) / q_i(x_i)), a rejection drawn
+    from max(0, p_i - q_i) normalised), or for None (prompt lookup, deterministic) a point mass
+    on x_i: x_i accepted with probability p_i(x_i), a rejection drawn from p_i with x_i zeroed,
+    renormalised. Either way the bonus comes from p_k'. (The point-mass rule is exact for a
+    guess drawn any way, but accepts less: p_i(x_i) <= min(1, p_i(x_i) / q_i(x_i)).)
 
     Returns:
         (accepted, next_token), as `speculative_accept`.
     """
     probs = sampling_distribution(logits, [params] * len(logits))  # (k' + 1, V)
-    ids = torch.tensor(draft, dtype=torch.int64, device=probs.device)  # (k',)
-    point_mass = torch.nn.functional.one_hot(ids, probs.shape[-1]).to(probs.dtype)  # (k', V)
-    return speculative_accept(draft, point_mass, probs, generator)
+    if draft_probs is None:
+        ids = torch.tensor(draft, dtype=torch.int64, device=probs.device)  # (k',)
+        draft_probs = torch.nn.functional.one_hot(ids, probs.shape[-1]).to(probs.dtype)
+    return speculative_accept(draft, draft_probs, probs, generator)
 
 
 class Speculator:
@@ -251,12 +271,16 @@ class Speculator:
         self.verified: dict[str, tuple[list[int], int, int]] = {}  # id -> (draft, accepted, next)
         self.num_new_tokens: dict[str, int] = {}
         self.num_drafted = 0  # draft tokens of the last step submitted (decode tokens computed)
+        self.drafter, self.draft_probs = None, {}  # "streaming": its drafter, q of the step
+        if config.method == "streaming":
+            view = config.num_sink_blocks, config.num_window_blocks
+            self.drafter = StreamingDrafter(runner, self.manager, *view)
 
     def propose(self, scheduled: list[tuple[Request, int]]) -> dict[str, list[int]]:
         """Draft for the plan's decoding requests (greedy or sampled; not those asking for
         logprobs) and append the drafts' slots (ids unknown: never hashed), within the token
         budget and the free blocks the plan left. Returns {request id: draft} for the requests
-        that got one (k' >= 1 tokens)."""
+        that got one (k' >= 1 tokens; for "streaming", k' placeholders that `submit` fills)."""
         config, manager = self.config, self.manager
         limit = config.disable_by_batch_size
         if limit is not None and len(scheduled) > limit:
@@ -283,12 +307,15 @@ class Speculator:
             room = min(config.num_speculative_tokens, left, budget, free_slots)
             if room <= 0:
                 continue
-            draft = ngram_draft(
-                request.all_token_ids,
-                room,
-                max_ngram=config.prompt_lookup_max,
-                min_ngram=config.prompt_lookup_min,
-            )
+            if self.drafter is not None:  # its tokens come from the draft forwards (`submit`)
+                draft = [0] * room
+            else:
+                draft = ngram_draft(
+                    request.all_token_ids,
+                    room,
+                    max_ngram=config.prompt_lookup_max,
+                    min_ngram=config.prompt_lookup_min,
+                )
             if not draft:
                 continue
             for _ in draft:
@@ -310,6 +337,8 @@ class Speculator:
             return self.runner.submit(scheduled, block_copies)
         assert not self.manager.copies  # drafts append into private blocks: nothing to copy
         self.runner.submit([], block_copies).result()  # copy-on-write's copies, before any write
+        if self.drafter is not None:  # self-speculation: the draft forwards fill the drafts
+            self.draft_probs = self.drafter.draft(scheduled, drafts)
         runner = self.runner
         batch, chunks, plain = verify_input(scheduled, drafts, self.manager, runner.device)
         with torch.no_grad():
@@ -324,8 +353,10 @@ class Speculator:
                     accepted, next_token = greedy_accept(draft, rows)
                 else:
                     generator = request.generator_for(runner.device)
+                    q = self.draft_probs.get(request_id)  # None: prompt lookup's point masses
+                    extra = {} if q is None else {"draft_probs": q}
                     accepted, next_token = verify_sampled(
-                        draft, rows, request.sampling_params, generator
+                        draft, rows, request.sampling_params, generator, **extra
                     )
                 self.verified[request_id] = (draft, accepted, next_token)
             if not plain:
@@ -371,6 +402,8 @@ class Speculator:
                     finished.append(request)
                     break
             self.num_new_tokens[request_id] = new
+            if self.drafter is not None:
+                self.drafter.kv_reads.observe_verification(held, len(draft), new)
             appended.append(request)
         appended += scheduler.record_sampled(out, sampled)  # the others (drafts: no entry)
         for request in finished:
