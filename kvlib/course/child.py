@@ -11,12 +11,18 @@ import contextlib
 import os
 import shutil
 import signal
+import site
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
+from kvlib.course.confine import MALLOC_ENV, unprivileged_ids
 from kvlib.course.grading import MESSAGE_CHARS, ProcessEnded, QuestionTimeout
+from kvlib.course.memory_window import CgroupMemory, PeakMemory
+from kvlib.course.wire import Channel, ChannelClosed, ChannelTimeout, Unsolicited
 
 
 def child_env() -> dict:
@@ -29,8 +35,6 @@ def child_env() -> dict:
 def _sandbox_env(home: str | None) -> dict:
     """The grader's child's environment: child_env(), glibc's malloc returning large blocks
     (kvlib.course.confine.MALLOC_ENV), and a home of its own where it runs as another user."""
-    from kvlib.course.confine import MALLOC_ENV
-
     env = {**child_env(), **MALLOC_ENV}
     if home is not None:
         env.update(HOME=home, XDG_CACHE_HOME=os.path.join(home, ".cache"),
@@ -44,10 +48,6 @@ def _child_home() -> str | None:
     becomes (its HOME, for caches); else None."""
     if os.name != "posix" or os.geteuid() != 0:
         return None
-    import tempfile
-
-    from kvlib.course.confine import unprivileged_ids
-
     home = tempfile.mkdtemp(prefix="kvlib-grade-")
     os.chown(home, *unprivileged_ids())
     return home
@@ -56,9 +56,6 @@ def _child_home() -> str | None:
 def _read_paths(cells_folder: str | None) -> list[str]:
     """What the learner's code must be able to read: the interpreter, the packages, kvlib, the
     notebook's folder and the working folder."""
-    import site
-    import sysconfig
-
     paths = [sys.prefix, sys.base_prefix, os.getcwd(), str(Path(__file__).resolve().parents[2])]
     paths += [sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")]
     with contextlib.suppress(AttributeError):
@@ -93,8 +90,6 @@ def _package(cells: list[str], allowed, home: str | None) -> dict | None:
 def _memory_of(pid: int):
     """How the grader measures the child's memory: a cgroup of its own (root, Linux), else its
     peak resident memory read from /proc (Linux), else None (it measures itself)."""
-    from kvlib.course.memory_window import CgroupMemory, PeakMemory
-
     for kind in (CgroupMemory, PeakMemory):
         memory = kind(pid)
         try:
@@ -116,24 +111,15 @@ class _ChildSide:
                  folder: str | None = None, skip: dict[int, str] | None = None,
                  allowed: tuple[str, ...] = ()):  # fmt: skip
         self.cells, self.timeout_s, self.names, self.folder = cells, timeout_s, names, folder
-        self.allowed = allowed
-        skip = {} if skip is None else skip  # cells that ended or hung a child: index -> error
-        self.errors: list[str] = []
-        self.process = self.memory = None
-        self.home = None
-        self.confinement = ""
-        self.skip = set(skip)
-        self.errors.extend(skip.values())
-        while True:
-            failed = self._start(self.skip)
-            if failed is None:
-                return
-            self.skip.add(failed)
-            skip[failed] = self.errors[-1]
+        self.allowed, self.process, self.memory = allowed, None, None
+        self.skip = {} if skip is None else skip  # cells that ended or hung a child: index -> error
+        self.errors = list(self.skip.values())
+        while (failed := self._start()) is not None:
+            self.skip[failed] = self.errors[-1]
 
-    def _spawn(self):
-        from kvlib.course.wire import Channel
-
+    def _start(self) -> int | None:
+        """Start a child and load the notebook, less the cells of `self.skip`; the index of a cell
+        that killed or hung it."""
         to_child_r, to_child_w = os.pipe()
         to_grader_r, to_grader_w = os.pipe()
         self.home = _child_home()
@@ -151,12 +137,6 @@ class _ChildSide:
         self.memory = _memory_of(self.process.pid)
         self.channel = Channel(to_grader_r, to_child_w, trusted=False)
         self._fds = (to_grader_r, to_child_w)
-
-    def _start(self, skip: set[int]) -> int | None:
-        """Start a child and load the notebook; the index of a cell that killed or hung it."""
-        from kvlib.course.wire import ChannelClosed, ChannelTimeout, Unsolicited
-
-        self._spawn()
         self.deadline = time.monotonic() + self.timeout_s
         package = _package(self.cells, self.allowed, self.home)
         confine = ("confine", _read_paths(self.folder), self.folder, package)
@@ -165,8 +145,8 @@ class _ChildSide:
         # guards first (inactive until a graded call runs): whatever the notebook copies or
         # re-imports while it loads is a guarded function already
         self.request(("guard", [], ""))
-        self.channel.tell(("load", self.cells, sorted(skip), self.names))
-        for index in [i for i in range(len(self.cells)) if i not in skip]:
+        self.channel.tell(("load", self.cells, sorted(self.skip), self.names))
+        for index in [i for i in range(len(self.cells)) if i not in self.skip]:
             try:
                 reply = self.channel.reply(self.timeout_s)
             except ChannelTimeout:
@@ -201,8 +181,6 @@ class _ChildSide:
     def request(self, message, *, compact: bool = False):
         """Send `message`; the child's answer. A child that times out, ends, or sends what was
         not asked for is ended (QuestionTimeout, ProcessEnded)."""
-        from kvlib.course.wire import ChannelClosed, ChannelTimeout, Unsolicited
-
         try:
             wait = max(0.0, self.deadline - time.monotonic())
             return self.channel.request(message, wait, compact=compact)
@@ -230,7 +208,12 @@ class _ChildSide:
             status = self.process.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             status = None
-        _kill(self.process)
+        if os.name == "posix":
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        else:
+            self.process.kill()
+        self.process.wait()
         self.process = None
         if hasattr(self.memory, "remove"):
             self.memory.remove()
@@ -238,12 +221,3 @@ class _ChildSide:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
         return status if status is not None else "killed"
-
-
-def _kill(process: subprocess.Popen) -> None:
-    if os.name == "posix":
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    else:
-        process.kill()
-    process.wait()
