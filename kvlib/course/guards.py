@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import gc
 import importlib
 import importlib.abc
@@ -89,8 +90,6 @@ def _guard(dotted: str) -> None:
 # --- recompiling kvlib with the guard -------------------------------------------------------------
 
 _LIBRARY: dict[int, types.CodeType] = {}  # id -> code of kvlib's library: callers let through
-# file -> (its guarded module code or None, {(qualname, first line): guarded code})
-_GUARDED: dict[str, tuple[types.CodeType | None, dict]] = {}
 _GUARDED_IDS: set[int] = set()
 
 
@@ -140,15 +139,13 @@ def _bind(const):
     return _guard if isinstance(const, str) and const == _PLACEHOLDER else const
 
 
+@functools.cache
 def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
     """(the guarded module code, {(qualname, first line): guarded code}) for kvlib's file
     `filename`, compiled once; (None, {}) where it is not kvlib's or does not compile."""
-    if filename in _GUARDED:
-        return _GUARDED[filename]
     module = _module_name(filename)
-    _GUARDED[filename] = (None, {})
     if module is None:
-        return _GUARDED[filename]
+        return None, {}
     try:
         source = Path(filename).read_text(encoding="utf-8")
         tree = ast.parse(source, filename)
@@ -157,7 +154,7 @@ def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
             warnings.simplefilter("ignore")  # "'str' object is not callable": the placeholder
             guarded = _bind(compile(tree, filename, "exec", dont_inherit=True))
     except (OSError, SyntaxError, ValueError):
-        return _GUARDED[filename]
+        return None, {}
     table, library, codes = {}, not module.startswith(_CHECKS_PREFIX), [guarded]
     for code in codes:  # the module's code and, as the loop reaches them, all nested in it
         codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
@@ -166,8 +163,7 @@ def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
         if any(c is _guard for c in code.co_consts):
             table[(code.co_qualname, code.co_firstlineno)] = code
             _GUARDED_IDS.add(id(code))
-    _GUARDED[filename] = (guarded, table)
-    return _GUARDED[filename]
+    return guarded, table
 
 
 def install_guards(allowed: tuple[str, ...], question_id: str) -> None:
