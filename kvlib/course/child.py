@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvlib.course.confine import MALLOC_ENV, unprivileged_ids
 from kvlib.course.grading import MESSAGE_CHARS, ProcessEnded, QuestionTimeout
-from kvlib.course.memory_window import CgroupMemory, PeakMemory
+from kvlib.course.memory_window import memory_window
 from kvlib.course.wire import Channel, ChannelClosed, ChannelTimeout, Unsolicited
 
 
@@ -87,21 +87,6 @@ def _package(cells: list[str], allowed, home: str | None) -> dict | None:
             "home": home}  # fmt: skip
 
 
-def _memory_of(pid: int):
-    """How the grader measures the child's memory: a cgroup of its own (root, Linux), else its
-    peak resident memory read from /proc (Linux), else None (it measures itself)."""
-    for kind in (CgroupMemory, PeakMemory):
-        memory = kind(pid)
-        try:
-            memory.open()  # a window works here (v2 before Linux 6.12: no reset)
-            memory.close()
-            return memory
-        except (OSError, AttributeError, TypeError, ValueError):
-            if hasattr(memory, "remove"):
-                memory.remove()
-    return None
-
-
 class _ChildSide:
     """A child process that executed the notebook's cells and serves the test's calls. A cell that
     hangs or ends the process is skipped in a fresh child; a call that does either ends the child
@@ -134,7 +119,7 @@ class _ChildSide:
         )
         os.close(to_child_r)
         os.close(to_grader_w)
-        self.memory = _memory_of(self.process.pid)
+        self.memory = memory_window(self.process.pid)
         self.channel = Channel(to_grader_r, to_child_w, trusted=False)
         self._fds = (to_grader_r, to_child_w)
         self.deadline = time.monotonic() + self.timeout_s
