@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvlib.course.grader import child_env
+from kvlib.course.child import child_env
 from kvlib.course.grading import (
     _QUESTIONS,
     ENV_GRADING,

@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import site
 import subprocess
 import sys
 import sysconfig
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from kvlib.course.confine import MALLOC_ENV, unprivileged_ids
 from kvlib.course.grading import MESSAGE_CHARS, ProcessEnded, QuestionTimeout
+from kvlib.course.guards import PACKAGE_DIRS
 from kvlib.course.memory_window import memory_window
 from kvlib.course.wire import Channel, ChannelClosed, ChannelTimeout, Unsolicited
 
@@ -57,9 +57,7 @@ def _read_paths(cells_folder: str | None) -> list[str]:
     """What the learner's code must be able to read: the interpreter, the packages, kvlib, the
     notebook's folder and the working folder."""
     paths = [sys.prefix, sys.base_prefix, os.getcwd(), str(Path(__file__).resolve().parents[2])]
-    paths += [sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")]
-    with contextlib.suppress(AttributeError):
-        paths += site.getsitepackages()
+    paths += [sysconfig.get_paths()["stdlib"], *sorted(PACKAGE_DIRS)]
     return paths + ([cells_folder] if cells_folder else [])
 
 

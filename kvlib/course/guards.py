@@ -14,7 +14,6 @@ import ast
 import contextlib
 import functools
 import gc
-import importlib
 import importlib.abc
 import importlib.machinery
 import mmap
@@ -230,10 +229,10 @@ _REFUSED = frozenset(
 
 
 # where torch and the other installed packages lie: loading a library from there stays allowed
-_PACKAGE_DIRS = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+PACKAGE_DIRS = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
 with contextlib.suppress(AttributeError):  # site.getsitepackages: missing in old virtualenvs
-    _PACKAGE_DIRS.update(site.getsitepackages())
-_SITE_PACKAGES = tuple(os.path.realpath(p) + os.sep for p in _PACKAGE_DIRS)
+    PACKAGE_DIRS.update(site.getsitepackages())
+_SITE_PACKAGES = tuple(os.path.realpath(p) + os.sep for p in PACKAGE_DIRS)
 
 
 def _rules_apply() -> bool:
