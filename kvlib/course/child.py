@@ -8,6 +8,7 @@ KVLIB_GRADE_ISOLATION=0), kvlib out of its sight (`kvlib.course.isolation`).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ from pathlib import Path
 from kvlib.course.confine import MALLOC_ENV, unprivileged_ids
 from kvlib.course.grading import MESSAGE_CHARS, ProcessEnded, QuestionTimeout
 from kvlib.course.guards import PACKAGE_DIRS
+from kvlib.course.isolation import minimal_package
 from kvlib.course.memory_window import memory_window
 from kvlib.course.wire import Channel, ChannelClosed, ChannelTimeout, Unsolicited
 
@@ -65,24 +67,17 @@ def _read_paths(cells_folder: str | None) -> list[str]:
 ENV_ISOLATION = "KVLIB_GRADE_ISOLATION"
 
 
-def _package(cells: list[str], allowed, home: str | None) -> dict | None:
+def _package(allowed, home: str | None) -> dict | None:
     """What the child needs to hide kvlib in a mount namespace of its own (Linux, the grader
     root): kvlib's folders and the minimal package shown there instead; None elsewhere."""
     if sys.platform != "linux" or os.geteuid() != 0 or os.environ.get(ENV_ISOLATION) == "0":
         return None
-    import importlib.util
-
-    from kvlib.course.isolation import minimal_package
-    from kvlib.course.sandbox import _cell_code
-
     kvlib_dir = str(Path(__file__).resolve().parents[1])
     dirs = {kvlib_dir}
     spec = importlib.util.find_spec("kvlib")
     for folder in (spec.submodule_search_locations or []) if spec else []:
         dirs.add(str(Path(folder).resolve()))
-    sources = [_cell_code(cell) for cell in cells]
-    return {"dirs": sorted(dirs), "files": minimal_package(sources, allowed, kvlib_dir),
-            "home": home}  # fmt: skip
+    return {"dirs": sorted(dirs), "files": minimal_package(allowed, kvlib_dir), "home": home}
 
 
 class _ChildSide:
@@ -121,7 +116,7 @@ class _ChildSide:
         self.channel = Channel(to_grader_r, to_child_w, trusted=False)
         self._fds = (to_grader_r, to_child_w)
         self.deadline = time.monotonic() + self.timeout_s
-        package = _package(self.cells, self.allowed, self.home)
+        package = _package(self.allowed, self.home)
         confine = ("confine", _read_paths(self.folder), self.folder, package)
         memory = getattr(self.memory, "measure", "the child's own figure")  # None: no window
         self.confinement = f"{self.request(confine)[1]}; peak memory: {memory}"

@@ -7,7 +7,6 @@ tmpfs (`isolate`). Source: mount_namespaces(7), mount(2), proc(5).
 from __future__ import annotations
 
 import ast
-import contextlib
 import importlib.machinery
 import os
 import sys
@@ -60,36 +59,26 @@ def _helper_source(path: str, name: str) -> str:
     return "\n\n".join(ast.get_source_segment(source, node) for node in keep) + "\n"
 
 
-def minimal_package(cells: list[str], allowed, kvlib_dir: str) -> dict[str, str]:
-    """The files of the `kvlib` the learner's process sees ({path in the package: text}): for
-    every kvlib module the notebook imports, the functions a question allows; `check` and `show`
-    silent; `require_triton` reduced to setting up Triton; every other name a stand-in that
-    raises when called (`stand_in`). Nothing else of kvlib."""
-    wanted: dict[str, set[str]] = {"course.grading": {"check", "show"}}
-    for cell in cells:
-        with contextlib.suppress(SyntaxError, ValueError):
-            for node in ast.walk(ast.parse(cell)):
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvlib."):
-                    names = {a.name for a in node.names if a.name != "*"}
-                    wanted.setdefault(node.module.removeprefix("kvlib."), set()).update(names)
-                elif isinstance(node, ast.Import):
-                    for alias in node.names:
-                        if alias.name.startswith("kvlib."):
-                            wanted.setdefault(alias.name.removeprefix("kvlib."), set())
-    files = {"__init__.py": "", "course/checking.py": _GRADING_STUB}
-    for module, names in wanted.items():
+def minimal_package(allowed, kvlib_dir: str) -> dict[str, str]:
+    """The files of the `kvlib` the learner's process sees ({path in the package: text}): the
+    functions and classes the questions allow (`allowed`: dotted names), `check` and `show`
+    silent, `require_triton` reduced to setting up Triton, and in each of their modules every
+    other name a stand-in that raises when called (`stand_in`); every other kvlib module is one
+    of stand-ins too (`UnavailableModules`). Nothing else of kvlib."""
+    grading = "from kvlib.course.checking import CHECKED_WHILE_GRADING, check, show\n"
+    written: dict[str, list[str]] = {"course.grading": [grading]}
+    for dotted in sorted({*allowed, *ALWAYS_WRITTEN}):
+        module, name = dotted.removeprefix("kvlib.").rsplit(".", 1)
+        real = os.path.join(kvlib_dir, *module.split(".")) + ".py"
+        if dotted in ALWAYS_WRITTEN:
+            written.setdefault(module, []).append(ALWAYS_WRITTEN[dotted])
+        elif os.path.isfile(real):
+            written.setdefault(module, []).append(_helper_source(real, name))
+    files = {"course/checking.py": _GRADING_STUB}
+    for module, body in written.items():
         parts = module.split(".")
-        for depth in range(1, len(parts)):
-            files.setdefault("/".join(parts[:depth]) + "/__init__.py", "")
-        body = []
-        if module == "course.grading":
-            body.append("from kvlib.course.checking import CHECKED_WHILE_GRADING, check, show\n")
-        for name in sorted(names):
-            real, dotted = os.path.join(kvlib_dir, *parts) + ".py", f"kvlib.{module}.{name}"
-            if dotted in ALWAYS_WRITTEN:
-                body.append(ALWAYS_WRITTEN[dotted])
-            elif dotted in allowed and os.path.isfile(real):
-                body.append(_helper_source(real, name))
+        for depth in range(len(parts)):
+            files.setdefault("/".join([*parts[:depth], "__init__.py"]), _OTHER_NAMES)
         files["/".join(parts) + ".py"] = "\n\n".join([*body, _OTHER_NAMES])
     return files
 
