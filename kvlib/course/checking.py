@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvlib.course.grader import child_env
+from kvlib.course.child import child_env
 from kvlib.course.grading import (
     _QUESTIONS,
     ENV_GRADING,
@@ -34,7 +34,7 @@ from kvlib.course.grading import (
     chapter_questions,
     run_question,
 )
-from kvlib.course.memory_window import PeakMemory
+from kvlib.course.memory_window import PeakMemory, memory_window
 from kvlib.course.sandbox import CheckTimeout, serve
 from kvlib.course.wire import Channel, ChannelClosed, ChannelTimeout, Unsolicited
 
@@ -200,8 +200,7 @@ class _PeerSide:
     def __init__(self, channel, timeout_s: float):
         self.channel, self.timeout_s = channel, timeout_s
         self.deadline = time.monotonic() + timeout_s
-        memory = PeakMemory(os.getppid())  # the notebook's process, which can reset it
-        self.memory = memory if memory.available else None
+        self.memory = memory_window(os.getppid(), (PeakMemory,))  # the notebook's: it can reset it
 
     def request(self, message, *, compact: bool = False):
         try:

@@ -8,15 +8,23 @@ KVLIB_GRADE_ISOLATION=0), kvlib out of its sight (`kvlib.course.isolation`).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
+from kvlib.course.confine import MALLOC_ENV, unprivileged_ids
 from kvlib.course.grading import MESSAGE_CHARS, ProcessEnded, QuestionTimeout
+from kvlib.course.guards import PACKAGE_DIRS
+from kvlib.course.isolation import minimal_package
+from kvlib.course.memory_window import memory_window
+from kvlib.course.wire import Channel, ChannelClosed, ChannelTimeout, Unsolicited
 
 
 def child_env() -> dict:
@@ -29,8 +37,6 @@ def child_env() -> dict:
 def _sandbox_env(home: str | None) -> dict:
     """The grader's child's environment: child_env(), glibc's malloc returning large blocks
     (kvlib.course.confine.MALLOC_ENV), and a home of its own where it runs as another user."""
-    from kvlib.course.confine import MALLOC_ENV
-
     env = {**child_env(), **MALLOC_ENV}
     if home is not None:
         env.update(HOME=home, XDG_CACHE_HOME=os.path.join(home, ".cache"),
@@ -44,10 +50,6 @@ def _child_home() -> str | None:
     becomes (its HOME, for caches); else None."""
     if os.name != "posix" or os.geteuid() != 0:
         return None
-    import tempfile
-
-    from kvlib.course.confine import unprivileged_ids
-
     home = tempfile.mkdtemp(prefix="kvlib-grade-")
     os.chown(home, *unprivileged_ids())
     return home
@@ -56,13 +58,8 @@ def _child_home() -> str | None:
 def _read_paths(cells_folder: str | None) -> list[str]:
     """What the learner's code must be able to read: the interpreter, the packages, kvlib, the
     notebook's folder and the working folder."""
-    import site
-    import sysconfig
-
     paths = [sys.prefix, sys.base_prefix, os.getcwd(), str(Path(__file__).resolve().parents[2])]
-    paths += [sysconfig.get_paths()[key] for key in ("stdlib", "purelib", "platlib")]
-    with contextlib.suppress(AttributeError):
-        paths += site.getsitepackages()
+    paths += [sysconfig.get_paths()["stdlib"], *sorted(PACKAGE_DIRS)]
     return paths + ([cells_folder] if cells_folder else [])
 
 
@@ -70,41 +67,17 @@ def _read_paths(cells_folder: str | None) -> list[str]:
 ENV_ISOLATION = "KVLIB_GRADE_ISOLATION"
 
 
-def _package(cells: list[str], allowed, home: str | None) -> dict | None:
+def _package(allowed, home: str | None) -> dict | None:
     """What the child needs to hide kvlib in a mount namespace of its own (Linux, the grader
     root): kvlib's folders and the minimal package shown there instead; None elsewhere."""
     if sys.platform != "linux" or os.geteuid() != 0 or os.environ.get(ENV_ISOLATION) == "0":
         return None
-    import importlib.util
-
-    from kvlib.course.isolation import minimal_package
-    from kvlib.course.sandbox import _cell_code
-
     kvlib_dir = str(Path(__file__).resolve().parents[1])
     dirs = {kvlib_dir}
     spec = importlib.util.find_spec("kvlib")
     for folder in (spec.submodule_search_locations or []) if spec else []:
         dirs.add(str(Path(folder).resolve()))
-    sources = [_cell_code(cell) for cell in cells]
-    return {"dirs": sorted(dirs), "files": minimal_package(sources, allowed, kvlib_dir),
-            "home": home}  # fmt: skip
-
-
-def _memory_of(pid: int):
-    """How the grader measures the child's memory: a cgroup of its own (root, Linux), else its
-    peak resident memory read from /proc (Linux), else None (it measures itself)."""
-    from kvlib.course.memory_window import CgroupMemory, PeakMemory
-
-    for kind in (CgroupMemory, PeakMemory):
-        memory = kind(pid)
-        try:
-            memory.open()  # a window works here (v2 before Linux 6.12: no reset)
-            memory.close()
-            return memory
-        except (OSError, AttributeError, TypeError, ValueError):
-            if hasattr(memory, "remove"):
-                memory.remove()
-    return None
+    return {"dirs": sorted(dirs), "files": minimal_package(allowed, kvlib_dir), "home": home}
 
 
 class _ChildSide:
@@ -116,24 +89,15 @@ class _ChildSide:
                  folder: str | None = None, skip: dict[int, str] | None = None,
                  allowed: tuple[str, ...] = ()):  # fmt: skip
         self.cells, self.timeout_s, self.names, self.folder = cells, timeout_s, names, folder
-        self.allowed = allowed
-        skip = {} if skip is None else skip  # cells that ended or hung a child: index -> error
-        self.errors: list[str] = []
-        self.process = self.memory = None
-        self.home = None
-        self.confinement = ""
-        self.skip = set(skip)
-        self.errors.extend(skip.values())
-        while True:
-            failed = self._start(self.skip)
-            if failed is None:
-                return
-            self.skip.add(failed)
-            skip[failed] = self.errors[-1]
+        self.allowed, self.process, self.memory = allowed, None, None
+        self.skip = {} if skip is None else skip  # cells that ended or hung a child: index -> error
+        self.errors = list(self.skip.values())
+        while (failed := self._start()) is not None:
+            self.skip[failed] = self.errors[-1]
 
-    def _spawn(self):
-        from kvlib.course.wire import Channel
-
+    def _start(self) -> int | None:
+        """Start a child and load the notebook, less the cells of `self.skip`; the index of a cell
+        that killed or hung it."""
         to_child_r, to_child_w = os.pipe()
         to_grader_r, to_grader_w = os.pipe()
         self.home = _child_home()
@@ -148,25 +112,19 @@ class _ChildSide:
         )
         os.close(to_child_r)
         os.close(to_grader_w)
-        self.memory = _memory_of(self.process.pid)
+        self.memory = memory_window(self.process.pid)
         self.channel = Channel(to_grader_r, to_child_w, trusted=False)
         self._fds = (to_grader_r, to_child_w)
-
-    def _start(self, skip: set[int]) -> int | None:
-        """Start a child and load the notebook; the index of a cell that killed or hung it."""
-        from kvlib.course.wire import ChannelClosed, ChannelTimeout, Unsolicited
-
-        self._spawn()
         self.deadline = time.monotonic() + self.timeout_s
-        package = _package(self.cells, self.allowed, self.home)
+        package = _package(self.allowed, self.home)
         confine = ("confine", _read_paths(self.folder), self.folder, package)
         memory = getattr(self.memory, "measure", "the child's own figure")  # None: no window
         self.confinement = f"{self.request(confine)[1]}; peak memory: {memory}"
         # guards first (inactive until a graded call runs): whatever the notebook copies or
         # re-imports while it loads is a guarded function already
         self.request(("guard", [], ""))
-        self.channel.tell(("load", self.cells, sorted(skip), self.names))
-        for index in [i for i in range(len(self.cells)) if i not in skip]:
+        self.channel.tell(("load", self.cells, sorted(self.skip), self.names))
+        for index in [i for i in range(len(self.cells)) if i not in self.skip]:
             try:
                 reply = self.channel.reply(self.timeout_s)
             except ChannelTimeout:
@@ -201,8 +159,6 @@ class _ChildSide:
     def request(self, message, *, compact: bool = False):
         """Send `message`; the child's answer. A child that times out, ends, or sends what was
         not asked for is ended (QuestionTimeout, ProcessEnded)."""
-        from kvlib.course.wire import ChannelClosed, ChannelTimeout, Unsolicited
-
         try:
             wait = max(0.0, self.deadline - time.monotonic())
             return self.channel.request(message, wait, compact=compact)
@@ -230,7 +186,12 @@ class _ChildSide:
             status = self.process.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             status = None
-        _kill(self.process)
+        if os.name == "posix":
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        else:
+            self.process.kill()
+        self.process.wait()
         self.process = None
         if hasattr(self.memory, "remove"):
             self.memory.remove()
@@ -238,12 +199,3 @@ class _ChildSide:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
         return status if status is not None else "killed"
-
-
-def _kill(process: subprocess.Popen) -> None:
-    if os.name == "posix":
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    else:
-        process.kill()
-    process.wait()

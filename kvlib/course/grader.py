@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-from kvlib.course.child import _ChildSide, child_env  # noqa: F401 (check() imports child_env)
+from kvlib.course.child import _ChildSide
 from kvlib.course.grading import (
     ProcessEnded,
     Question,

@@ -1,8 +1,7 @@
 """Graded questions (test functions in `kvlib/course/checks/chNN.py`): the registry
 (`question`), what a test sees of the learner's code (`Submission`: `function(name)` is a `Remote`,
-whose calls run in the learner's process) and how one question is run (`run_question`), the same
-against the grader's child (`kvlib.course.grader`) and the notebook (`check()`:
-`kvlib.course.checking`), so that their verdicts cannot differ. `check`, `show` and the grader's
+whose calls run in the learner's process) and how one question is run (`run_question`: the same for
+the grader and `check()`, so that their verdicts cannot differ). `check`, `show` and the grader's
 API stay importable from here.
 """
 
@@ -123,10 +122,8 @@ class Submission:
 
     def __init__(self, side, question: Question, errors: list[str] | None = None, *,
                  seed: int = 0, binding: str = "", draws_only: bool = False):  # fmt: skip
-        self.side, self.question = side, question
-        self.errors = errors or []
-        self.seed, self.binding, self.draws_only = int(seed), binding, draws_only
-        self.fixed_cases = not draws_only
+        self.side, self.question, self.errors = side, question, errors or []
+        self.seed, self.binding, self.fixed_cases = int(seed), binding, not draws_only
         self.seed_used = False
         self.violations: list[str] = []  # inputs changed or returned, found by Remote.call
         self.notes: list[str] = []  # said whether the question passes or not
@@ -140,7 +137,7 @@ class Submission:
 
     def fixed(self, cases) -> list:
         """`cases`, or none when only the random cases are run."""
-        return [] if self.draws_only else list(cases)
+        return list(cases) if self.fixed_cases else []
 
     def function(self, name: str) -> Remote:
         """The learner's function `name`; fails the question with a clear message if missing."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import gc
-import importlib
 import importlib.abc
 import importlib.machinery
 import mmap
@@ -89,8 +89,6 @@ def _guard(dotted: str) -> None:
 # --- recompiling kvlib with the guard -------------------------------------------------------------
 
 _LIBRARY: dict[int, types.CodeType] = {}  # id -> code of kvlib's library: callers let through
-# file -> (its guarded module code or None, {(qualname, first line): guarded code})
-_GUARDED: dict[str, tuple[types.CodeType | None, dict]] = {}
 _GUARDED_IDS: set[int] = set()
 
 
@@ -140,15 +138,13 @@ def _bind(const):
     return _guard if isinstance(const, str) and const == _PLACEHOLDER else const
 
 
+@functools.cache
 def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
     """(the guarded module code, {(qualname, first line): guarded code}) for kvlib's file
     `filename`, compiled once; (None, {}) where it is not kvlib's or does not compile."""
-    if filename in _GUARDED:
-        return _GUARDED[filename]
     module = _module_name(filename)
-    _GUARDED[filename] = (None, {})
     if module is None:
-        return _GUARDED[filename]
+        return None, {}
     try:
         source = Path(filename).read_text(encoding="utf-8")
         tree = ast.parse(source, filename)
@@ -157,7 +153,7 @@ def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
             warnings.simplefilter("ignore")  # "'str' object is not callable": the placeholder
             guarded = _bind(compile(tree, filename, "exec", dont_inherit=True))
     except (OSError, SyntaxError, ValueError):
-        return _GUARDED[filename]
+        return None, {}
     table, library, codes = {}, not module.startswith(_CHECKS_PREFIX), [guarded]
     for code in codes:  # the module's code and, as the loop reaches them, all nested in it
         codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
@@ -166,8 +162,7 @@ def _guarded_codes(filename: str) -> tuple[types.CodeType | None, dict]:
         if any(c is _guard for c in code.co_consts):
             table[(code.co_qualname, code.co_firstlineno)] = code
             _GUARDED_IDS.add(id(code))
-    _GUARDED[filename] = (guarded, table)
-    return _GUARDED[filename]
+    return guarded, table
 
 
 def install_guards(allowed: tuple[str, ...], question_id: str) -> None:
@@ -234,10 +229,10 @@ _REFUSED = frozenset(
 
 
 # where torch and the other installed packages lie: loading a library from there stays allowed
-_PACKAGE_DIRS = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+PACKAGE_DIRS = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
 with contextlib.suppress(AttributeError):  # site.getsitepackages: missing in old virtualenvs
-    _PACKAGE_DIRS.update(site.getsitepackages())
-_SITE_PACKAGES = tuple(os.path.realpath(p) + os.sep for p in _PACKAGE_DIRS)
+    PACKAGE_DIRS.update(site.getsitepackages())
+_SITE_PACKAGES = tuple(os.path.realpath(p) + os.sep for p in PACKAGE_DIRS)
 
 
 def _rules_apply() -> bool:

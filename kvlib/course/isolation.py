@@ -6,35 +6,21 @@ tmpfs (`isolate`). Source: mount_namespaces(7), mount(2), proc(5).
 
 from __future__ import annotations
 
-import contextlib
+import ast
+import importlib.machinery
 import os
+import sys
 
 from kvlib.course.confine import _check, _libc, unprivileged_ids
 
-# --- kvlib out of sight: a mount namespace (Linux, as root) --------------------------------------
-
 _CLONE_NEWNS, _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x20000, 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 0x4000, 0x40000
-_STUB = (
-    "def {name}(*args, **kwargs):\n"
-    "    raise RuntimeError('{dotted} is unavailable while your notebook is graded: write it '\n"
-    "                       'yourself')\n"
-)
-_CLASS_STUB = (
-    "class {name}:\n"
-    "    def __init__(self, *args, **kwargs):\n"
-    "        raise RuntimeError('{dotted}.__init__ is unavailable while your notebook is '\n"
-    "                           'graded: '\n"
-    "                           'write it yourself')\n"
-)
-_MODULE_STUB = (
+_UNAVAILABLE = "is unavailable while your notebook is graded: write it yourself"
+# the end of every module of the minimal package: any name it does not define is a stand-in
+_OTHER_NAMES = (
     "def __getattr__(name):\n"
-    "    if name.startswith('__'):\n"
-    "        raise AttributeError(name)\n"
-    "    def unavailable(*args, **kwargs):\n"
-    "        raise RuntimeError(f'{module}.{{name}} is unavailable while your notebook is '\n"
-    "                           'graded: write it yourself')\n"
-    "    return unavailable\n"
+    "    from kvlib.course.isolation import stand_in\n\n"
+    "    return stand_in(f'{__name__}.{name}')\n"
 )
 # chapter 11's first cell: Triton under its interpreter, without kvlib.kernels
 _REQUIRE_TRITON = (
@@ -61,8 +47,6 @@ _GRADING_STUB = (
 
 def _helper_source(path: str, name: str) -> str:
     """kvlib's function `name` of file `path` alone, with its module's other imports."""
-    import ast
-
     source = open(path, encoding="utf-8").read()
     tree = ast.parse(source)
     keep = [
@@ -75,69 +59,36 @@ def _helper_source(path: str, name: str) -> str:
     return "\n\n".join(ast.get_source_segment(source, node) for node in keep) + "\n"
 
 
-def _is_class(module: str, name: str) -> bool:
-    import importlib
-
-    try:
-        return isinstance(getattr(importlib.import_module(module), name), type)
-    except Exception:  # noqa: BLE001 - a name kvlib does not have: a function's stub
-        return False
-
-
-def minimal_package(cells: list[str], allowed, kvlib_dir: str) -> dict[str, str]:
-    """The files of the `kvlib` the learner's process sees ({path in the package: text}): for
-    every name the notebook imports from kvlib, the function itself where a question allows it,
-    else a stub that raises when called; `check` and `show` silent; `require_triton` reduced to
-    setting up Triton; any other kvlib module imports as one whose names raise when called.
-    Nothing else of kvlib."""
-    import ast
-
-    wanted: dict[str, set[str]] = {"course.grading": {"check", "show"}}
-    for cell in cells:
-        with contextlib.suppress(SyntaxError, ValueError):
-            for node in ast.walk(ast.parse(cell)):
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvlib."):
-                    names = {a.name for a in node.names if a.name != "*"}
-                    wanted.setdefault(node.module.removeprefix("kvlib."), set()).update(names)
-                elif isinstance(node, ast.Import):
-                    for alias in node.names:
-                        if alias.name.startswith("kvlib."):
-                            wanted.setdefault(alias.name.removeprefix("kvlib."), set())
-    files = {"__init__.py": "", "course/checking.py": _GRADING_STUB}
-    for module, names in wanted.items():
+def minimal_package(allowed, kvlib_dir: str) -> dict[str, str]:
+    """The files of the `kvlib` the learner's process sees ({path in the package: text}): the
+    functions and classes the questions allow (`allowed`: dotted names), `check` and `show`
+    silent, `require_triton` reduced to setting up Triton, and in each of their modules every
+    other name a stand-in that raises when called (`stand_in`); every other kvlib module is one
+    of stand-ins too (`UnavailableModules`). Nothing else of kvlib."""
+    grading = "from kvlib.course.checking import CHECKED_WHILE_GRADING, check, show\n"
+    written: dict[str, list[str]] = {"course.grading": [grading]}
+    for dotted in sorted({*allowed, *ALWAYS_WRITTEN}):
+        module, name = dotted.removeprefix("kvlib.").rsplit(".", 1)
+        real = os.path.join(kvlib_dir, *module.split(".")) + ".py"
+        if dotted in ALWAYS_WRITTEN:
+            written.setdefault(module, []).append(ALWAYS_WRITTEN[dotted])
+        elif os.path.isfile(real):
+            written.setdefault(module, []).append(_helper_source(real, name))
+    files = {"course/checking.py": _GRADING_STUB}
+    for module, body in written.items():
         parts = module.split(".")
-        for depth in range(1, len(parts)):
-            files.setdefault("/".join(parts[:depth]) + "/__init__.py", "")
-        body = []
-        if module == "course.grading":
-            body.append("from kvlib.course.checking import CHECKED_WHILE_GRADING, check, show\n")
-            names = names - {"check", "show"}
-        for name in sorted(names):
-            real, dotted = os.path.join(kvlib_dir, *parts) + ".py", f"kvlib.{module}.{name}"
-            if dotted in ALWAYS_WRITTEN:
-                body.append(ALWAYS_WRITTEN[dotted])
-            elif dotted in allowed and os.path.isfile(real):
-                body.append(_helper_source(real, name))
-            else:
-                stub = _CLASS_STUB if _is_class(f"kvlib.{module}", name) else _STUB
-                body.append(stub.format(dotted=dotted, name=name))
-        if module != "course.grading":
-            body.append(_MODULE_STUB.format(module="kvlib." + module))
-        files["/".join(parts) + ".py"] = "\n\n".join(body)
+        for depth in range(len(parts)):
+            files.setdefault("/".join([*parts[:depth], "__init__.py"]), _OTHER_NAMES)
+        files["/".join(parts) + ".py"] = "\n\n".join([*body, _OTHER_NAMES])
     return files
-
-
-_UNAVAILABLE = "is unavailable while your notebook is graded: write it yourself"
 
 
 class UnavailableModules:
     """A `sys.meta_path` finder, last in line: a kvlib module the minimal package lacks imports as
-    one whose every name raises when called, naming itself (instead of a ModuleNotFoundError that
-    does not say why)."""
+    one whose every name is a stand-in (`stand_in`), naming itself (instead of a
+    ModuleNotFoundError that does not say why)."""
 
     def find_spec(self, name, path=None, target=None):
-        import importlib.machinery
-
         if name.startswith("kvlib."):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
@@ -146,24 +97,20 @@ class UnavailableModules:
         return None
 
     def exec_module(self, module):
-        def __getattr__(name):
-            if name.startswith("__"):  # __file__ and the like: its source is not here either
-                raise AttributeError(f"{module.__name__}.{name} {_UNAVAILABLE}")
-            return _unavailable(f"{module.__name__}.{name}")
-
         module.__path__ = []
-        module.__getattr__ = __getattr__
+        module.__getattr__ = lambda name: stand_in(f"{module.__name__}.{name}")
 
 
-def _unavailable(dotted: str) -> type:
-    """A stand-in for kvlib's `dotted`, function or class alike: calling it raises, naming it;
-    its attributes (a method: `H2O.observe`), and an instance's made without calling it, are
-    stand-ins too."""
+def stand_in(dotted: str) -> type:
+    """A stand-in for kvlib's `dotted`, function or class alike: calling it raises RuntimeError,
+    naming it; its attributes (a method: `H2O.observe`), and an instance's made without calling
+    it, are stand-ins too. A dunder name (`__file__`: its source is not here either) raises
+    AttributeError."""
+    if dotted.rsplit(".", 1)[-1].startswith("__"):
+        raise AttributeError(f"{dotted} {_UNAVAILABLE}")
 
     def attribute(owner, name):
-        if name.startswith("__"):
-            raise AttributeError(f"{dotted}.{name} {_UNAVAILABLE}")
-        return _unavailable(f"{dotted}.{name}")
+        return stand_in(f"{dotted}.{name}")
 
     class Unavailable(type):
         def __call__(cls, *args, **kwargs):
@@ -219,8 +166,6 @@ def isolate(kvlib_dirs: list[str], files: dict[str, str], home: str | None, keep
         os.makedirs(home, exist_ok=True)
         os.chown(home, *unprivileged_ids())
     mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "hidepid=2")
-    import sys
-
     sys.meta_path.append(UnavailableModules())
     return (
         "kvlib hidden in a mount namespace (only the helpers the questions allow), /proc "

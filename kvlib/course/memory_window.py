@@ -1,6 +1,6 @@
 """The peak memory of the learner's process over a window the grader opens and closes, measured
-from outside it: by the kernel in a memory cgroup of its own (`CgroupMemory`, the grader root on
-Linux), else from /proc (`PeakMemory`, best effort: the process can reset it).
+from outside it (`memory_window`): by the kernel in a memory cgroup of its own (`CgroupMemory`,
+the grader root on Linux), else from /proc (`PeakMemory`, best effort: the process can reset it).
 
 Sources: the kernel's cgroup-v1 memory.rst (usage thresholds, `max_usage_in_bytes`) and
 cgroup-v2.rst (`memory.peak`); proc(5) (`clear_refs`, `VmHWM`).
@@ -38,9 +38,9 @@ class CgroupMemory:
     files it writes, tmpfs. A window: `open()` resets the cgroup's peak to its usage and (v1)
     asks the kernel to signal usage falling `BALLAST_MARGIN` below it; `close()` returns (peak
     rise in bytes, whether usage fell that far). v1's `memory.max_usage_in_bytes`, or v2's
-    `memory.peak` (reset per file descriptor: Linux 6.12+). `available` is False where the
-    grader cannot make one (not root, no memory controller). Source: the kernel's cgroup-v1
-    memory.rst (usage thresholds) and cgroup-v2.rst."""
+    `memory.peak` (reset per file descriptor: Linux 6.12+). Without one (not root, no memory
+    controller) `open()` raises. Source: the kernel's cgroup-v1 memory.rst (usage thresholds)
+    and cgroup-v2.rst."""
 
     measure = "the kernel's count"  # what the grader's report says measured the peak
 
@@ -62,10 +62,6 @@ class CgroupMemory:
         except OSError:
             with contextlib.suppress(OSError):
                 os.rmdir(path)
-
-    @property
-    def available(self) -> bool:
-        return self.path is not None
 
     def _read(self, name: str) -> int:
         with open(f"{self.path}/{name}") as file:
@@ -127,17 +123,12 @@ class PeakMemory:
     memory of process `pid` read from /proc by another process of the same user. `open()` resets
     the kernel's high-water mark (`clear_refs` 5) and notes the resident size, `close()` returns
     how far the high-water mark rose above it (the process measured can reset it too: best
-    effort). `available` is False where /proc lacks either. Source: proc(5)."""
+    effort). `open()` or `close()` raises OSError where /proc lacks either. Source: proc(5)."""
 
     measure = "/proc's high-water mark"
 
     def __init__(self, pid: int):
         self.pid, self.base = pid, 0
-        try:
-            self.open()
-            self.available = True
-        except OSError:
-            self.available = False
 
     def _status_kib(self, field: str) -> int:
         with open(f"/proc/{self.pid}/status") as status:
@@ -153,3 +144,18 @@ class PeakMemory:
 
     def close(self) -> tuple[int, bool]:
         return max(0, self._status_kib("VmHWM") - self.base) * 1024, False
+
+
+def memory_window(pid: int, kinds=(CgroupMemory, PeakMemory)):
+    """The first of `kinds` whose window works for process `pid` here (v2 before Linux 6.12: no
+    reset), or None (the process measures itself)."""
+    for kind in kinds:
+        memory = kind(pid)
+        try:
+            memory.open()
+            memory.close()
+            return memory
+        except (OSError, AttributeError, TypeError, ValueError):
+            if hasattr(memory, "remove"):
+                memory.remove()
+    return None

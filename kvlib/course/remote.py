@@ -134,8 +134,7 @@ class Remote:
     def _finish(self, args, options, reply) -> Call:
         if reply[0] == "raised":
             _, type_name, message, info, mro, args_after = reply
-            refused = "kvlib.course.guards.GradingError" in mro  # a rule's message says it all
-            if refused:
+            if "kvlib.course.guards.GradingError" in mro:  # a rule's message says it all
                 raise AssertionError(message)
             with contextlib.suppress(ValueError, TypeError, RecursionError):
                 args_after = None if args_after is None else decode(args_after)
