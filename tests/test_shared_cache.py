@@ -122,6 +122,8 @@ def test_truncate_repeat_reorder(model):
         ({2: 1, 3: 2}, 2, "which stores nothing itself"),
         ({3: 1}, 4, r"needs one layer per producer \(3 of 4\)"),
         ({3: "1"}, 3, "must read an earlier layer"),
+        ({3: True}, 3, "must read an earlier layer"),
+        ({True: 0}, 3, r"consumer layers must be in \[0, 4\)"),
     ],
 )
 def test_bad_mappings_are_refused(reads, inner_layers, message):
@@ -139,3 +141,12 @@ def test_a_consumer_before_its_producer_is_refused():
     assert cache.update(3, k, v)[0] is cache.update(3, k, v)[0]
     with pytest.raises(ValueError, match=r"layer_idx: must be in \[0, 4\)"):
         cache.update(7, k, v)
+
+
+def test_a_cache_that_decides_positions_is_refused():
+    from kvlib.cache import EvictingCache
+    from kvlib.cache.eviction_policies import StreamingLLM
+
+    inner = EvictingCache(3, StreamingLLM(num_sinks=2), budget=8)
+    with pytest.raises(ValueError, match="inner: a cache that defines query_positions"):
+        CrossLayerCache(inner, 4, {3: 1})

@@ -5,9 +5,10 @@ Cross-Layer Attention (Brandon et al., 2024, "Reducing Transformer Key-Value Cac
 Cross-Layer Attention") trains a model in which groups of adjacent layers share one set of keys
 and values: only the first layer of a group projects and stores K/V, the others read them.
 Gemma 3n configures it as `num_kv_shared_layers`: each of the last layers reads the cache of the
-last earlier non-shared layer of its own kind (full or sliding), which is how chapter 3's
+last layer of its own kind (full or sliding) before the sharing starts, which is how chapter 3's
 `kvlib.memory.layer_specs` counts it (kind "shared", no bytes, `LayerSpec.reads` naming the
-producer); transformers' Gemma 3n skips the shared layers' K/V projections at inference.
+producer); transformers' Gemma 3n skips the shared layers' K/V projections when it has a cache
+(`Gemma3nTextAttention`'s `kv_shared_layer_index`, transformers commit b87ecf8c).
 
 `CrossLayerCache` does this behind the cache interface, without changing the model: an inner cache
 holds the **producer** layers only (its `num_layers` is their count), a producer's `update` is the
@@ -20,10 +21,10 @@ untrained model). Bytes: the inner cache's, (L - shared) / L of the unshared cac
 
 What it does not do: sharing within a layer's heads (that is GQA, chapter 5), sharing between
 layers of different geometry (the producer's K/V must be what the consumer's attention reads),
-caches that decide positions or rotate keys on read (`EvictingCache`: its `query_positions` and
-`rotates_keys` are not passed through), or skip the consumers' K/V projections (the model
-computes them; a CLA model has none). `begin_forward` is passed to the inner cache; the dense
-and static inner caches are the tested ones.
+caches that decide positions or rotate keys on read (`EvictingCache`: refused, its
+`query_positions` and `rotates_keys` would not reach the model), or skipping the consumers' K/V
+projections (the model computes them; a CLA model has none). `begin_forward` is passed to the
+inner cache; the dense and static inner caches are the tested ones.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class CrossLayerCache:
 
     Raises:
         ValueError: a layer index outside [0, num_layers), a producer that is not earlier than
-            its consumer or is itself a consumer, an inner cache of the wrong number of layers.
+            its consumer or is itself a consumer, an inner cache of the wrong number of layers
+            or one that decides positions (`query_positions`, `rotates_keys`: `EvictingCache`).
         RuntimeError (at `update`): a consumer whose producer has not written in this forward.
     """
 
@@ -63,17 +65,22 @@ class CrossLayerCache:
         self.num_layers = check_positive_int("num_layers", num_layers)
         reads = dict(reads)
         for consumer, producer in reads.items():
-            if not (isinstance(consumer, int) and 0 <= consumer < num_layers):
+            if type(consumer) is not int or not 0 <= consumer < num_layers:
                 raise ValueError(
                     f"reads: consumer layers must be in [0, {num_layers}), got {consumer!r}"
                 )
-            if not (isinstance(producer, int) and 0 <= producer < consumer):
+            if type(producer) is not int or not 0 <= producer < consumer:
                 raise ValueError(
                     f"reads: layer {consumer} must read an earlier layer, got {producer!r}"
                 )
             if producer in reads:
                 raise ValueError(
                     f"reads: layer {consumer} reads layer {producer}, which stores nothing itself"
+                )
+        for hook in ("query_positions", "rotates_keys"):  # positions the cache decides
+            if hasattr(inner, hook):
+                raise ValueError(
+                    f"inner: a cache that defines {hook} ({type(inner).__name__}) is not supported"
                 )
         producers = [i for i in range(num_layers) if i not in reads]
         if getattr(inner, "num_layers", None) != len(producers):

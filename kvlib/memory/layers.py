@@ -18,8 +18,9 @@ code reads it (chapter 3). Layer by layer:
   (kvlib's own hybrids, `kvlib.layers.hybrid`, list linear layers in any model type's
   `layer_types` and have no convolution: no `linear_conv_kernel_dim`, no convolution state);
 - cross-layer KV sharing (Brandon et al., 2024; Gemma 3n's `num_kv_shared_layers`): the last
-  layers read the cache of the last earlier layer of their own kind and cache nothing themselves
-  (kind "shared");
+  layers read the cache of the last layer of their own kind before the sharing starts and cache
+  nothing themselves (kind "shared"; transformers' `Gemma3nTextAttention.kv_shared_layer_index`,
+  commit b87ecf8c);
 - StreamingLLM attention sinks (Xiao et al., 2024), on request: every attention layer keeps its
   first `sink_tokens` tokens plus a recent window.
 
@@ -205,7 +206,7 @@ def _linear_attention_state(config: dict) -> tuple[int, str]:
 
 def _shared(specs: list[LayerSpec], config: dict) -> list[LayerSpec]:
     """Cross-layer KV sharing as Gemma 3n configures it: each of the last `num_kv_shared_layers`
-    layers reads the cache of the last earlier layer of its own kind and stores nothing."""
+    layers reads the cache of the last layer of its own kind before them and stores nothing."""
     shared = int(config.get("num_kv_shared_layers") or 0)
     first = len(specs) - shared
     if not 0 <= shared < len(specs):
