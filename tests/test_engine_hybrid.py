@@ -196,6 +196,27 @@ def test_window_groups_free_blocks_as_sequences_advance(gemma2):
     check_nothing_leaked(engine)
 
 
+def test_a_prefix_hit_reads_the_window_through_null_entries(gemma2):
+    """A second turn after the first finished: a 40-token hit (blocks of 8), of which the sliding
+    group needs only its last blocks (the entries before them name the null block); the tokens
+    still equal the uncached forward's."""
+    engine = LLMEngine(gemma2, num_blocks=100, block_size=8, enable_prefix_caching=True)
+    first = PROMPTS[3][:45]
+    second = first[:40] + PROMPTS[1][:7]
+    assert run_checked(engine, [first]) == [uncached_greedy(gemma2, first, MAX_TOKENS)]
+    engine.add_request("turn 2", second, SamplingParams(max_tokens=MAX_TOKENS))
+    engine.step()
+    sliding, full = engine.manager.tables("turn 2")
+    null = engine.manager.null_block
+    assert engine.requests["turn 2"].num_cached_tokens == 40
+    assert sliding[0] == null and null not in full  # the hit's dead window entries: null
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_tables(engine)
+    assert engine.requests["turn 2"].output_token_ids == uncached_greedy(gemma2, second, MAX_TOKENS)
+    check_nothing_leaked(engine)
+
+
 def test_parallel_sampling_and_abort(gemma2):
     engine = LLMEngine(gemma2, num_blocks=100, max_num_batched_tokens=32)
     params = [SamplingParams(max_tokens=MAX_TOKENS)] * 2
