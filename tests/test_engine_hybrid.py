@@ -1,5 +1,5 @@
-"""Chapter 12's engine serving models with sliding-window layers through a block table per layer
-group (`kvlib.engine.hybrid_kv`, chapter 17).
+"""Chapter 12's engine serving hybrid models through a block table per layer group and a state
+slot per request for each linear layer (`kvlib.engine.hybrid_kv`, chapter 17).
 
 Oracle: each request's greedy tokens from the model's own forward without a cache over the whole
 sequence (the window mask of `kvlib.model`), token for token, across batchings: one step per
@@ -8,7 +8,8 @@ preemption), two requests at a time, one table for every layer; prompts shorter 
 the window, 40 tokens decoded (2.5 windows). Models: randomly initialised from a seed, the course
 model's vocabulary and depth at half its width (an equality test needs no training): Gemma 2's
 alternation (sliding, full, sliding, full), Gemma 3's five sliding layers per full one (six
-groups of one layer), and Mistral's window on every layer (one group). Then the allocator's
+groups of one layer), Mistral's window on every layer (one group), the hybrid course model's
+(sliding, full, linear, full) at random and with its shipped weights. Then the allocator's
 state after every step (pool invariants across groups, window tables holding only live blocks,
 the null block before them, nothing leaked), the admission count against one table for the same
 bytes, and every refusal.
@@ -111,6 +112,8 @@ def check_tables(engine: LLMEngine) -> None:
             assert manager.null_block not in table[first:], (table, first)
         held = manager.live_blocks(request.request_id) + (manager.null_block is not None)
         assert held <= manager.peak_blocks(n)
+    running = {r.request_id for r in engine.scheduler.running}
+    assert {seq_id for seq_id, _ in manager.states} <= running  # state slots: running only
 
 
 def check_nothing_leaked(engine: LLMEngine) -> None:
@@ -121,7 +124,7 @@ def check_nothing_leaked(engine: LLMEngine) -> None:
     assert engine.storage.num_blocks_in_use == reserved
     for block in manager.pool.blocks:
         assert block.ref_cnt == (block.block_id == manager.null_block), block
-    assert not any(m.block_tables for m in manager.managers)
+    assert not any(m.block_tables for m in manager.managers) and not manager.states
 
 
 # options -> what the run must have exercised
@@ -298,10 +301,46 @@ def test_peak_blocks_window_term_is_the_worst_chunk_start():
                     assert manager.peak_blocks(n) == brute + 1, (window, block_size, chunk, n)
 
 
+LINEAR = dict(layer_types=("sliding", "full", "linear", "full"), sliding_window=W)
+LINEAR_BATCHINGS = {
+    "chunked prefill": dict(num_blocks=200, max_num_batched_tokens=13),
+    "preemption": dict(num_blocks=48, max_num_batched_tokens=32, block_size=8),
+    "two at a time": dict(num_blocks=200, max_num_seqs=2),
+    "one table for every layer": dict(num_blocks=200, per_group_block_tables=False),
+}
+
+
+@pytest.mark.parametrize("name", LINEAR_BATCHINGS)
+def test_linear_layers_keep_a_state_slot_per_request(name):
+    """HYBRID_CONFIG's layout (sliding, full, linear, full): the linear layer's state lives in a
+    slot per request and layer (chunked_form for a chunk, recurrent_form for one token), dropped
+    when the request finishes or is preempted; tokens equal the uncached forward's."""
+    model = model_of(LINEAR)
+    engine = LLMEngine(model, **LINEAR_BATCHINGS[name])
+    assert all(2 not in group.layers for group in engine.manager.groups)  # no K/V for it
+    assert run_checked(engine, PROMPTS) == oracle(model, "linear", PROMPTS)
+    if name == "preemption":
+        assert engine.summary()["preemptions"] >= 1
+    check_nothing_leaked(engine)
+
+
+def test_the_shipped_hybrid_course_model_is_served():
+    from kvlib.loaders.course_model import load_course_hybrid_model
+
+    model = load_course_hybrid_model()
+    engine = LLMEngine(model, num_blocks=40, max_num_batched_tokens=16, block_size=8)
+    assert run_checked(engine, PROMPTS[:3]) == oracle(model, "shipped", PROMPTS[:3])
+    assert engine.summary()["preemptions"] >= 1
+    check_nothing_leaked(engine)
+
+
 def test_unsupported_models_are_refused_by_name():
     linear = LlamaModel(HYBRID_CONFIG)  # sliding, full, linear, full
-    with pytest.raises(ValueError, match="linear .*state slots"):
-        LLMEngine(linear, num_blocks=50)
+    with pytest.raises(ValueError, match="^enable_prefix_caching: .*state"):
+        LLMEngine(linear, num_blocks=50, enable_prefix_caching=True)
+    all_linear = model_of(dict(layer_types=("linear",) * 4))
+    with pytest.raises(ValueError, match="^model: .*no attention layer"):
+        LLMEngine(all_linear, num_blocks=50)
     plain = model_of({})
     with pytest.raises(ValueError, match="^per_group_block_tables: "):
         LLMEngine(plain, num_blocks=50, per_group_block_tables=False)

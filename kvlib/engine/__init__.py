@@ -16,8 +16,9 @@ Modules, named as vLLM v1 and nano-vllm name theirs:
   feeds its statistics (`stats`: `EngineStats`, `StepStats`: the latest steps and running totals);
 - `speculative`: speculative decoding of greedy requests with n-gram drafts (chapter 16,
   `speculative_config`), verified as chunks of the mixed batch, rejected slots rolled back;
-- `hybrid_kv`: models with sliding-window layers (chapter 17): a block table per layer group over
-  one pool, each layer attending through its group's tables under its window;
+- `hybrid_kv`: hybrid models (chapter 17): a block table per layer group over one pool, each
+  layer attending through its group's tables under its window; a state slot per request for each
+  linear (recurrent) layer;
 - `workload`: a synthetic serving workload and the configurations chapter 12 compares
   (`python -m kvlib.experiments.serving` records the comparison, `results/serving.csv`).
 

@@ -1,9 +1,11 @@
-"""Chapter 12's engine serving a model with sliding-window layers (chapter 17): one block table
-per layer group over one pool, as vLLM's hybrid KV cache manager serves Gemma 2/3 and gpt-oss.
+"""Chapter 12's engine serving a hybrid model (chapter 17): one block table per layer group over
+one pool, as vLLM's hybrid KV cache manager serves Gemma 2/3 and gpt-oss, and a state slot per
+request for each linear (recurrent) layer.
 
 `LLMEngine` keeps one block table per request when every layer attends to every token. A model
 whose `ModelConfig.layer_types` mixes "full" and "sliding" layers (Gemma 2/3; or one whose
-`sliding_window` covers every layer, Mistral: the one-group case) is served here instead:
+`sliding_window` covers every layer, Mistral: the one-group case), with or without "linear"
+(recurrent) layers (or full and linear ones only), is served here instead:
 
 - **the allocator**: `HybridKVManager`, chapter 17's `kvlib.cache.hybrid_blocks.HybridBlockManager`
   (`group_layers`: vLLM's grouping; one `BlockManager` per group over one `BlockPool`; prefix
@@ -21,19 +23,25 @@ whose `ModelConfig.layer_types` mixes "full" and "sliding" layers (Gemma 2/3; or
   every group's), and `HybridBatchKV`, the cache the model sees: layer l writes and reads
   through its group's metadata, a sliding layer under its window (`WindowBatchKV`: key j
   visible to the query at p when p - W < j <= p, `kvlib.ops.attention.visible`'s rule); reads
-  of the null block are dead positions, masked.
+  of the null block are dead positions, masked;
+- **the linear layers' states**: a **state slot** per request and linear layer
+  (`HybridKVManager.states`, (1, H, D, D) each), read and replaced by
+  `HybridBatchKV.update_state` (`chunked_form` for a chunk, `recurrent_form` for one token, as
+  `RecurrentStateCache`), dropped when the request finishes or is preempted (it recomputes).
+  Unlike vLLM's `MambaManager`, which gives a state a block of the pool, the slots sit outside
+  the pool: the blocks counted are the attention layers' only.
 
 `per_group_block_tables=False` (an `EngineConfig` field) serves the same model through one table
-for every layer, the windows still masked but nothing freed: the engine chapter 17 measures
-against (a block then holds every layer's `block_size` tokens).
+for every attention layer, the windows still masked but nothing freed: the engine chapter 17
+measures against (a block then holds every attention layer's `block_size` tokens).
 
-Refused, by name (`check_engine`): linear (recurrent) layers, whose per-request state needs
-state slots this engine has not; MLA; quantized K/V (`kv_scheme`), `async_scheduling`,
-`speculative_config`, `eviction` and `policy="static"`. Parallel sampling (`n > 1`) queues the
-children as ordinary requests (no fork across groups). Sinks: the model's window has none, so
-neither has the allocator (`sink_tokens` 0). Not done: attending over fewer blocks (every
-position up to the sequence's length is gathered, the dead ones from the null block, and
-masked); chapter 11's kernel and CUDA graphs.
+Refused, by name (`check_engine`): MLA; a model without attention layers; prefix caching with
+linear layers (a hit would need their state at the hit's block boundary: state snapshots);
+quantized K/V (`kv_scheme`), `async_scheduling`, `speculative_config`, `eviction` and
+`policy="static"`. Parallel sampling (`n > 1`) queues the children as ordinary requests (no fork
+across groups). Sinks: the model's window has none, so neither has the allocator (`sink_tokens`
+0). Not done: attending over fewer blocks (every position up to the sequence's length is
+gathered, the dead ones from the null block, and masked); chapter 11's kernel and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ from kvlib.cache.paged_window import live_block_range
 from kvlib.engine.batch import BatchKV, ModelInput, prepare_inputs
 from kvlib.engine.runner import ModelRunner
 from kvlib.engine.scheduler import Scheduler
+from kvlib.layers.hybrid import LINEAR_CHUNK_SIZE
+from kvlib.layers.linear_attention import chunked_form, recurrent_form
 
 __all__ = [
     "HybridBatchKV",
@@ -70,30 +80,26 @@ REFUSED_OPTIONS = {
 }
 
 
-def layer_windows(config) -> list[int | None] | None:
-    """Each layer's sliding window (tokens) or None (full attention), for a model this path
-    serves; None for a model with no window (chapter 12's engine serves it).
-
-    Raises:
-        ValueError: a linear (recurrent) layer or an MLA model, named.
-    """
+def layer_windows(config) -> dict[int, int | None] | None:
+    """{attention layer: its sliding window (tokens) or None (full attention)} of a model this
+    path serves (linear layers are not keys: their state is no K/V); None for a model with no
+    `layer_types` and no window (chapter 12's engine serves it)."""
     if config.layer_types is None:
         if config.sliding_window is None:
             return None
-        return [config.sliding_window] * config.num_hidden_layers  # Mistral: one group
-    if "linear" in config.layer_types:
-        raise ValueError(
-            f"model: layer_types {config.layer_types} has linear (recurrent) layers, whose "
-            "per-request state needs state slots the engine does not have; it serves full and "
-            "sliding-window attention layers only"
-        )
-    return [config.sliding_window if kind == "sliding" else None for kind in config.layer_types]
+        return dict.fromkeys(range(config.num_hidden_layers), config.sliding_window)  # Mistral
+    return {
+        layer: config.sliding_window if kind == "sliding" else None
+        for layer, kind in enumerate(config.layer_types)
+        if kind != "linear"
+    }
 
 
 def check_engine(model, config) -> list[int | None]:
     """`layer_windows` of `model.config`, after refusing (ValueError, naming the field) an MLA
-    or linear-layer model, a model without windows, and an `EngineConfig` whose options this
-    path does not implement (`REFUSED_OPTIONS`, static)."""
+    model, one without attention layers, one without windows or `layer_types`, prefix caching
+    with linear layers, and an `EngineConfig` whose options this path does not implement
+    (`REFUSED_OPTIONS`, static)."""
     if model.config.is_mla:
         raise ValueError("model: the engine serves K/V-head models; got an MLA model")
     windows = layer_windows(model.config)
@@ -101,6 +107,17 @@ def check_engine(model, config) -> list[int | None]:
         raise ValueError(
             "per_group_block_tables: False chooses one table for a model with sliding windows; "
             "this model has none (chapter 12's engine gives it one table already)"
+        )
+    if not windows:
+        raise ValueError(
+            f"model: layer_types {model.config.layer_types} has no attention layer; the engine "
+            "serves models with at least one"
+        )
+    if len(windows) < model.config.num_hidden_layers and config.enable_prefix_caching:
+        raise ValueError(
+            "enable_prefix_caching: not supported with linear (recurrent) layers: a hit would need "
+            "their state at the hit's block boundary (state snapshots), which the engine does not "
+            "keep; got True"
         )
     for name, needs in REFUSED_OPTIONS.items():
         if getattr(config, name) not in (None, False):
@@ -120,12 +137,23 @@ class HybridKVManager(HybridBlockManager):
     """`HybridBlockManager` with what chapter 12's scheduler and engine call: `block_tables` and
     `token_ids` (the first group's, whose keys are the sequences held and whose lengths are every
     group's), `num_cached_prefix_blocks`, `copies` (always empty: no fork, no copy-on-write) and
-    `peak_blocks`. `chunk`: the engine's token budget (a prefill chunk's most tokens)."""
+    `peak_blocks`; and the linear layers' **state slots** (`states`), one per sequence and
+    layer, outside the pool. `chunk`: the engine's token budget (a prefill chunk's most
+    tokens)."""
 
     def __init__(self, pool: BlockPool, groups, *, chunk: int):
         super().__init__(pool, groups)
         self.chunk = chunk
         self.copies: list[tuple[int, int]] = []
+        # linear layers' state slots: (seq_id, layer) -> (1, H, D, D), held until `free`
+        self.states: dict[tuple, torch.Tensor] = {}
+
+    def free(self, seq_id) -> None:
+        """`HybridBlockManager.free`, and the sequence's linear-layer states dropped (a
+        preempted request recomputes them from its first token)."""
+        super().free(seq_id)
+        for key in [key for key in self.states if key[0] == seq_id]:
+            del self.states[key]
 
     @property
     def block_tables(self) -> dict:
@@ -212,6 +240,7 @@ class HybridModelInput(ModelInput):
     with every group's own (`group_inputs[g]`: its slot mapping and block tables)."""
 
     group_inputs: list[ModelInput] = dataclasses.field(default_factory=list)
+    request_ids: list[str] = dataclasses.field(default_factory=list)  # (n,) in row order
 
 
 class HybridBatchKV:
@@ -222,8 +251,9 @@ class HybridBatchKV:
 
     length = 0  # positions come from metadata, as `BatchKV`'s
 
-    def __init__(self, storage: PagedCache, batch: HybridModelInput, layout):
+    def __init__(self, storage: PagedCache, batch: HybridModelInput, layout, states=None):
         self.storage, self.batch, self.layout = storage, batch, layout
+        self.states = states  # a HybridKVManager's state slots
         self.num_layers = len(layout)
         self.views: dict[tuple[int, int | None], WindowBatchKV] = {}
         self.view: WindowBatchKV | None = None  # the layer being computed
@@ -239,6 +269,24 @@ class HybridBatchKV:
     def attention_backend(self, q, kv, mask, *, weights_out=None):
         return self.view.attention_backend(q, kv, mask, weights_out=weights_out)
 
+    def update_state(self, layer_idx: int, q, k, v, log_decay) -> torch.Tensor:
+        """A linear layer's step (`kvlib.layers.hybrid.LinearAttention`): each sequence's rows
+        from its state slot (zeros for its first tokens), one token by `recurrent_form`, a chunk
+        by `chunked_form` (as `RecurrentStateCache.update`); the slot then holds the state after
+        them. q, k, v (1, H, N, D), log_decay (1, H, N); returns (1, H, N, D)."""
+        out, start = torch.empty_like(v), 0
+        for request_id, n in zip(self.batch.request_ids, self.batch.query_lens):
+            rows, key = slice(start, start + n), (request_id, layer_idx)
+            args = (q[:, :, rows], k[:, :, rows], v[:, :, rows], log_decay[:, :, rows])
+            if n == 1:
+                out[:, :, rows], self.states[key] = recurrent_form(*args, self.states.get(key))
+            else:
+                out[:, :, rows], self.states[key] = chunked_form(
+                    *args, LINEAR_CHUNK_SIZE, self.states.get(key)
+                )
+            start += n
+        return out
+
     def advance(self, num_tokens: int) -> None:
         """Nothing to commit: the scheduler already counted the tokens."""
 
@@ -253,7 +301,8 @@ class _GroupInputs:
     def stage(self, scheduled, manager=None) -> HybridModelInput:
         groups = [prepare_inputs(scheduled, m, self.device) for m in self.manager.managers]
         fields = {f.name: getattr(groups[0], f.name) for f in dataclasses.fields(ModelInput)}
-        return HybridModelInput(**fields, group_inputs=groups)
+        ids = [request.request_id for request, _ in scheduled]
+        return HybridModelInput(**fields, group_inputs=groups, request_ids=ids)
 
     def to_device(self, staged: HybridModelInput, previous_sampled) -> HybridModelInput:
         return staged
@@ -278,7 +327,7 @@ class HybridModelRunner(ModelRunner):
         self.inputs = _GroupInputs(manager, self.device)
 
     def _batch_kv(self, batch: HybridModelInput) -> HybridBatchKV:
-        return HybridBatchKV(self.storage, batch, self.layout)
+        return HybridBatchKV(self.storage, batch, self.layout, self.manager.states)
 
 
 def engine_parts(model, config):
@@ -287,11 +336,15 @@ def engine_parts(model, config):
     `per_group_block_tables=False`, one table for every layer. Raises ValueError as
     `check_engine`."""
     windows = check_engine(model, config)
+    layers = sorted(windows)  # the attention layers
     if config.per_group_block_tables:
-        groups = group_layers(windows)
+        groups = [  # group_layers numbers the layers it is given: the model's indices instead
+            LayerGroup(tuple(layers[i] for i in g.layers), g.window, g.size)
+            for g in group_layers([windows[layer] for layer in layers])
+        ]
     else:
-        groups = [LayerGroup(tuple(range(len(windows))), None, len(windows))]
-    layout = [None] * len(windows)
+        groups = [LayerGroup(tuple(layers), None, len(layers))]
+    layout: list = [None] * model.config.num_hidden_layers  # None: a linear layer
     for g, group in enumerate(groups):
         for i, layer in enumerate(group.layers):
             layout[layer] = (g, i, windows[layer])

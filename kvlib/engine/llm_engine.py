@@ -88,8 +88,8 @@ class EngineConfig(SchedulerConfig):
         count every step).
     speculative_config: a `kvlib.engine.speculative.SpeculativeConfig` (or a dict of its
         fields) to decode requests speculatively (not those asking for logprobs); None: off.
-    per_group_block_tables: a model with sliding windows gets a block table per layer group
-        (`kvlib.engine.hybrid_kv`); False: one for every layer, nothing freed (a baseline).
+    per_group_block_tables: a model with windows or `layer_types` gets a block table per layer
+        group (`kvlib.engine.hybrid_kv`); False: one for every layer, nothing freed (a baseline).
     """
 
     num_blocks: int
@@ -136,7 +136,7 @@ class LLMEngine:
     `runner` (one forward and sampling per step) and the `stats` (`EngineStats`).
 
     Args:
-        model: a `kvlib.model.LlamaModel` (not MLA; sliding windows: `kvlib.engine.hybrid_kv`).
+        model: a `kvlib.model.LlamaModel` (not MLA; hybrids, windows: `kvlib.engine.hybrid_kv`).
         **config: `EngineConfig`'s fields.
 
     Raises:
