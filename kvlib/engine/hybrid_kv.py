@@ -95,7 +95,7 @@ def layer_windows(config) -> dict[int, int | None] | None:
     }
 
 
-def check_engine(model, config) -> list[int | None]:
+def check_engine(model, config) -> dict[int, int | None]:
     """`layer_windows` of `model.config`, after refusing (ValueError, naming the field) an MLA
     model, one without attention layers, one without windows or `layer_types`, prefix caching
     with linear layers, and an `EngineConfig` whose options this path does not implement
@@ -122,12 +122,12 @@ def check_engine(model, config) -> list[int | None]:
     for name, needs in REFUSED_OPTIONS.items():
         if getattr(config, name) not in (None, False):
             raise ValueError(
-                f"{name}: not supported for a model with sliding-window layers (it would need "
+                f"{name}: not supported for a hybrid or windowed model (it would need "
                 f"{needs}); got {getattr(config, name)!r}"
             )
     if config.policy != "continuous":
         raise ValueError(
-            f"policy: a model with sliding-window layers is served with policy='continuous', "
+            f"policy: a hybrid or windowed model is served with policy='continuous', "
             f"got {config.policy!r}"
         )
     return windows
