@@ -45,10 +45,9 @@ none); vLLM keys its cached blocks by (hash, group) where this
 module salts each group's chain, and it also allows groups with different block sizes (a hit's
 length a multiple of their least common multiple), which this module does not.
 
-What it does not do: hold K/V (each group's layers would index their tensors with its table),
-recurrent-state groups (vLLM's `MambaManager`: one block holds a state), per-group block sizes,
-fork, rollback, or run inside chapter 12's engine, whose scheduler and runner use one table per
-sequence: the sequences admitted here are counted by the allocator, not served by the engine.
+What it does not do: hold K/V (each group's layers index their tensors with its table: chapter
+12's engine does, `kvlib.engine.hybrid_kv`), recurrent-state groups (vLLM's `MambaManager`: one
+block holds a state), per-group block sizes, fork, rollback.
 """
 
 from __future__ import annotations

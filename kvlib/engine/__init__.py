@@ -17,6 +17,9 @@ Modules, named as vLLM v1 and nano-vllm name theirs:
 - `speculative`: speculative decoding (chapter 16, `speculative_config`) with n-gram drafts or
   self-speculation over a StreamingLLM view of each request's cache (`streaming_draft`),
   verified as chunks of the mixed batch, rejected slots rolled back;
+- `hybrid_kv`: hybrid models (chapter 17): a block table per layer group over one pool, each
+  layer attending through its group's tables under its window; a state slot per request for each
+  linear (recurrent) layer;
 - `workload`: a synthetic serving workload and the configurations chapter 12 compares
   (`python -m kvlib.experiments.serving` records the comparison, `results/serving.csv`).
 

@@ -61,6 +61,7 @@ from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.block_pool import BlockPool
 from kvlib.cache.paged import PagedCache
 from kvlib.cache.quantized import QuantizedPagedCache
+from kvlib.engine.hybrid_kv import HybridKVManager, engine_parts
 from kvlib.engine.overlap import StepHandle
 from kvlib.engine.request import Request, RequestOutput, SamplingParams
 from kvlib.engine.runner import ModelRunner
@@ -89,6 +90,8 @@ class EngineConfig(SchedulerConfig):
         count every step).
     speculative_config: a `kvlib.engine.speculative.SpeculativeConfig` (or a dict of its
         fields) to decode requests speculatively (not those asking for logprobs); None: off.
+    per_group_block_tables: a model with windows or `layer_types` gets a block table per layer
+        group (`kvlib.engine.hybrid_kv`); False: one for every layer, nothing freed (a baseline).
     """
 
     num_blocks: int
@@ -98,6 +101,7 @@ class EngineConfig(SchedulerConfig):
     async_scheduling: bool = False
     max_recorded_steps: int = 10_000
     speculative_config: SpeculativeConfig | None = None
+    per_group_block_tables: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -134,51 +138,53 @@ class LLMEngine:
     `runner` (one forward and sampling per step) and the `stats` (`EngineStats`).
 
     Args:
-        model: a `kvlib.model.LlamaModel` (not MLA; no sliding window).
+        model: a `kvlib.model.LlamaModel` (not MLA; hybrids, windows: `kvlib.engine.hybrid_kv`).
         **config: `EngineConfig`'s fields.
 
     Raises:
-        ValueError, TypeError: a bad config field (named); an MLA or sliding-window model.
+        ValueError, TypeError: a bad config field (named); an MLA model (and as `hybrid_kv`).
     """
 
     def __init__(self, model, **config):
         self.config = EngineConfig(**config)
         c = model.config
-        if c.is_mla or c.sliding_window is not None:
-            raise ValueError(
-                "model: the engine serves K/V-head models with full attention; got "
-                f"{'an MLA model' if c.is_mla else f'sliding_window={c.sliding_window}'}"
-            )
         self.model = model
-        kw = dict(num_blocks=self.config.num_blocks, block_size=self.config.block_size)
-        if self.config.kv_scheme is not None:
-            storage_class, kw["key_scheme"] = QuantizedPagedCache, self.config.kv_scheme
+        windowed = c.sliding_window or getattr(c, "layer_types", None)  # chapter 17's models
+        if windowed or not self.config.per_group_block_tables:
+            parts = engine_parts(model, self.config)  # a block table per layer group
+            self.storage, self.manager, self.scheduler, self.runner = parts
+        elif c.is_mla:
+            raise ValueError("model: the engine serves K/V-head models; got an MLA model")
         else:
-            storage_class = PagedCache
-        weight = model.lm_head.weight
-        self.storage = storage_class(
-            c.num_hidden_layers,
-            c.num_key_value_heads,
-            c.head_dim,
-            dtype=weight.dtype,
-            device=weight.device,
-            **kw,
-        )
-        pool = BlockPool(
-            self.config.num_blocks,
-            self.config.block_size,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-        )
-        self.storage.manager = self.manager = BlockManager(pool)  # the engine decides the slots
-        self.scheduler = Scheduler(self.config, self.manager)  # an EngineConfig is one
-        self.runner = ModelRunner(
-            model,
-            self.storage,
-            self.manager,
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_model_len=self.config.max_model_len,
-        )
+            kw = dict(num_blocks=self.config.num_blocks, block_size=self.config.block_size)
+            if self.config.kv_scheme is not None:
+                storage_class, kw["key_scheme"] = QuantizedPagedCache, self.config.kv_scheme
+            else:
+                storage_class = PagedCache
+            weight = model.lm_head.weight
+            self.storage = storage_class(
+                c.num_hidden_layers,
+                c.num_key_value_heads,
+                c.head_dim,
+                dtype=weight.dtype,
+                device=weight.device,
+                **kw,
+            )
+            pool = BlockPool(
+                self.config.num_blocks,
+                self.config.block_size,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+            )
+            self.storage.manager = self.manager = BlockManager(pool)  # the engine decides the slots
+            self.scheduler = Scheduler(self.config, self.manager)  # an EngineConfig is one
+            self.runner = ModelRunner(
+                model,
+                self.storage,
+                self.manager,
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_batched_tokens=self.config.max_num_batched_tokens,
+                max_model_len=self.config.max_model_len,
+            )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(self.config.max_recorded_steps)
         self.clock = 0.0
@@ -282,12 +288,13 @@ class LLMEngine:
                 f"exceed max_model_len {self.config.max_model_len}"
             )
         held = len(ids) + params.max_tokens - 1  # the last token is sampled, never cached
-        if self.config.eviction is None and -(-held // self.config.block_size) > len(
-            self.manager.pool.blocks
-        ):
+        needed = -(-held // self.config.block_size)
+        if isinstance(self.manager, HybridKVManager):  # chapter 17: every group's blocks
+            needed = self.manager.peak_blocks(held)
+        if self.config.eviction is None and needed > len(self.manager.pool.blocks):
             raise ValueError(
                 f"prompt_token_ids: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
-                f"need {-(-held // self.config.block_size)} blocks, more than the pool's "
+                f"need {needed} blocks, more than the pool's "
                 f"{self.config.num_blocks}: the request could never run"
             )
         return Request(
