@@ -94,7 +94,8 @@ def minimal_package(cells: list[str], allowed, kvlib_dir: str) -> dict[str, str]
 
     wanted: dict[str, set[str]] = {"course.grading": {"check", "show"}}
     for cell in cells:
-        with contextlib.suppress(SyntaxError, ValueError):
+        # a cell the parser refuses (a syntax error, nesting past its limits) names no module
+        with contextlib.suppress(SyntaxError, ValueError, RecursionError, MemoryError):
             for node in ast.walk(ast.parse(cell)):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvlib."):
                     names = {a.name for a in node.names if a.name != "*"}
