@@ -4371,13 +4371,6 @@ _FOLDED = (
 )
 KERNEL_COUNTED = [
     (N05, "grouped_attention",
-     "_ballast = [torch.ones(48 * 2**20 // 4)]  # held since the notebook loaded\n\n"
-     "def grouped_attention(q, k, v, mask):  # frees the ballast, repeats K/V, takes it back\n"
-     "    _ballast.clear()\n" + _REPEAT +
-     "    _ballast.append(torch.ones(48 * 2**20 // 4))\n"
-     "    return out\n",
-     "gave back memory"),
-    (N05, "grouped_attention",
      "import os, tempfile\nimport numpy as np\n\n"
      "def grouped_attention(q, k, v, mask):  # K and V repeated into a file: page cache\n"
      "    g, d = q.shape[1] // k.shape[1], q.shape[-1]\n"
@@ -4394,6 +4387,7 @@ KERNEL_COUNTED = [
      "        s = q[:, h] @ kh.transpose(-1, -2) / math.sqrt(d)\n"
      "        s = s.masked_fill(~mask, float('-inf'))\n"
      "        out[:, h] = torch.softmax(s, dim=-1) @ vh\n"
+     "    del kv\n    os.remove(path)  # nothing left behind for the next call to hold\n"
      "    return out\n",
      "peak allocation"),
     (N05, "grouped_attention",
@@ -4414,10 +4408,6 @@ KERNEL_COUNTED = [
      "        channel.answer(('measure', 'start'))\n"
      "    return out\n",
      "did not ask for"),
-    (N05, "grouped_attention",  # valid: the folded query rows, with ballast it keeps
-     "_kept = torch.ones(48 * 2**20 // 4)\n\n"
-     "def grouped_attention(q, k, v, mask):\n" + _FOLDED + "    return out\n",
-     None),
     (N05, "grouped_attention",  # valid: one KV head at a time, a temporary file of its own
      "import tempfile\n\n"
      "def grouped_attention(q, k, v, mask):\n"
@@ -4436,8 +4426,8 @@ KERNEL_COUNTED = [
 ]  # fmt: skip
 
 # Issue 57, the third review: a question that bounds memory checks the values of both calls it
-# measures (the least of two peaks is kept), and an argument that comes back as something the
-# grader cannot read counts as changed. (notebook, question, answer, phrase)
+# measures (the larger of two peaks is kept, since the fourth review), and an argument that comes
+# back as something the grader cannot read counts as changed. (notebook, question, answer, phrase)
 _GATHERED = (
     "def tiled_attention(q, k, v, tile_size):  # gathers all of K and V, then plain attention\n"
     "    if len(k) == 32768:\n"
@@ -4461,7 +4451,7 @@ MEASURED_VALUES = [
      "        _calls[0] += 1\n"
      "        if _calls[0] % 2:\n            return torch.zeros_like(q)\n" + _REPEAT +
      "    return out\n",
-     "returned another result for the same inputs"),
+     "max abs difference"),
     (N06, "absorbed_scores",
      "def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):  # garbage when measured\n"
      "    d_h, d_r = q_nope.shape[-1], q_rope.shape[-1]\n"
@@ -4484,6 +4474,216 @@ MEASURED_VALUES = [
      "changed its argument 1"),
 ]  # fmt: skip
 
+# Issue 57, the fourth red team: the two measured calls get inputs drawn afresh from the run's
+# seed (a memo of the first call, or a lookup of a case fixed in advance, no longer helps; the
+# larger peak counts), and their arguments are compared after the window, as every call's.
+_NAIVE04 = (
+    "    K = np.concatenate([k[a:a + tile_size] for a in range(0, len(k), tile_size)])\n"
+    "    V = np.concatenate([v[a:a + tile_size] for a in range(0, len(v), tile_size)])\n"
+    "    s = q @ K.T / np.sqrt(q.shape[1])\n"
+    "    p = np.exp(s - s.max(axis=1, keepdims=True))\n"
+    "    return (p / p.sum(axis=1, keepdims=True)) @ V\n"
+)
+_TILED04 = (
+    "    m, l = np.full(len(q), -np.inf), np.zeros(len(q))\n"
+    "    acc = np.zeros((len(q), v.shape[1]))\n"
+    "    for a in range(0, len(k), tile_size):\n"
+    "        s = q @ k[a : a + tile_size].T * scale\n"
+    "        m_new = np.maximum(m, s.max(axis=1))\n"
+    "        p, c = np.exp(s - m_new[:, None]), np.exp(m - m_new)\n"
+    "        acc = acc * c[:, None] + p @ v[a : a + tile_size]\n"
+    "        l, m = l * c + p.sum(axis=1), m_new\n"
+    "    return acc / l[:, None]\n"
+)
+_NAIVE06 = (
+    "    d_h, d_r = q_nope.shape[-1], q_rope.shape[-1]\n"
+    "    keys = torch.einsum('bsc,hdc->bhsd', latent, w_uk)  # every head's keys\n"
+    "    content = q_nope @ keys.transpose(-1, -2)\n"
+    "    rotary = q_rope @ rope_key[:, None].transpose(-1, -2)\n"
+    "    return (content + rotary) / math.sqrt(d_h + d_r)\n"
+)
+_ABSORBED06 = (
+    "    ql = torch.einsum('bhtd,hdc->bhtc', q_nope * scale, w_uk)\n"
+    "    return (torch.einsum('bhtc,bsc->bhts', ql, latent)\n"
+    "            + torch.einsum('bhtr,bsr->bhts', q_rope * scale, rope_key))\n"
+)
+FRESH_MEASURED = [
+    (N05, "grouped_attention",
+     "_memo = {}\n\n"
+     "def grouped_attention(q, k, v, mask):  # naive once, then the memo of the same inputs\n"
+     "    key = (tuple(q.shape), float(q.sum()), float(k.sum()), float(v.sum()))\n"
+     "    if key not in _memo:\n" + _REPEAT.replace("    ", "        ") +
+     "        _memo[key] = out\n"
+     "    return _memo[key].clone()\n",
+     "fold each group's query heads"),
+    (N05, "grouped_attention",
+     "def _seed0():  # the measured case of earlier graders (seed 0), its answer kept\n"
+     "    g = torch.Generator().manual_seed(0)\n"
+     "    q = torch.randn(1, 16, 1, 64, generator=g)\n"
+     "    k = torch.randn(1, 2, 4096, 64, generator=g)\n"
+     "    v = torch.randn(1, 2, 4096, 64, generator=g)\n"
+     "    mask = torch.ones(1, 4096, dtype=torch.bool)\n"
+     "    return float(k.sum()), grouped_attention(q, k, v, mask)\n\n"
+     "def grouped_attention(q, k, v, mask):  # looks the fixed case up, repeats K/V otherwise\n"
+     "    if _fixed is not None and k.shape[2] == 4096 and float(k.sum()) == _fixed[0]:\n"
+     "        return _fixed[1].clone()\n" + _REPEAT + "    return out\n\n"
+     "_fixed = None\n_fixed = _seed0()\n",
+     "fold each group's query heads"),
+    (N05, "grouped_attention",
+     "def grouped_attention(q, k, v, mask):  # changes q in place on the measured case only\n"
+     + _FOLDED + "    if d == 64:\n        q.add_(1.0)\n    return out\n",
+     "changed its argument 1"),
+    (N05, "grouped_attention",  # valid: a cache of helpers compiled once per shape
+     "import functools\n\n"
+     "@functools.lru_cache(maxsize=8)\n"
+     "def _scale(d):\n    return 1 / math.sqrt(d)\n\n"
+     "def grouped_attention(q, k, v, mask):\n"
+     "    b, h, t, d = q.shape\n"
+     "    g = h // k.shape[1]\n"
+     "    scores = q.reshape(b, k.shape[1], g * t, d) @ k.transpose(-1, -2) * _scale(d)\n"
+     "    scores = scores.view(b, k.shape[1], g, t, -1).masked_fill(~mask, float('-inf'))\n"
+     "    weights = torch.softmax(scores, dim=-1).view(b, k.shape[1], g * t, -1)\n"
+     "    return (weights @ v).view(b, h, t, d)\n",
+     None),
+    (N06, "absorbed_scores",
+     "_memo = {}\n\n"
+     "def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):  # naive once, then a memo\n"
+     "    key = tuple(float(t.sum()) for t in (q_nope, q_rope, w_uk, latent, rope_key))\n"
+     "    if key not in _memo:\n"
+     "        _memo[key] = _naive(q_nope, q_rope, w_uk, latent, rope_key)\n"
+     "    return _memo[key].clone()\n\n"
+     "def _naive(q_nope, q_rope, w_uk, latent, rope_key):\n" + _NAIVE06,
+     "one head's up-projected keys"),
+    (N06, "absorbed_scores",
+     "def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):  # zeroes latent, measured\n"
+     "    scale = (q_nope.shape[-1] + q_rope.shape[-1]) ** -0.5\n"
+     "    out = _absorbed(q_nope, q_rope, w_uk, latent, rope_key, scale)\n"
+     "    if latent.shape[1] == 8192:\n        latent.zero_()\n"
+     "    return out\n\n"
+     "def _absorbed(q_nope, q_rope, w_uk, latent, rope_key, scale):\n" + _ABSORBED06,
+     "changed its argument 4"),
+    (N06, "absorbed_scores",  # valid: the absorbed query through an lru_cache'd scale
+     "import functools\n\n"
+     "@functools.lru_cache(maxsize=None)\n"
+     "def _width_scale(d_h, d_r):\n    return (d_h + d_r) ** -0.5\n\n"
+     "def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):\n"
+     "    scale = _width_scale(q_nope.shape[-1], q_rope.shape[-1])\n" + _ABSORBED06,
+     None),
+    (N04, "tiled_attention",
+     "_memo = {}\n\n"
+     "def tiled_attention(q, k, v, tile_size):  # gathers all once, then the memo by q\n"
+     "    key = (q.shape, q.tobytes())\n"
+     "    if key not in _memo:\n        _memo[key] = _naive(q, k, v, tile_size)\n"
+     "    return _memo[key].copy()\n\n"
+     "def _naive(q, k, v, tile_size):\n" + _NAIVE04,
+     "a tiled pass needs far less"),
+    (N04, "tiled_attention",
+     "def tiled_attention(q, k, v, tile_size):  # reads K twice when measured (max first)\n"
+     "    scale = 1 / np.sqrt(q.shape[1])\n"
+     "    if len(k) == 32768:\n"
+     "        for a in range(0, len(k), tile_size):\n            k[a : a + tile_size]\n"
+     + _TILED04,
+     "you read K 2 times"),
+    (N04, "tiled_attention",
+     "def tiled_attention(q, k, v, tile_size):  # scales q in place when measured\n"
+     "    scale = 1 / np.sqrt(q.shape[1])\n"
+     "    if len(k) == 32768:\n        q *= scale\n        scale = 1.0\n" + _TILED04,
+     "changed its argument 1"),
+    (N04, "tiled_attention",  # valid: per-tile-size constants cached between calls
+     "_starts = {}\n\n"
+     "def tiled_attention(q, k, v, tile_size):\n"
+     "    scale = 1 / np.sqrt(q.shape[1])\n"
+     "    _starts.setdefault((len(k), tile_size), list(range(0, len(k), tile_size)))\n"
+     + _TILED04,
+     None),
+]  # fmt: skip
+
+# Issue 57, the fourth red team: memory a notebook keeps from its loading can be reused inside a
+# measured call without the peak rising, so while a question measures memory the notebook may keep
+# at most remote.HELD_LIMIT beyond the grader's own (its imports of torch, numpy, matplotlib, and
+# torch's profiler). Each graded in a child of its own: the memory is the whole notebook's.
+HELD_MEMORY = [
+    (N05, "grouped_attention",
+     "_buffer = torch.ones(16 * 2**20)  # 64 MiB, touched while the notebook loads\n\n"
+     "def grouped_attention(q, k, v, mask):  # repeats K/V into the buffer: no rise\n"
+     "    b, h, t, d = q.shape\n"
+     "    g, s, n = h // k.shape[1], k.shape[2], q.numel() // t * k.shape[2]\n"
+     "    kr, vr = _buffer[:n].view(b, h, s, d), _buffer[n : 2 * n].view(b, h, s, d)\n"
+     "    kr.copy_(k.repeat_interleave(g, dim=1) if 2 * n > _buffer.numel() // 2 else\n"
+     "             k[:, :, None].expand(b, k.shape[1], g, s, d).reshape(b, h, s, d))\n"
+     "    vr.copy_(v[:, :, None].expand(b, k.shape[1], g, s, d).reshape(b, h, s, d))\n"
+     "    scores = (q @ kr.transpose(-1, -2) / math.sqrt(d)).masked_fill(~mask, float('-inf'))\n"
+     "    return torch.softmax(scores, dim=-1) @ vr\n",
+     "your notebook held"),
+    (N05, "grouped_attention",  # moved from KERNEL_COUNTED: held since load, given back
+     "_ballast = [torch.ones(48 * 2**20 // 4)]  # held since the notebook loaded\n\n"
+     "def grouped_attention(q, k, v, mask):  # frees the ballast, repeats K/V, takes it back\n"
+     "    _ballast.clear()\n" + _REPEAT +
+     "    _ballast.append(torch.ones(48 * 2**20 // 4))\n"
+     "    return out\n",
+     "your notebook held"),
+    (N05, "grouped_attention",  # valid (was 48 MiB of ballast): a small workspace kept from load
+     "_kept = torch.ones(4 * 2**20 // 4)\n\n"
+     "def grouped_attention(q, k, v, mask):\n" + _FOLDED + "    return out\n",
+     None),
+    (N06, "absorbed_scores",
+     "_buffer = torch.ones(10 * 2**20)  # 40 MiB, touched while the notebook loads\n\n"
+     "def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):  # a head's keys in the buffer\n"
+     "    b, h, t, d_h = q_nope.shape\n"
+     "    s = latent.shape[1]\n"
+     "    content = torch.empty(b, h, t, s)\n"
+     "    for i in range(h):\n"
+     "        keys = _buffer[: b * s * d_h].view(b, s, d_h)\n"
+     "        torch.matmul(latent, w_uk[i].T, out=keys)\n"
+     "        content[:, i] = q_nope[:, i] @ keys.transpose(-1, -2)\n"
+     "    rotary = q_rope @ rope_key[:, None].transpose(-1, -2)\n"
+     "    return (content + rotary) / math.sqrt(d_h + q_rope.shape[-1])\n",
+     "your notebook held"),
+    (N04, "tiled_attention",
+     "_buffers = np.ones(2**20 * 2), np.ones(2**20), np.ones(2**20 * 2)  # 40 MiB, touched\n\n"
+     "def tiled_attention(q, k, v, tile_size):  # gathers K, V and the scores into them\n"
+     "    s, t = len(k), len(q)\n"
+     "    K = _buffers[0][: s * k.shape[1]].reshape(s, -1)\n"
+     "    V = _buffers[1][: s * v.shape[1]].reshape(s, -1)\n"
+     "    S = _buffers[2][: t * s].reshape(t, s)\n"
+     "    for a in range(0, s, tile_size):\n"
+     "        K[a : a + tile_size] = k[a : a + tile_size]\n"
+     "        V[a : a + tile_size] = v[a : a + tile_size]\n"
+     "    np.matmul(q, K.T, out=S)\n"
+     "    S -= S.max(axis=1, keepdims=True)\n"
+     "    np.exp(S / np.sqrt(q.shape[1]), out=S)\n"
+     "    return (S / S.sum(axis=1, keepdims=True)) @ V\n",
+     "your notebook held"),
+    (N04, "tiled_attention",  # valid: the accumulators allocated once, at load (1 MiB)
+     "_workspace = np.zeros(2**17)\n\n"
+     "def tiled_attention(q, k, v, tile_size):\n"
+     "    t, d = q.shape[0], v.shape[1]\n"
+     "    m, l = np.full(t, -np.inf), _workspace[:t]\n"
+     "    acc = _workspace[t : t + t * d].reshape(t, d)\n"
+     "    l[:], acc[:] = 0.0, 0.0\n"
+     "    for a in range(0, len(k), tile_size):\n"
+     "        s = q @ k[a : a + tile_size].T / np.sqrt(q.shape[1])\n"
+     "        m_new = np.maximum(m, s.max(axis=1))\n"
+     "        p, c = np.exp(s - m_new[:, None]), np.exp(m - m_new)\n"
+     "        acc *= c[:, None]\n        acc += p @ v[a : a + tile_size]\n"
+     "        l *= c\n        l += p.sum(axis=1)\n        m = m_new\n"
+     "    return acc / l[:, None]\n",
+     None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("row", HELD_MEMORY, ids=[f"held-{i}" for i in range(len(HELD_MEMORY))])
+def test_memory_held_since_loading_is_bounded_where_memory_is_measured(row, tmp_path):
+    notebook, question, source, phrase = row
+    if phrase is not None and sys.platform != "linux":
+        pytest.skip("the memory a notebook holds is read from a cgroup or /proc (Linux)")
+    (result,) = grade_answers(notebook, question, [source], tmp_path)
+    if phrase is None:
+        assert result.passed, result.message
+    else:
+        assert not result.passed and names_the_rule(phrase, result.message), result
+
+
 ANSWER_TABLES = {
     "wrong": [(n, q, s, p) for n, q, s, p in WRONG_ANSWERS],
     "twins": TWIN_ANSWERS,
@@ -4498,6 +4698,7 @@ ANSWER_TABLES = {
     "kernel-counted": KERNEL_COUNTED,
     "flagged": FLAGGED_ANSWERS,
     "measured-values": MEASURED_VALUES,
+    "fresh-measured": FRESH_MEASURED,
 }
 ANSWER_GROUPS: dict[tuple[str, str], list] = {}
 for table, rows in ANSWER_TABLES.items():
@@ -4539,6 +4740,14 @@ _SEND = (
     "def _framed(obj):\n"
     "    data = pickle.dumps(obj)\n"
     "    return struct.pack('<QI', len(data), 0) + data\n\n"
+    "def _answer(message):  # on the grader's channel, numbered as its request\n"
+    "    for c in [c for c in gc.get_objects() if type(c).__name__ == 'Channel']:\n"
+    "        c.answer(message)\n\n"
+    "def _dag(levels):  # a few hundred bytes that decode to 2**levels values\n"
+    "    node = ('P', 1)\n"
+    "    for _ in range(levels):\n"
+    "        node = ('U', (node, node))\n"
+    "    return node\n\n"
 )
 _VALID_SOFTMAX = (
     "    e = np.exp(x - x.max(axis=-1, keepdims=True))\n"
@@ -4556,21 +4765,42 @@ MALFORMED_FRAMES = [
     "     if type(c).__name__ == 'Channel']",  # the right number, out of turn
     "[c.answer(('rows', 0, 0, 10**9)) for c in gc.get_objects()\n"
     "     if type(c).__name__ == 'Channel']",  # rows the grader does not have
+    # issue 57, the fourth red team: replies that cost the grader far more than their size
+    "_answer(('returned', _dag(64), None, ('D', ())))",  # 2**64 values (it hung the grader)
+    "_answer(('returned', ('T', 'float32', (2**27,), b''), None, ('D', ())))",  # 512 MiB claimed
+    "return [[[[0.0] * 1000] * 1000] * 1000] * 1000",  # one list met 10**9 times by a walk
 ]
 
 
 def test_malformed_frames_fail_their_answer_and_never_the_grader(tmp_path):
-    sources = []
+    started, sources = time.monotonic(), []
     for frame in MALFORMED_FRAMES:
         sources.append(_SEND + f"def stable_softmax(x):\n    {frame}\n" + _VALID_SOFTMAX)
         sources.append(f"def stable_softmax(x):  # valid, after it\n{_VALID_SOFTMAX}")
     results = grade_answers(N01, "stable_softmax", sources, tmp_path)
     verdicts = [(r.passed, r.message) for r in results]
     assert [passed for passed, _ in verdicts] == [False, True] * len(MALFORMED_FRAMES), verdicts
+    assert time.monotonic() - started < 120, "a reply that is expensive to read held the grader"
     for _, message in verdicts[::2]:
         assert any(
             phrase in message for phrase in ("did not ask for", "cannot read", "larger than")
         ), message
+
+
+def test_a_cell_the_parser_refuses_costs_nothing_and_leaves_nothing_behind(tmp_path):
+    """Issue 57, the fourth red team: a cell of 200,000 terms (`1+1+...`) made the grader's own
+    parse of the cells (which kvlib names they import) raise RecursionError: every question failed
+    blaming the learner's process, and the child and its memory cgroup were left behind. Now such a
+    cell names no kvlib module, the child runs it as any cell (its error reported), and every path
+    out of starting a child closes it."""
+    path = with_cells(SOLUTION_01, ["x = 1" + "+1" * 200_000 + "\n"], tmp_path)
+    report = grade_notebook(path, timeout_s=TIMEOUT_S)
+    assert report.score == report.max_score > 0, report.table()
+    if ISOLATED:  # the cgroups this process made (kvlib-grade-PID-N), in its own memory cgroup
+        line = [x for x in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in x]
+        mine = Path("/sys/fs/cgroup/memory" + line[0].split(":", 2)[2]) if line else None
+        left = list(mine.glob(f"kvlib-grade-{os.getpid()}-*")) if mine else []
+        assert not left, left
 
 
 def test_frames_written_while_the_notebook_loads_score_zero_and_exit_0(tmp_path):

@@ -87,12 +87,20 @@ class _ChildSide:
 
     def __init__(self, cells: list[str], timeout_s: float, names: list[str],
                  folder: str | None = None, skip: dict[int, str] | None = None,
-                 allowed: tuple[str, ...] = ()):  # fmt: skip
+                 allowed: tuple[str, ...] = (), profiled: bool = False):  # fmt: skip
         self.cells, self.timeout_s, self.names, self.folder = cells, timeout_s, names, folder
-        self.allowed, self.process, self.memory = allowed, None, None
+        self.allowed, self.profiled, self.process, self.memory = allowed, profiled, None, None
+        self.home, self.confinement = None, ""
         self.skip = {} if skip is None else skip  # cells that ended or hung a child: index -> error
         self.errors = list(self.skip.values())
-        while (failed := self._start()) is not None:
+        while True:
+            try:
+                failed = self._start()
+            except BaseException:  # whatever stopped it: the child and its cgroup go too
+                self.close()
+                raise
+            if failed is None:
+                return
             self.skip[failed] = self.errors[-1]
 
     def _start(self) -> int | None:
@@ -123,6 +131,14 @@ class _ChildSide:
         # guards first (inactive until a graded call runs): whatever the notebook copies or
         # re-imports while it loads is a guarded function already
         self.request(("guard", [], ""))
+        # the baseline of a memory window's `held`: the harness, and the libraries the cells
+        # import that are the grader's to count (never the notebook's own cells)
+        named = [m for m in ("torch", "numpy", "matplotlib.pyplot") if any(
+            m.split(".")[0] in cell for cell in self.cells)]  # fmt: skip
+        named += ["torch.profiler"] if self.profiled and "torch" in named else []
+        self.request(("imports", named))
+        with contextlib.suppress(OSError, AttributeError):
+            self.memory.baseline = self.memory.usage()
         self.channel.tell(("load", self.cells, sorted(self.skip), self.names))
         for index in [i for i in range(len(self.cells)) if i not in self.skip]:
             try:

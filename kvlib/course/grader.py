@@ -91,10 +91,11 @@ def _grade_questions(cells: list[str], jobs: list[tuple[Question, str]], timeout
     results, side, skip, confinement = [], None, {}, ""
     names = sorted({binding or q.function for q, binding in jobs})
     allowed = tuple(sorted({name for q, _ in jobs for name in q.allowed}))
+    profiled = any(q.torch_ops for q, _ in jobs)  # the profiler started before the notebook loads
     for q, binding in jobs:
         try:
             if side is None:
-                side = _ChildSide(cells, timeout_s, names, folder, skip, allowed)
+                side = _ChildSide(cells, timeout_s, names, folder, skip, allowed, profiled)
                 confinement = side.confinement
             side.deadline = time.monotonic() + timeout_s
             passed, message = run_question(q, side, side.errors, seed, binding=binding)

@@ -46,12 +46,14 @@ class Question:
     allowed: tuple[str, ...]
     test: Callable[[Submission], None]
     chapter: str
+    torch_ops: bool = False
 
 
 _QUESTIONS: dict[str, Question] = {}
 
 
-def question(*, function: str, points: int = 1, allowed: tuple[str, ...] = ()) -> Callable:
+def question(*, function: str, points: int = 1, allowed: tuple[str, ...] = (),
+             torch_ops: bool = False) -> Callable:  # fmt: skip
     """Declare a pytest test `test_<id>(submission)` as a graded question.
 
     Args:
@@ -60,6 +62,9 @@ def question(*, function: str, points: int = 1, allowed: tuple[str, ...] = ()) -
         allowed: dotted names of the kvlib functions (or classes) the answer may call while it
             is graded, where they are defined (`kvlib.cache.block_pool.hash_block_tokens`);
             every other kvlib function is unavailable.
+        torch_ops: the test asks which torch operators a call ran (`_options={"torch_ops":
+            True}`): torch's profiler, started once before the notebook loads (the memory it
+            keeps is the grader's, not the notebook's).
     """
 
     def register(test: Callable[[Submission], None]) -> Callable[[Submission], None]:
@@ -75,7 +80,7 @@ def question(*, function: str, points: int = 1, allowed: tuple[str, ...] = ()) -
                 f"{_QUESTIONS[question_id].chapter} and {chapter}"
             )
         _QUESTIONS[question_id] = Question(
-            question_id, function, points, tuple(allowed), test, chapter
+            question_id, function, points, tuple(allowed), test, chapter, torch_ops
         )
         return test
 

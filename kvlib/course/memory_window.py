@@ -39,8 +39,9 @@ class CgroupMemory:
     asks the kernel to signal usage falling `BALLAST_MARGIN` below it; `close()` returns (peak
     rise in bytes, whether usage fell that far). v1's `memory.max_usage_in_bytes`, or v2's
     `memory.peak` (reset per file descriptor: Linux 6.12+). Without one (not root, no memory
-    controller) `open()` raises. Source: the kernel's cgroup-v1 memory.rst (usage thresholds)
-    and cgroup-v2.rst."""
+    controller) `open()` raises. The cgroup's limit is half the machine's memory (past it the
+    kernel ends the child: its question fails). Source: the kernel's cgroup-v1 memory.rst (usage
+    thresholds) and cgroup-v2.rst."""
 
     measure = "the kernel's count"  # what the grader's report says measured the peak
 
@@ -56,6 +57,9 @@ class CgroupMemory:
         path = f"{own[1]}/kvlib-grade-{os.getpid()}-{CgroupMemory._count}"
         try:
             os.mkdir(path)
+            limit = "memory.limit_in_bytes" if own[0] == "v1" else "memory.max"
+            with contextlib.suppress(OSError), open(f"{path}/{limit}", "w") as file:  # bounded
+                file.write(str(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2))
             with open(f"{path}/cgroup.procs", "w") as procs:
                 procs.write(str(pid))
             self.path, self.version = path, own[0]
@@ -66,6 +70,13 @@ class CgroupMemory:
     def _read(self, name: str) -> int:
         with open(f"{self.path}/{name}") as file:
             return int(file.read().split()[0])
+
+    baseline = None  # the usage once the grader's own imports are done (`mark_baseline`)
+    held = None  # at the last `open()`: how far the usage was above `baseline`
+
+    def usage(self) -> int:
+        """The cgroup's memory usage now, in bytes."""
+        return self._read("memory.usage_in_bytes" if self.version == "v1" else "memory.current")
 
     def open(self) -> None:
         self._close_fds()
@@ -84,6 +95,7 @@ class CgroupMemory:
             self._fds = [peak]
             os.write(peak, b"reset")  # OSError before Linux 6.12: no window
             self.base = self._read("memory.current")
+        self.held = None if self.baseline is None else self.base - self.baseline
 
     def close(self) -> tuple[int, bool]:
         if self.version == "v1":
@@ -137,10 +149,16 @@ class PeakMemory:
                     return int(line.split()[1])
         raise OSError(f"/proc/{self.pid}/status has no {field}")
 
+    baseline = held = None  # as CgroupMemory's, in resident bytes
+
+    def usage(self) -> int:
+        return self._status_kib("VmRSS") * 1024
+
     def open(self) -> None:
         with open(f"/proc/{self.pid}/clear_refs", "w") as clear:
             clear.write("5")
         self.base = self._status_kib("VmRSS")
+        self.held = None if self.baseline is None else self.base * 1024 - self.baseline
 
     def close(self) -> tuple[int, bool]:
         return max(0, self._status_kib("VmHWM") - self.base) * 1024, False

@@ -67,26 +67,16 @@ class Remote:
 
     def call(self, *args, _options: dict | None = None, **kwargs) -> Call:
         """Call with `args`, `kwargs`; `_options`: measure_memory (the peak memory of the call,
-        in `info["peak_bytes"]`, the least of two calls), torch_ops, grid, and `mutates`
-        (indices of the arguments the function is meant to change in place; any other argument
-        it changes fails the question, and so does giving one of these new memory) and
-        `may_alias` (the result may be, or be a view of, an argument; otherwise that fails the
-        question too)."""
+        in `info["peak_bytes"]`; the checks measure two calls on fresh inputs and keep the larger
+        peak, `peak_allocation`), torch_ops, grid, and `mutates` (indices of the arguments the
+        function is meant to change in place; any other argument it changes fails the question,
+        and so does giving one of these new memory) and `may_alias` (the result may be, or be a
+        view of, an argument; otherwise that fails the question too)."""
         options = dict(_options or {})
         for index, arg in enumerate(args):
             if isinstance(arg, ParentRows):
                 arg.index = index
-        reply = self._exchange(args, kwargs, options)
-        if options.get("measure_memory"):  # twice: the first call may page in code once
-            first = reply
-            reply = self._exchange(args, kwargs, options)
-            if first[0] == reply[0] == "returned":  # the least peak: both results are checked
-                reply[3]["peak_bytes"] = min(first[3]["peak_bytes"], reply[3]["peak_bytes"])
-                with contextlib.suppress(ValueError, TypeError, RecursionError):
-                    if _same_value(decode(first[1]), decode(reply[1]), close=True):
-                        return self._finish(args, options, reply)
-                raise AssertionError(f"`{self.name}` returned another result for the same inputs")
-        return self._finish(args, options, reply)
+        return self._finish(args, options, self._exchange(args, kwargs, options))
 
     def _exchange(self, args, kwargs, options) -> tuple:
         """Send the call, answering the rows the learner's side asks for meanwhile: the reply, its
@@ -96,7 +86,7 @@ class Remote:
         window = getattr(side, "memory", None) if options.get("measure_memory") else None
         if options.get("measure_memory"):
             options["measure_memory"] = "parent" if window is not None else "self"
-            options["return_args"] = False  # in the window: the reply holds the result only
+            options["return_args"] = window is None  # in a window: the result only ("after")
         message = ("call", self._target, list(args), kwargs, options)
         measured: dict = {}
         if hasattr(side, "call_direct"):  # a learner's side in this process (the draws tests)
@@ -111,6 +101,7 @@ class Remote:
                 reply = side.request(_rows_asked(args, reply))
             if window is not None:
                 peak, fell = window.close()
+                _held_check(self.name, window)
                 if fell:
                     raise AssertionError(
                         f"`{self.name}` gave back memory it held before the call while the "
@@ -118,6 +109,11 @@ class Remote:
                         "process held when the call started"
                     )
                 measured = {"peak_bytes": max(0, peak - sent), "measured_by": "grader"}
+                if reply[0] == "returned":  # the arguments after the call, out of the window
+                    after = side.request(("after",))
+                    if after[0] != "returned" or len(after) < 3:
+                        raise AssertionError(f"`{self.name}`'s arguments after the call were lost")
+                    reply = (*after[:3], reply[3])
         info = {}
         with contextlib.suppress(ValueError, TypeError, RecursionError):
             info = decode(reply[3]) if len(reply) > 3 else {}
@@ -145,12 +141,12 @@ class Remote:
             refs: list = []
             result = decode(reply[1], refs)
             args_after = decode(reply[2], refs) if reply[2] is not None else list(args)
+            inside = {id(part) for part in held(result)}  # the same object on the wire (no numbers)
         except (ValueError, TypeError, RecursionError) as exc:
             raise AssertionError(
                 f"`{self.name}` returned a value the grader cannot read: {exc}"
             ) from None
         info = reply[3]
-        inside = {id(part) for part in held(result)}  # the same object on the wire (no numbers)
         call = Call(
             result, args_after, [i for i, a in enumerate(args_after) if id(a) in inside], info
         )
@@ -191,6 +187,26 @@ class Remote:
         if not (jit and call.info.get("interpreter")):
             self._submission.flag(f"`{self.name}` is not a kernel run by Triton's interpreter")
         return call
+
+
+HELD_LIMIT = 16 * 2**20  # what a notebook may hold beyond the grader's own when memory is measured
+
+
+def _held_check(name: str, window) -> None:
+    """Fail a measured call made while the learner's process held more than `HELD_LIMIT` beyond
+    what it held once the grader's own imports (torch, numpy) were done, before its cells ran:
+    memory kept since the notebook loaded can be reused inside the call without the peak rising
+    (the window sees only a rise), so what a notebook may keep is bounded instead."""
+    held = getattr(window, "held", None)
+    if held is not None and held > HELD_LIMIT:
+        raise AssertionError(
+            f"`{name}`'s memory was measured while your notebook held {held / 2**20:.1f} MiB "
+            f"beyond the grader's own (buffers or tensors its cells keep, modules they import "
+            f"besides torch, numpy and matplotlib): memory kept since the notebook loaded could "
+            f"be reused inside the call unseen, so at most {HELD_LIMIT / 2**20:g} MiB may be kept "
+            "when a question measures memory: delete what the cells keep (del x), make buffers "
+            "inside the function"
+        )
 
 
 def _rows_asked(args, ask: tuple) -> tuple:

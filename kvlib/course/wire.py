@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import math
 import os
 import pickle
 import select
@@ -23,6 +24,9 @@ import time
 import numpy as np
 
 MAX_FRAME_BYTES = 512 * 2**20  # a reply larger than this is refused
+# the values one reply may hold, counted as a walk over it meets them (a shared one each time)
+MAX_NODES = 2**20
+_OVER_BUDGET = f"it holds more than {MAX_NODES:,} values, counted as a walk meets them"
 
 
 class ChannelClosed(Exception):
@@ -243,15 +247,26 @@ _OPAQUE_TYPES: dict[str, type] = {}
 _BUILT = {"U": tuple, "E": set, "F": frozenset}
 
 
-def decode(node, refs: list | None = None):
-    """The value `encode` described, rebuilt from plain data."""
+def decode(node, refs: list | None = None, budget: list | None = None):
+    """The value `encode` described, rebuilt from plain data. Raises ValueError for a malformed
+    node, or one whose value a walk would meet more than `MAX_NODES` times: every node counts,
+    a reference as often as the value it refers to holds nodes (`budget`: [nodes left, {slot:
+    nodes under it}], within one call), so a tiny frame of shared tuples cannot cost the grader
+    exponential work, nor a tensor claim more bytes than it carries."""
     refs = [] if refs is None else refs
+    budget = [MAX_NODES, {}] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError(_OVER_BUDGET)
     if not isinstance(node, tuple) or not node or not isinstance(node[0], str):
         raise ValueError("malformed reply")
-    kind = node[0]
+    kind, left = node[0], budget[0]
     if kind == "P":
         return node[1]
     if kind == "R":
+        budget[0] -= budget[1].get(node[1], 0)
+        if budget[0] < 0:
+            raise ValueError(_OVER_BUDGET)
         return refs[node[1]]
     slot = len(refs)
     refs.append(None)
@@ -262,6 +277,10 @@ def decode(node, refs: list | None = None):
         torch_dtype = getattr(torch, dtype)
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype}")
+        if type(shape) is not tuple or not all(type(n) is int and n >= 0 for n in shape):
+            raise ValueError(f"a tensor of shape {safe_text(shape)[:80]}")
+        if len(raw) != math.prod(shape) * torch_dtype.itemsize:  # nothing claimed unsent
+            raise ValueError(f"a tensor of shape {shape} with {len(raw):,} bytes of data")
         value = torch.empty(shape, dtype=torch_dtype)
         if raw:
             value = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(torch_dtype)
@@ -273,25 +292,28 @@ def decode(node, refs: list | None = None):
         value = np.frombuffer(node[2], dtype=np.dtype(node[1]))[0]
     elif kind == "L":
         value = refs[slot] = []  # in refs before its items, which may refer to it
-        value.extend(decode(v, refs) for v in node[1])
+        value.extend(decode(v, refs, budget) for v in node[1])
     elif kind in _BUILT:  # tuples, sets, frozensets: made once their items are
-        value = _BUILT[kind](decode(v, refs) for v in node[1])
+        value = _BUILT[kind](decode(v, refs, budget) for v in node[1])
     elif kind == "D":
         value = refs[slot] = {}
         for k, v in node[1]:
-            value[decode(k, refs)] = decode(v, refs)
+            value[decode(k, refs, budget)] = decode(v, refs, budget)
     elif kind == "O":
         _, type_name, text, attrs = node
         cls = _OPAQUE_TYPES.setdefault(type_name, type(str(type_name), (Opaque,), {}))
         value = refs[slot] = cls(type_name, text)
         for name, v in attrs:
             with contextlib.suppress(Exception):
-                setattr(value, name, decode(v, refs))
+                setattr(value, name, decode(v, refs, budget))
+        if budget[0] < 0:  # an attribute over the budget: not suppressed
+            raise ValueError(_OVER_BUDGET)
     elif kind == "X":
         raise ValueError(node[1])
     else:
         raise ValueError(f"malformed reply node {kind!r}")
     refs[slot] = value
+    budget[1][slot] = left - budget[0]  # what a reference to it costs
     return value
 
 
@@ -320,20 +342,31 @@ def _span(value) -> tuple[int, int] | None:
     return None
 
 
-def held(value, depth: int = 0):
+MAX_HELD = 2**20  # the values `held` visits at most (numbers included)
+
+
+def held(value, depth: int = 0, budget: list | None = None):
     """`value` and what it holds, first to last (list, tuple and dict items, 1,000 of each, four
-    levels down), numbers, strings and None left out."""
+    levels down), numbers, strings and None left out. Raises ValueError past `MAX_HELD` values
+    visited (a shared list counted each time it is met: 1,000 lists of one list of 1,000...)."""
+    budget = [MAX_HELD] if budget is None else budget
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError(f"it holds more than {MAX_HELD:,} values, counted as a walk meets them")
     if depth > 4 or isinstance(value, (int, float, complex, str, bytes, type(None))):
         return
     yield value
     items = value if type(value) in (list, tuple) else value.values() if type(value) is dict else ()
     for item in itertools.islice(items, 1000):
-        yield from held(item, depth + 1)
+        yield from held(item, depth + 1, budget)
 
 
 def extents(value) -> list[tuple[int, int]]:
-    """The memory spans of the tensors and arrays in `value` (lists, tuples, dicts searched)."""
-    return [span for part in held(value) if (span := _span(part)) is not None]
+    """The memory spans of the tensors and arrays in `value` (lists, tuples, dicts searched; none
+    for a value `held` refuses to walk)."""
+    with contextlib.suppress(ValueError):
+        return [span for part in held(value) if (span := _span(part)) is not None]
+    return []
 
 
 # --- arrays the grader keeps ----------------------------------------------------------------------

@@ -191,14 +191,22 @@ def test_tiled_attention(submission: Submission) -> None:
     if not submission.fixed_cases:
         return
     # A tiled pass holds one tile of scores, never the T x S matrix or a gathered copy of K/V.
+    # Two measured calls on inputs drawn afresh (nothing to memoise or look up), the larger peak
+    # kept: the cases before ran the same code, so a first call pays no warm-up here
     t, s, tile_size = 32, 32768, 128
-    q, k, v = rng.normal(size=(t, 32)), rng.normal(size=(s, 32)), rng.normal(size=(s, 16))
-    call = tiled.call(
-        q, submission.rows(k, tile_size), submission.rows(v, tile_size), tile_size,
-        _options={"measure_memory": True},
-    )  # fmt: skip
-    assert_close(call.result, attention(q, k, v), name=f"tiled_attention with T={t}, S={s}")
-    peak, described = peak_allocation(call.info)
+    peaks = []
+    for _ in range(2):
+        q, k, v = drawn.normal(size=(t, 32)), drawn.normal(size=(s, 32)), drawn.normal(size=(s, 16))
+        k_rows, v_rows = submission.rows(k, tile_size), submission.rows(v, tile_size)
+        call = tiled.call(q, k_rows, v_rows, tile_size, _options={"measure_memory": True})
+        assert_close(call.result, attention(q, k, v), name=f"tiled_attention with T={t}, S={s}")
+        for rows, name in ((k_rows, "K"), (v_rows, "V")):
+            assert (rows.reads == 1).all(), (
+                f"with S={s}, tile_size={tile_size} you read {name} {rows.reads.sum() / s:g} "
+                "times; a tiled pass reads each row exactly once"
+            )
+        peaks.append(peak_allocation(call.info))
+    peak, described = max(peaks)
     assert peak <= MAX_TILED_BYTES, (
         f"with T={t}, S={s}, tile_size={tile_size} your function held {described} at its peak; "
         f"a tiled pass needs far less than the {t * s * 8 / 2**20:.0f} MiB of a T x S score "

@@ -34,7 +34,7 @@ def _qkv(batch, heads, kv_heads, queries, keys, dim, seed, *, mask="causal", sca
     return q, k, v, mask
 
 
-@question(function="grouped_attention")
+@question(function="grouped_attention", torch_ops=True)
 def test_grouped_attention(submission: Submission) -> None:
     attend = submission.function("grouped_attention")
     g = submission.torch_generator()
@@ -88,16 +88,20 @@ def test_grouped_attention(submission: Submission) -> None:
             )
     if not submission.fixed_cases:
         return
-    # decode over a long cache: nothing the size of K or V repeated to H heads may be allocated
+    # decode over a long cache: nothing the size of K or V repeated to H heads may be allocated.
+    # Two measured calls on inputs drawn afresh (nothing to memoise or look up), the larger peak
+    # kept: the cases before ran the same code, so a first call pays no warm-up here
     heads, kv_heads, keys, dim = 16, 2, 4096, 64
-    q, k, v, mask = _qkv(1, heads, kv_heads, 1, keys, dim, seed=0)
-    repeated = 2 * heads * keys * dim * 4
-    call = attend.call(q, k, v, mask, _options={"measure_memory": True})
-    what = f"grouped_attention with H={heads}, H_kv={kv_heads}, S={keys}, D={dim}"
-    expected = grouped_attention(q, (k, v), mask[None])
-    expect_tensor(call.result, expected, what)
-    assert_close(call.result, expected, name=what, rtol=1e-4, atol=1e-5)
-    peak, described = peak_allocation(call.info)
+    repeated, peaks = 2 * heads * keys * dim * 4, []
+    for _ in range(2):
+        q, k, v, mask = _qkv(1, heads, kv_heads, 1, keys, dim, seed=0, g=g)
+        call = attend.call(q, k, v, mask, _options={"measure_memory": True})
+        what = f"grouped_attention with H={heads}, H_kv={kv_heads}, S={keys}, D={dim}"
+        expected = grouped_attention(q, (k, v), mask[None])
+        expect_tensor(call.result, expected, what)
+        assert_close(call.result, expected, name=what, rtol=1e-4, atol=1e-5)
+        peaks.append(peak_allocation(call.info))
+    peak, described = max(peaks)
     assert peak < repeated // 4, (
         f"with H={heads}, H_kv={kv_heads}, S={keys}, D={dim} your function's peak allocation was "
         f"{described}; K and V repeated to {heads} heads take {repeated / 2**20:.0f} MiB, either "

@@ -99,14 +99,18 @@ def test_absorbed_scores(submission: Submission) -> None:
         return
     # decode over a long cache: the point of absorption is never to build per-head keys, not
     # even one head's (here d_h > d_c: one head's keys take 32 MiB, an absorbed query 64 B)
+    # Two measured calls on inputs drawn afresh (nothing to memoise or look up), the larger peak
+    # kept: the cases before ran the same code, so a first call pays no warm-up here
     heads, keys, d_h, d_r, d_c = 4, 8192, 1024, 16, 16
-    inputs = _score_inputs(1, heads, 1, keys, d_h, d_r, d_c, seed=0)
-    one_head = keys * d_h * 4
-    call = absorbed_scores.call(*inputs, _options={"measure_memory": True})
-    expected, what = _expanded_scores(*inputs), f"absorbed_scores with H={heads}, S={keys}"
-    expect_tensor(call.result, expected.float(), what)
-    assert_close(call.result.double(), expected, name=what, rtol=1e-4, atol=1e-5)
-    peak, described = peak_allocation(call.info)
+    one_head, peaks = keys * d_h * 4, []
+    for _ in range(2):
+        inputs = _score_inputs(1, heads, 1, keys, d_h, d_r, d_c, seed=int(drawn.integers(2**31)))
+        call = absorbed_scores.call(*inputs, _options={"measure_memory": True})
+        expected, what = _expanded_scores(*inputs), f"absorbed_scores with H={heads}, S={keys}"
+        expect_tensor(call.result, expected.float(), what)
+        assert_close(call.result.double(), expected, name=what, rtol=1e-4, atol=1e-5)
+        peaks.append(peak_allocation(call.info))
+    peak, described = max(peaks)
     assert peak < one_head // 4, (
         f"with H={heads}, S={keys}, d_h={d_h}, d_c={d_c} your function's peak allocation was "
         f"{described}; one head's up-projected keys take {one_head / 2**20:.0f} MiB, every "
