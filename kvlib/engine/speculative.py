@@ -99,10 +99,10 @@ class SpeculativeConfig:
     Args:
         method: "ngram" (prompt lookup, `kvlib.speculative.ngram.ngram_draft`) or "streaming"
             (self-speculation over a StreamingLLM view, `kvlib.engine.streaming_draft`; the
-            prompt lookup fields are then unused).
+            prompt lookup fields must then keep their defaults).
         num_speculative_tokens: k >= 1, draft tokens per request and step, at most.
-        prompt_lookup_max: the longest n-gram looked up (>= 1).
-        prompt_lookup_min: the shortest n-gram looked up (1 .. prompt_lookup_max).
+        prompt_lookup_max: "ngram" only: the longest n-gram looked up (>= 1).
+        prompt_lookup_min: "ngram" only: the shortest n-gram looked up (1 .. prompt_lookup_max).
         disable_by_batch_size: no drafts in a step that schedules more requests than this (>= 1;
             None: always draft). A large batch's step is costlier per extra query token and
             saves fewer steps (chapter 16, Measure); vLLM's field of that name counts the
@@ -111,7 +111,8 @@ class SpeculativeConfig:
         num_window_blocks: "streaming" only: the view's last blocks (>= 1; None: 4).
 
     Raises:
-        ValueError: a value outside those ranges, naming the argument.
+        ValueError: a value outside those ranges, or a field of the other method given a value
+            other than its default (naming the field).
     """
 
     method: str = "ngram"
@@ -135,6 +136,14 @@ class SpeculativeConfig:
                 f"prompt_lookup_min: expected at most prompt_lookup_max = "
                 f"{self.prompt_lookup_max}, got {self.prompt_lookup_min}"
             )
+        if self.method == "streaming":  # prompt lookup's fields would be silently unused
+            for field in dataclasses.fields(self):
+                value = getattr(self, field.name)
+                if field.name.startswith("prompt_lookup_") and value != field.default:
+                    raise ValueError(
+                        f"{field.name}: only for method='ngram' (prompt lookup), got {value!r} "
+                        "with method='streaming'"
+                    )
         view = check_streaming_fields(self.method, self.num_sink_blocks, self.num_window_blocks)
         object.__setattr__(self, "num_sink_blocks", view[0])
         object.__setattr__(self, "num_window_blocks", view[1])
