@@ -29,6 +29,7 @@ from tests.test_engine_speculative import (
     VOCAB,
     TableModel,
     chain_table,
+    check_forked_requests_speculate,
     exact_joint,
     fit_test,
     plain_outputs,
@@ -286,27 +287,7 @@ def test_parallel_requests_forked_from_one_prompt_self_speculate(course):
     """Children forked from a prompt's blocks share its partial block: copy-on-write's copies
     must land before a draft forward writes into the copy."""
     prompt = document_prompts(1, first=43)[0]
-    ids = ["a", "b", "c"]
-    params = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=12)]
-    params.append(SamplingParams(temperature=0.7, seed=4, max_tokens=20))
-    outputs = {}
-    for spec in (None, streaming(3, 1, 2)):
-        engine = LLMEngine(
-            course, num_blocks=60, block_size=8, enable_prefix_caching=True, speculative_config=spec
-        )
-        engine.add_parallel_requests(ids, prompt, params)
-        final = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = out.output_token_ids
-            engine.manager.check_invariants()
-        assert engine.manager.pool.num_free_blocks == 60
-        outputs[spec is None] = final
-    for request_id in ("a", "b"):
-        assert outputs[False][request_id] == outputs[True][request_id], request_id
-    assert len(outputs[False]["c"]) == 20
-    assert engine.stats.spec_decoding.num_accepted_tokens > 0
+    check_forked_requests_speculate(course, prompt, streaming(3, 1, 2))
 
 
 def test_self_speculation_over_a_quantized_cache(course):

@@ -181,19 +181,17 @@ def test_greedy_and_sampled_requests_share_the_steps(course):
     assert engine.stats.spec_decoding.num_accepted_tokens > 0
 
 
-def test_parallel_requests_forked_from_one_prompt_speculate(course):
-    prompt = repetitive_prompts(3, seed=2)[2]
+def check_forked_requests_speculate(course, prompt, speculative_config):
+    """Three children forked from `prompt` (greedy 20 and 12 tokens, one sampled), served with
+    and without `speculative_config` over a prefix-cached pool: the greedy children's tokens
+    equal, the sampled one as many tokens, invariants after every step, no block leaked."""
     ids = ["a", "b", "c"]
     params = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=12)]
     params.append(SamplingParams(temperature=0.7, seed=4, max_tokens=20))
     outputs = {}
-    for speculative_config in (None, SpeculativeConfig(num_speculative_tokens=4)):
+    for spec in (None, speculative_config):
         engine = LLMEngine(
-            course,
-            num_blocks=60,
-            block_size=8,
-            enable_prefix_caching=True,
-            speculative_config=speculative_config,
+            course, num_blocks=60, block_size=8, enable_prefix_caching=True, speculative_config=spec
         )
         engine.add_parallel_requests(ids, prompt, params)
         final = {}
@@ -203,11 +201,16 @@ def test_parallel_requests_forked_from_one_prompt_speculate(course):
                     final[out.request_id] = out.output_token_ids
             engine.manager.check_invariants()
         assert engine.manager.pool.num_free_blocks == 60
-        outputs[speculative_config is None] = final
+        outputs[spec is None] = final
     for request_id in ("a", "b"):  # greedy: the same tokens
         assert outputs[False][request_id] == outputs[True][request_id], request_id
     assert len(outputs[False]["c"]) == 20  # sampled: another random stream, as many tokens
     assert engine.stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_parallel_requests_forked_from_one_prompt_speculate(course):
+    prompt = repetitive_prompts(3, seed=2)[2]
+    check_forked_requests_speculate(course, prompt, SpeculativeConfig(num_speculative_tokens=4))
 
 
 def test_draft_slots_never_leave_a_hash_on_a_rejected_token():
