@@ -17,9 +17,8 @@ tokens computed again after a preemption (prompt and generated tokens alike). Pr
 lookups of first admissions and of readmissions after a preemption are counted apart (vLLM v1's
 `PrefixCacheStats`): `summary()`'s `prefix_hit_rate` is the first admissions'.
 
-Clock: a step's time is its wall time; the engine's clock is the sum of the steps' times, so time
-spent idle between arrivals is not counted, and a request added before step s arrives at the
-clock's value then.
+Clock: a step's time is its wall time; the engine's clock, the sum of the steps' times (idle time
+between arrivals not counted); a request added before step s arrives at the clock's value then.
 
 For a server (chapter 13, `kvlib.serve`): `abort_request` drops a request whose client left and
 frees its blocks; `add_parallel_requests` serves one prompt n times, forking the children from
@@ -36,12 +35,11 @@ already been launched once more (that extra token is dropped, the extra step is 
 
 **Speculative decoding** (`speculative_config=SpeculativeConfig(num_speculative_tokens=k)`,
 chapter 16, `kvlib.engine.speculative`): requests verify up to k draft tokens per step (n-gram
-prompt lookup; with `method="streaming"`, the model itself over a StreamingLLM view of the
-request's cache, `kvlib.engine.streaming_draft`) and emit 1 to k + 1 tokens
-(`RequestOutput.new_token_ids`); greedy ones token-identical to the engine without it, sampled
-ones (speculative sampling) equal to it in distribution, from another random stream; a request
-asking for logprobs decodes normally. Counters in `stats.spec_decoding`. Off (None, the
-default), nothing changes.
+prompt lookup, or with `method="streaming"` the model over a StreamingLLM view of the request's
+cache, `kvlib.engine.streaming_draft`) and emit 1 to k + 1 tokens; greedy ones token-identical
+to the engine without it, sampled ones (speculative sampling) equal in distribution, from another
+random stream; logprobs requests decode normally. Counters in `stats.spec_decoding`. Off (None,
+the default), nothing changes.
 
 Sampling seeds: `SamplingParams(seed=None)` seeds a request's generator with 0, so two requests
 with the same prompt and no seed sample the same tokens, and a rerun repeats a run exactly. vLLM
