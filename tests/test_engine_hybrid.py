@@ -12,7 +12,7 @@ groups of one layer), Mistral's window on every layer (one group), the hybrid co
 (sliding, full, linear, full) at random and with its shipped weights. Then the allocator's
 state after every step (pool invariants across groups, window tables holding only live blocks,
 the null block before them, nothing leaked), the admission count against one table for the same
-bytes, and every refusal.
+bytes, every refusal, and free and null blocks poisoned after every step (never read unmasked).
 """
 
 import dataclasses
@@ -82,22 +82,26 @@ def oracle(model, name: str, prompts) -> list[list[int]]:
     return _ORACLE[key]
 
 
-def run_checked(engine: LLMEngine, prompts) -> list[list[int]]:
-    """Serve `prompts` greedily, checking the allocator after every step (`check_tables`);
-    returns each request's tokens, in prompt order."""
+def run_checked(engine: LLMEngine, prompts, after_step=None) -> list[list[int]]:
+    """Serve `prompts` greedily, checking the allocator after every step (`check_tables`), then
+    calling `after_step(engine)` if given; returns each request's tokens, in prompt order."""
     ids = [f"r{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, SamplingParams(max_tokens=MAX_TOKENS))
     while engine.has_unfinished_requests():
         engine.step()
         check_tables(engine)
+        if after_step is not None:
+            after_step(engine)
     return [engine.requests[i].output_token_ids for i in ids]
 
 
 def check_tables(engine: LLMEngine) -> None:
     """Between steps: the pool's invariants across groups; each running request's window tables
     name the null block exactly before the window's first live block (nothing dead held,
-    nothing live lost), its full tables no null block; and what it holds within `peak_blocks`."""
+    nothing live lost), its full tables no null block; and what it holds within `peak_blocks`,
+    between steps and right after the step's scheduling (`scheduled_blocks`: the step's peak,
+    its new blocks allocated and its dead ones not yet freed)."""
     manager = engine.manager
     manager.check_invariants()
     for request in engine.scheduler.running:
@@ -110,8 +114,10 @@ def check_tables(engine: LLMEngine) -> None:
             first = live_block_range(n, group.window, manager.block_size).window.start
             assert table[:first] == [manager.null_block] * first, (table, first)
             assert manager.null_block not in table[first:], (table, first)
-        held = manager.live_blocks(request.request_id) + (manager.null_block is not None)
-        assert held <= manager.peak_blocks(n)
+        null = manager.null_block is not None
+        held = manager.live_blocks(request.request_id) + null
+        in_step = engine.scheduler.scheduled_blocks[request.request_id] + null
+        assert held <= in_step <= manager.peak_blocks(n), (held, in_step, n)
     running = {r.request_id for r in engine.scheduler.running}
     assert {seq_id for seq_id, _ in manager.states} <= running  # state slots: running only
 
@@ -259,7 +265,7 @@ def test_a_request_beyond_the_pool_is_refused(gemma2):
     need = engine.manager.peak_blocks(tokens)
     assert need < 2 * -(-tokens // 8) + 1  # the window group's share is bounded
     small = LLMEngine(gemma2, num_blocks=need - 1, block_size=8, max_num_batched_tokens=16)
-    with pytest.raises(ValueError, match="could never run"):
+    with pytest.raises(ValueError, match=f"may need up to {need} blocks at once"):
         small.add_request("big", PROMPTS[3], SamplingParams(max_tokens=MAX_TOKENS))
     exact = LLMEngine(gemma2, num_blocks=need, block_size=8, max_num_batched_tokens=16)
     assert run_checked(exact, [PROMPTS[3]]) == [oracle(gemma2, "gemma2", PROMPTS)[3]]
@@ -341,7 +347,35 @@ def test_unsupported_models_are_refused_by_name():
     all_linear = model_of(dict(layer_types=("linear",) * 4))
     with pytest.raises(ValueError, match="^model: .*no attention layer"):
         LLMEngine(all_linear, num_blocks=50)
-    plain = model_of({})
-    with pytest.raises(ValueError, match="^per_group_block_tables: "):
-        LLMEngine(plain, num_blocks=50, per_group_block_tables=False)
-    assert not isinstance(LLMEngine(plain, num_blocks=50).manager, HybridKVManager)
+
+
+def test_models_without_windows_or_linear_layers_take_the_plain_path():
+    """No window and no linear layer (no `layer_types`, or "full" ones only): chapter 12's one
+    table, and `per_group_block_tables=False` changes nothing."""
+    for changes in ({}, dict(layer_types=("full",) * 4)):
+        for per_group in (True, False):
+            engine = LLMEngine(model_of(changes), num_blocks=50, per_group_block_tables=per_group)
+            assert not isinstance(engine.manager, HybridKVManager), (changes, per_group)
+
+
+POISONS = (1e4, -1e4)
+
+
+@pytest.mark.parametrize("value", POISONS)
+def test_free_and_null_blocks_are_never_read_unmasked(gemma2, value):
+    """After every step, every free block and the null block are filled with a large finite
+    value: a read of them that the mask did not hide would change the tokens (chunked prefill,
+    preemption, no prefix caching: a free block's contents are never reused)."""
+    options, _ = BATCHINGS["preemption"]
+    engine = LLMEngine(gemma2, **options)
+    poisoned = []
+
+    def poison(engine):
+        manager = engine.manager
+        free = [b.block_id for b in manager.pool.blocks if b.ref_cnt == 0]
+        for pool in engine.storage.block_tensors():
+            pool[free + [manager.null_block]] = value
+        poisoned.append(len(free))
+
+    assert run_checked(engine, PROMPTS, after_step=poison) == oracle(gemma2, "gemma2", PROMPTS)
+    assert engine.summary()["preemptions"] >= 1 and min(poisoned) < max(poisoned)

@@ -17,7 +17,8 @@ whose `ModelConfig.layer_types` mixes "full" and "sliding" layers (Gemma 2/3; or
   full group at once;
 - **the scheduler** (`HybridScheduler`): chapter 12's rules, a step's new blocks counted in every
   group, and after each step every running request's dead window blocks go back
-  (`HybridBlockManager.free_dead`: their entries then name the null block);
+  (`HybridBlockManager.free_dead`: their entries then name the null block); a request whose
+  `peak_blocks` (an upper bound: a prefill chunk at its worst place) exceeds the pool is refused;
 - **the runner** (`HybridModelRunner`): the step's metadata once per group (`prepare_inputs`
   over the group's tables: its own slot mapping and block tables; positions and lengths are
   every group's), and `HybridBatchKV`, the cache the model sees: layer l writes and reads
@@ -33,7 +34,8 @@ whose `ModelConfig.layer_types` mixes "full" and "sliding" layers (Gemma 2/3; or
 
 `per_group_block_tables=False` (an `EngineConfig` field) serves the same model through one table
 for every attention layer, the windows still masked but nothing freed: the engine chapter 17
-measures against (a block then holds every attention layer's `block_size` tokens).
+measures against (a block then holds every attention layer's `block_size` tokens). A model with
+neither windows nor linear layers takes chapter 12's path whatever this field says.
 
 Refused, by name (`check_engine`): MLA; a model without attention layers; prefix caching with
 linear layers (a hit would need their state at the hit's block boundary: state snapshots);
@@ -71,22 +73,27 @@ __all__ = [
     "layer_windows",
 ]
 
-# EngineConfig fields this path refuses, and what they would need
+# EngineConfig fields this path refuses, and why
 REFUSED_OPTIONS = {
-    "kv_scheme": "quantized pools per layer group",
-    "async_scheduling": "freeing a window's blocks a step late",
-    "speculative_config": "rolling back slots in every group (and freed window blocks)",
-    "eviction": "eviction and sliding windows both dropping blocks",
+    "kv_scheme": "it would need a quantized pool per layer group",
+    "async_scheduling": "a window's dead blocks are freed once a step's tokens are back, and "
+    "async scheduling plans the next step before they are",
+    "speculative_config": "rejected draft tokens would need rolling back in every group, "
+    "including window blocks already freed",
+    "eviction": "eviction drops blocks by its own rule while the windows free theirs, and the "
+    "two are not combined",
 }
 
 
 def layer_windows(config) -> dict[int, int | None] | None:
     """{attention layer: its sliding window (tokens) or None (full attention)} of a model this
     path serves (linear layers are not keys: their state is no K/V); None for a model with no
-    `layer_types` and no window (chapter 12's engine serves it)."""
-    if config.layer_types is None:
-        if config.sliding_window is None:
-            return None
+    window and no linear layer (no `layer_types`, or only "full" ones): chapter 12's engine
+    serves it with one table, whatever `per_group_block_tables` says."""
+    kinds = getattr(config, "layer_types", None)
+    if getattr(config, "sliding_window", None) is None and set(kinds or ("full",)) == {"full"}:
+        return None
+    if kinds is None:
         return dict.fromkeys(range(config.num_hidden_layers), config.sliding_window)  # Mistral
     return {
         layer: config.sliding_window if kind == "sliding" else None
@@ -105,8 +112,8 @@ def check_engine(model, config) -> dict[int, int | None]:
     windows = layer_windows(model.config)
     if windows is None:
         raise ValueError(
-            "per_group_block_tables: False chooses one table for a model with sliding windows; "
-            "this model has none (chapter 12's engine gives it one table already)"
+            "model: expected sliding-window or linear layers (this path's models); got none "
+            "(LLMEngine serves such a model with one table, chapter 12's path)"
         )
     if not windows:
         raise ValueError(
@@ -119,11 +126,11 @@ def check_engine(model, config) -> dict[int, int | None]:
             "their state at the hit's block boundary (state snapshots), which the engine does not "
             "keep; got True"
         )
-    for name, needs in REFUSED_OPTIONS.items():
+    for name, why in REFUSED_OPTIONS.items():
         if getattr(config, name) not in (None, False):
             raise ValueError(
-                f"{name}: not supported for a hybrid or windowed model (it would need "
-                f"{needs}); got {getattr(config, name)!r}"
+                f"{name}: not supported for a hybrid or windowed model: {why}; "
+                f"got {getattr(config, name)!r}"
             )
     if config.policy != "continuous":
         raise ValueError(
@@ -136,10 +143,10 @@ def check_engine(model, config) -> dict[int, int | None]:
 class HybridKVManager(HybridBlockManager):
     """`HybridBlockManager` with what chapter 12's scheduler and engine call: `block_tables` and
     `token_ids` (the first group's, whose keys are the sequences held and whose lengths are every
-    group's), `num_cached_prefix_blocks`, `copies` (always empty: no fork, no copy-on-write) and
-    `peak_blocks`; and the linear layers' **state slots** (`states`), one per sequence and
-    layer, outside the pool. `chunk`: the engine's token budget (a prefill chunk's most
-    tokens)."""
+    group's), `num_cached_prefix_blocks`, `copies` (always empty: no fork, no copy-on-write),
+    `peak_blocks` and `check_fits`; and the linear layers' **state slots** (`states`), one per
+    sequence and layer, outside the pool. `chunk`: the engine's token budget (a prefill chunk's
+    most tokens)."""
 
     def __init__(self, pool: BlockPool, groups, *, chunk: int):
         super().__init__(pool, groups)
@@ -171,8 +178,8 @@ class HybridKVManager(HybridBlockManager):
         """The most blocks a sequence growing to `num_tokens` tokens may hold at once, every
         group together, the null block included: a full group ceil(num_tokens / block_size), a
         window group its live blocks plus a chunk of at most `chunk` new tokens, for the worst
-        place the chunk can start (freeing happens between steps). A request needing more than
-        the pool could never run."""
+        place the chunk can start (freeing happens between steps). An upper bound: a request's
+        chunks may never start at the worst place, so one above the pool may still run."""
         bs, full = self.block_size, -(-num_tokens // self.block_size)
         total = 0 if self.null_block is None else 1
         for group in self.groups:
@@ -190,6 +197,18 @@ class HybridKVManager(HybridBlockManager):
             )
         return total
 
+    def check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        """Refuse (ValueError, naming `prompt_token_ids`) a request of `num_prompt` prompt tokens
+        and `max_tokens` whose `peak_blocks` exceeds the pool: a conservative refusal (see
+        `peak_blocks`)."""
+        needed = self.peak_blocks(num_prompt + max_tokens - 1)  # the last token is never cached
+        if needed > len(self.pool.blocks):
+            raise ValueError(
+                f"prompt_token_ids: {num_prompt} prompt tokens + max_tokens {max_tokens} may need "
+                f"up to {needed} blocks at once (every group's, the null block and a prefill "
+                f"chunk at its worst placement), more than the pool's {len(self.pool.blocks)}"
+            )
+
     def live_blocks(self, seq_id) -> int:
         """Distinct blocks sequence `seq_id` holds across its groups (the null block not
         counted)."""
@@ -199,7 +218,19 @@ class HybridKVManager(HybridBlockManager):
 class HybridScheduler(Scheduler):
     """Chapter 12's `Scheduler` over a `HybridKVManager`: new blocks are counted in every group,
     a step's tokens are appended in one `extend`, children of parallel sampling queue as ordinary
-    requests, and after each step the running requests' dead window blocks are freed."""
+    requests, and after each step the running requests' dead window blocks are freed.
+    `scheduled_blocks`: {request id: `live_blocks` right after the latest `schedule`} for the
+    requests it left running: a step's peak, before that step's `free_dead`."""
+
+    def __init__(self, config, manager: HybridKVManager):
+        super().__init__(config, manager)
+        self.scheduled_blocks: dict[str, int] = {}
+
+    def schedule(self):
+        out = super().schedule()
+        self.scheduled_blocks = {r.request_id: self.manager.live_blocks(r.request_id)
+                                 for r in self.running}  # fmt: skip
+        return out
 
     def add_parallel_requests(self, parent, children) -> None:
         for request in (parent, *children):

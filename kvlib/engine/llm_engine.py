@@ -59,7 +59,7 @@ from kvlib.cache.block_manager import BlockManager
 from kvlib.cache.block_pool import BlockPool
 from kvlib.cache.paged import PagedCache
 from kvlib.cache.quantized import QuantizedPagedCache
-from kvlib.engine.hybrid_kv import HybridKVManager, engine_parts
+from kvlib.engine.hybrid_kv import HybridKVManager, engine_parts, layer_windows
 from kvlib.engine.overlap import StepHandle
 from kvlib.engine.request import Request, RequestOutput, SamplingParams
 from kvlib.engine.runner import ModelRunner
@@ -88,8 +88,8 @@ class EngineConfig(SchedulerConfig):
         count every step).
     speculative_config: a `kvlib.engine.speculative.SpeculativeConfig` (or a dict of its
         fields) to decode requests speculatively (not those asking for logprobs); None: off.
-    per_group_block_tables: a model with windows or `layer_types` gets a block table per layer
-        group (`kvlib.engine.hybrid_kv`); False: one for every layer, nothing freed (a baseline).
+    per_group_block_tables: a model with windows or linear layers gets a block table per layer
+        group (`kvlib.engine.hybrid_kv`); False: one for every layer (a baseline; others: no-op).
     """
 
     num_blocks: int
@@ -147,8 +147,7 @@ class LLMEngine:
         self.config = EngineConfig(**config)
         c = model.config
         self.model = model
-        windowed = c.sliding_window or getattr(c, "layer_types", None)  # chapter 17's models
-        if windowed or not self.config.per_group_block_tables:
+        if layer_windows(c) is not None:  # chapter 17's models (windows, linear layers)
             parts = engine_parts(model, self.config)  # a block table per layer group
             self.storage, self.manager, self.scheduler, self.runner = parts
         elif c.is_mla:
@@ -288,8 +287,8 @@ class LLMEngine:
         held = len(ids) + params.max_tokens - 1  # the last token is sampled, never cached
         needed = -(-held // self.config.block_size)
         if isinstance(self.manager, HybridKVManager):  # chapter 17: every group's blocks
-            needed = self.manager.peak_blocks(held)
-        if self.config.eviction is None and needed > len(self.manager.pool.blocks):
+            self.manager.check_fits(len(ids), params.max_tokens)
+        elif self.config.eviction is None and needed > len(self.manager.pool.blocks):
             raise ValueError(
                 f"prompt_token_ids: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
                 f"need {needed} blocks, more than the pool's "
