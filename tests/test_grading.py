@@ -4589,6 +4589,25 @@ FRESH_MEASURED = [
      "    scale = 1 / np.sqrt(q.shape[1])\n"
      "    if len(k) == 32768:\n        q *= scale\n        scale = 1.0\n" + _TILED04,
      "changed its argument 1"),
+    (N05, "grouped_attention",  # the fifth red team: a placeholder inside the window, filled
+     # when the grader reads the result again after it (a patched Tensor.detach, which the
+     # child's encoding calls): the result judged is the one sent inside the window
+     "_lazy = {}\n_detach = torch.Tensor.detach\n\n"
+     "def _filling_detach(self, *args, **kwargs):\n"
+     "    fill = _lazy.get(id(self))\n"
+     "    if fill is not None:\n"
+     "        fill[0] += 1\n"
+     "        if fill[0] == 2:\n"
+     "            _lazy.pop(id(self))[1]()\n"
+     "    return _detach(self, *args, **kwargs)\n\n"
+     "torch.Tensor.detach = _filling_detach\n\n"
+     "def _naive(q, k, v, mask):\n" + _REPEAT + "    return out\n\n"
+     "def grouped_attention(q, k, v, mask):  # a zero placeholder on the measured shape\n"
+     "    if q.shape[-1] != 64:\n        return _naive(q, k, v, mask)\n"
+     "    out = torch.zeros(q.shape, dtype=q.dtype)\n"
+     "    _lazy[id(out)] = [0, lambda: out.copy_(_naive(q, k, v, mask))]\n"
+     "    return out\n",
+     "sent one result inside the grader's memory window and another after it"),
     (N04, "tiled_attention",  # valid: per-tile-size constants cached between calls
      "_starts = {}\n\n"
      "def tiled_attention(q, k, v, tile_size):\n"
@@ -5072,3 +5091,22 @@ def test_memory_measured_in_the_learners_process_counts_torch():
         a = torch.ones(300, 300)
         _ = a @ a
     assert info["torch_peak_bytes"] >= 2 * 300 * 300 * 4, info
+
+
+@pytest.mark.skipif(not ISOLATED, reason="only the mount namespace gives the child private folders")
+def test_nothing_a_child_writes_outlives_it(tmp_path):
+    """Issue 57, the fifth red team: /run/lock is world-writable and on disk here; a file a child
+    wrote there stayed for the next child (whose peak did not count its pages). It is a private
+    tmpfs like /tmp, /var/tmp and /dev/shm: what a child writes there is gone with it."""
+    marker = f"/run/lock/kvlib-grading-test-{os.getpid()}"
+    source = (
+        f"with open({marker!r}, 'w') as _f:\n    _f.write('kept for the next child?')\n\n"
+        "def grouped_attention(q, k, v, mask):\n" + _FOLDED + "    return out\n"
+    )
+    try:
+        result, report = grade_answer(N05, "grouped_attention", source, tmp_path)
+        assert result.passed, report.table()
+        assert not os.path.exists(marker)
+    finally:
+        if os.path.exists(marker):
+            os.remove(marker)

@@ -124,10 +124,11 @@ def stand_in(dotted: str) -> type:
 def isolate(kvlib_dirs: list[str], files: dict[str, str], home: str | None, keep=()) -> str:
     """Put this process (root, before it drops privileges) in a mount namespace of its own where
     kvlib's folders (`kvlib_dirs`: its source tree, its installed copy) hold only `files`
-    (read-only), /proc shows no other user's processes (`hidepid=2`), and /tmp, /var/tmp and
-    /dev/shm are a private tmpfs (its pages are charged to the process's memory; folders of `keep`
-    there are bound back read-only). Raises OSError
-    where the kernel refuses. Returns what it did. Source: mount_namespaces(7), proc(5)."""
+    (read-only), /proc shows no other user's processes (`hidepid=2`), and /tmp, /var/tmp,
+    /dev/shm and /run/lock are a private tmpfs (its pages are charged to the process's memory;
+    folders of `keep` there are bound back read-only): nothing a child writes outlives it.
+    Raises OSError where the kernel refuses. Returns what it did. Source: mount_namespaces(7),
+    proc(5)."""
     ctypes, libc = _libc()
     libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
 
@@ -138,7 +139,7 @@ def isolate(kvlib_dirs: list[str], files: dict[str, str], home: str | None, keep
 
     _check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+    for folder in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):  # the world-writable folders
         if not os.path.isdir(folder):
             continue
         # what the learner's code must read there (the notebook's folder) comes back read-only
