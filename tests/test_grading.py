@@ -4642,7 +4642,7 @@ HELD_MEMORY = [
      "    return out\n",
      "your notebook held"),
     (N05, "grouped_attention",  # valid (was 48 MiB of ballast): a small workspace kept from load
-     "_kept = torch.ones(4 * 2**20 // 4)\n\n"
+     "_kept = torch.ones(2 * 2**20 // 4)\n\n"
      "def grouped_attention(q, k, v, mask):\n" + _FOLDED + "    return out\n",
      None),
     (N06, "absorbed_scores",
@@ -4673,6 +4673,63 @@ HELD_MEMORY = [
      "    np.exp(S / np.sqrt(q.shape[1]), out=S)\n"
      "    return (S / S.sum(axis=1, keepdims=True)) @ V\n",
      "your notebook held"),
+    # the fifth red team: under the 16 MiB allowance, 8 MiB kept since load and reused inside
+    # the call (more than chapter 4's 3 MiB bound, as much as chapters 5 and 6's): what the
+    # notebook holds beyond the grader's own counts toward the call's peak
+    (N04, "tiled_attention",
+     "_scores = np.ones(2**20)  # 8 MiB, touched while the notebook loads\n\n"
+     "def tiled_attention(q, k, v, tile_size):  # the whole T x S score matrix in it\n"
+     "    q = np.asarray(q, dtype=np.float64)\n"
+     "    t, s = q.shape[0], k.shape[0]\n"
+     "    sc = _scores[: t * s].reshape(t, s) if t * s <= _scores.size else np.empty((t, s))\n"
+     "    for a in range(0, s, tile_size):\n"
+     "        sc[:, a : a + tile_size] = q @ np.asarray(k[a : a + tile_size]).T\n"
+     "    sc /= np.sqrt(q.shape[1])\n"
+     "    sc -= sc.max(axis=1, keepdims=True)\n"
+     "    np.exp(sc, out=sc)\n"
+     "    sc /= sc.sum(axis=1, keepdims=True)\n"
+     "    out = np.zeros((t, v.shape[1]))\n"
+     "    for a in range(0, s, tile_size):\n"
+     "        out += sc[:, a : a + tile_size] @ np.asarray(v[a : a + tile_size])\n"
+     "    return out\n",
+     "a tiled pass needs far less"),
+    (N05, "grouped_attention",
+     "_half = torch.ones(2 * 2**20)  # 8 MiB, touched while the notebook loads\n\n"
+     "def grouped_attention(q, k, v, mask):  # K, then V, repeated for half the heads into it\n"
+     "    b, h, t, d = q.shape\n"
+     "    g, s, half = h // k.shape[1], k.shape[2], h // 2 if h % 2 == 0 else h\n"
+     "    outs = []\n"
+     "    for h0 in range(0, h, half):\n"
+     "        n = b * half * s * d\n"
+     "        fits = n <= _half.numel() and k.dtype == torch.float32\n"
+     "        kr = _half[:n].view(b, half, s, d) if fits else k.new_empty(b, half, s, d)\n"
+     "        heads = torch.arange(h0, h0 + half) // g\n"
+     "        torch.index_select(k, 1, heads, out=kr)\n"
+     "        sc = q[:, h0 : h0 + half] @ kr.transpose(-1, -2) / math.sqrt(d)\n"
+     "        w = torch.softmax(sc.masked_fill(~mask, float('-inf')), dim=-1)\n"
+     "        torch.index_select(v, 1, heads, out=kr)\n"
+     "        outs.append(w @ kr)\n"
+     "    return torch.cat(outs, dim=1)\n",
+     "fold each group's query heads"),
+    (N06, "absorbed_scores",
+     "_quarter = torch.ones(2 * 2**20)  # 8 MiB, touched while the notebook loads\n\n"
+     "def absorbed_scores(q_nope, q_rope, w_uk, latent, rope_key):  # keys up-projected into it\n"
+     "    b, h, t, d_h = q_nope.shape\n"
+     "    s = latent.shape[1]\n"
+     "    content = torch.empty(b, h, t, s, dtype=q_nope.dtype)\n"
+     "    chunk = max(1, min(s, _quarter.numel() // (b * d_h)))\n"
+     "    for i in range(h):\n"
+     "        for a in range(0, s, chunk):\n"
+     "            e = min(s, a + chunk)\n"
+     "            if q_nope.dtype == torch.float32:\n"
+     "                keys = _quarter[: b * (e - a) * d_h].view(b, e - a, d_h)\n"
+     "                torch.matmul(latent[:, a:e], w_uk[i].transpose(0, 1), out=keys)\n"
+     "            else:\n"
+     "                keys = latent[:, a:e] @ w_uk[i].transpose(0, 1)\n"
+     "            content[:, i, :, a:e] = q_nope[:, i] @ keys.transpose(-1, -2)\n"
+     "    rotary = q_rope @ rope_key[:, None].transpose(-1, -2)\n"
+     "    return (content + rotary) / math.sqrt(d_h + q_rope.shape[-1])\n",
+     "one head's up-projected keys"),
     (N04, "tiled_attention",  # valid: the accumulators allocated once, at load (1 MiB)
      "_workspace = np.zeros(2**17)\n\n"
      "def tiled_attention(q, k, v, tile_size):\n"
