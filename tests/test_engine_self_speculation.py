@@ -11,8 +11,6 @@ first tokens against the exact one, on a stub model whose draft view has logits 
 (q != p), the same test failing with a wrong q, and q as a point mass (prompt lookup's rule:
 exact too) accepting less."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -24,9 +22,7 @@ from kvlib.engine.sampler import sampling_distribution
 from kvlib.engine.streaming_draft import StreamingDrafter, streaming_view
 from kvlib.loaders.course_model import load_course_model
 from tests.test_engine_speculative import (
-    CHAIN_PROMPT,
     FIT_LEVEL,
-    VOCAB,
     TableModel,
     chain_table,
     check_forked_requests_speculate,
@@ -34,6 +30,7 @@ from tests.test_engine_speculative import (
     fit_test,
     plain_outputs,
     run_checked,
+    served_chain_counts,
 )
 
 
@@ -428,14 +425,7 @@ def view_chain_counts(params, num_requests=3_000, batch=1_000):
         max_num_batched_tokens=64 * batch,
         speculative_config=streaming(3, 1, 1),
     )
-    requests = [dataclasses.replace(params, seed=i) for i in range(num_requests)]
-    outputs = engine.generate([CHAIN_PROMPT] * num_requests, requests, use_tqdm=False)
-    counts = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
-    for output in outputs:
-        assert len(output.output_token_ids) == params.max_tokens
-        counts[tuple(output.output_token_ids[:3])] += 1
-    assert not engine.manager.block_tables
-    return counts, engine.stats.spec_decoding
+    return served_chain_counts(engine, params, num_requests), engine.stats.spec_decoding
 
 
 VIEW_PARAMS = {

@@ -441,14 +441,22 @@ def chain_counts(params, num_requests=3_000, batch=1_000):
         max_num_batched_tokens=64 * batch,
         speculative_config=SpeculativeConfig(num_speculative_tokens=3),
     )
+    counts = served_chain_counts(engine, params, num_requests)
+    assert engine.manager.pool.num_free_blocks == batch + 8
+    return counts, engine.stats.spec_decoding
+
+
+def served_chain_counts(engine, params, num_requests):
+    """Serve `num_requests` requests of `CHAIN_PROMPT` with `params` (seeds 0, 1, ...) on
+    `engine`: the counts `(V, V, V)` of their first 3 tokens; every request done, none left."""
     requests = [dataclasses.replace(params, seed=i) for i in range(num_requests)]
     outputs = engine.generate([CHAIN_PROMPT] * num_requests, requests, use_tqdm=False)
     counts = torch.zeros((VOCAB,) * 3, dtype=torch.float64)
     for output in outputs:
         assert len(output.output_token_ids) == params.max_tokens
         counts[tuple(output.output_token_ids[:3])] += 1
-    assert engine.manager.pool.num_free_blocks == batch + 8 and not engine.manager.block_tables
-    return counts, engine.stats.spec_decoding
+    assert not engine.manager.block_tables
+    return counts
 
 
 CHAIN_PARAMS = {
