@@ -102,7 +102,8 @@ class Remote:
                 reply = side.request(_rows_asked(args, reply))
             if window is not None:
                 peak, fell = window.close()
-                _held_check(self.name, window)
+                held = getattr(window, "held", None)  # None: no baseline to measure it from
+                _held_check(self.name, held)
                 if fell:
                     raise AssertionError(
                         f"`{self.name}` gave back memory it held before the call while the "
@@ -111,7 +112,7 @@ class Remote:
                     )
                 # what the notebook kept since it loaded counts too: it can be reused inside the
                 # call without the peak rising (the fifth red team: 8 MiB kept, 3 and 8 MiB bounds)
-                held = max(0, getattr(window, "held", None) or 0)
+                held = max(0, held or 0)
                 measured = {"peak_bytes": max(0, peak - sent) + held, "held_bytes": held,
                             "measured_by": "grader"}  # fmt: skip
                 if reply[0] == "returned":  # the arguments after the call, out of the window
@@ -211,12 +212,11 @@ def _same_encoding(a, b) -> bool:
         return False
 
 
-def _held_check(name: str, window) -> None:
+def _held_check(name: str, held: int | None) -> None:
     """Fail a measured call made while the learner's process held more than `HELD_LIMIT` beyond
     what it held once the grader's own imports (torch, numpy) were done, before its cells ran:
     memory kept since the notebook loaded can be reused inside the call without the peak rising
     (the window sees only a rise), so what a notebook may keep is bounded instead."""
-    held = getattr(window, "held", None)
     if held is not None and held > HELD_LIMIT:
         raise AssertionError(
             f"`{name}`'s memory was measured while your notebook held {held / 2**20:.1f} MiB "
@@ -310,9 +310,8 @@ def _kind(value) -> str:
     return type(value).__name__ + (f" of shape {tuple(shape)}" if shape is not None else "")
 
 
-def _same_value(a, b, close: bool = False) -> bool:
-    """Whether `b` (an argument after the call, rebuilt here) still equals `a` (as sent); `close`:
-    floating-point values within round-off (two calls' results)."""
+def _same_value(a, b) -> bool:
+    """Whether `b` (an argument after the call, rebuilt here) still equals `a` (as sent)."""
     torch = sys.modules.get("torch")
     tensor = (torch.Tensor,) if torch is not None else ()
     if not isinstance(a, (list, tuple, dict, set, frozenset, int, float, str, bytes, bool,
@@ -320,7 +319,7 @@ def _same_value(a, b, close: bool = False) -> bool:
         return True  # an object of another type: its state is the test's to judge
     if isinstance(b, Opaque):
         return False  # a plain value that came back as something the grader cannot read
-    tol = dict(rtol=1e-5 if close else 0, atol=1e-6 if close else 0, equal_nan=True)
+    tol = dict(rtol=0, atol=0, equal_nan=True)
     if tensor and isinstance(a, torch.Tensor):
         if not (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape):
             return False
@@ -337,10 +336,10 @@ def _same_value(a, b, close: bool = False) -> bool:
             return False
         if all(type(x) in (int, str, bool, bytes, type(None)) for x in a):
             return a == b  # the common case: a list of plain values
-        return all(_same_value(x, y, close) for x, y in zip(a, b))
+        return all(_same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, dict):
         same_keys = isinstance(b, dict) and list(a) == list(b)
-        return same_keys and all(_same_value(a[k], b[k], close) for k in a)
+        return same_keys and all(_same_value(a[k], b[k]) for k in a)
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True
     return type(a) is type(b) and a == b

@@ -342,17 +342,14 @@ def _span(value) -> tuple[int, int] | None:
     return None
 
 
-MAX_HELD = 2**20  # the values `held` visits at most (numbers included)
-
-
 def held(value, depth: int = 0, budget: list | None = None):
     """`value` and what it holds, first to last (list, tuple and dict items, 1,000 of each, four
-    levels down), numbers, strings and None left out. Raises ValueError past `MAX_HELD` values
+    levels down), numbers, strings and None left out. Raises ValueError past `MAX_NODES` values
     visited (a shared list counted each time it is met: 1,000 lists of one list of 1,000...)."""
-    budget = [MAX_HELD] if budget is None else budget
+    budget = [MAX_NODES] if budget is None else budget
     budget[0] -= 1
     if budget[0] < 0:
-        raise ValueError(f"it holds more than {MAX_HELD:,} values, counted as a walk meets them")
+        raise ValueError(_OVER_BUDGET)
     if depth > 4 or isinstance(value, (int, float, complex, str, bytes, type(None))):
         return
     yield value
